@@ -1,0 +1,1 @@
+"""Coordinator: the asyncio server that owns the run (see DESIGN.md §1)."""

@@ -1,0 +1,1 @@
+"""What every replica must agree on: run config, noise, model, fitness, update, file formats."""

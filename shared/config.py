@@ -1,0 +1,264 @@
+"""The run config: everything a replica's state depends on, with canonical bytes and a digest.
+
+Two replicas agree bit for bit when their configs have the same digest and they applied
+the same fitness log (DESIGN.md §2). Configs come from a named preset or a TOML file whose
+tables mirror the dataclasses below:
+
+    preset = "tiny"            # optional: start from a preset, then override
+    steps = 300
+    [model]  arch, vocab_size, n_layer, d_model, init_seed
+    [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed
+    [fitness] chunk_mean_filter, adaptive_threshold
+    [update] rule, alpha, alpha_decay_steps
+    [data]   data_seed
+    [validation] every_steps, max_tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_FORMAT = 1
+MAX_SEED = (1 << 64) - 1
+
+
+class ConfigError(ValueError):
+    """An invalid run config; the message is one line that says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "egg"
+    vocab_size: int = 256
+    n_layer: int = 1
+    d_model: int = 64
+    init_seed: int = 0
+
+
+@dataclass(frozen=True)
+class ESConfig:
+    population: int = 512  # members per step; pairs (m, m+1) share noise with opposite sign
+    chunk_size: int = 128  # members per chunk, the unit of work leased to a worker
+    seq_len: int = 32  # tokens scored per member per step (each pair reads seq_len + 1)
+    sigma_shift: int = 4  # perturbation = (x.b) * a >> (4 + sigma_shift)
+    noise: str = "uniform"  # "uniform" (d-eggs) or "gaussian"
+    run_seed: int = 0
+
+
+@dataclass(frozen=True)
+class FitnessConfig:
+    chunk_mean_filter: bool = False  # d-eggs: add sign(m)|m|^1.2 of the chunk mean diff
+    adaptive_threshold: bool = False  # d-eggs: zero where |diff| < 0.1 * chunk mean |diff|
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    rule: str = "ztest"
+    # alpha > 1 (an integer): level a_t = 1 / ((2**alpha - 1) * t / alpha_decay_steps + 1);
+    # alpha <= 1: a constant level. About a_t of the weights move by one step each update.
+    alpha: float = 4.0
+    alpha_decay_steps: int = 1000
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_seed: int = 0
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    every_steps: int = 25  # 0 = only at the end
+    max_tokens: int = 32768  # held-out tokens scored per validation; 0 = all of valid.bin
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    es: ESConfig = field(default_factory=ESConfig)
+    fitness: FitnessConfig = field(default_factory=FitnessConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    steps: int = 300  # default run length; a command-line --steps overrides it
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def pairs(self) -> int:
+        return self.es.population // 2
+
+    @property
+    def chunks(self) -> int:
+        return self.es.population // self.es.chunk_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": CONFIG_FORMAT, **dataclasses.asdict(self)}
+
+    def canonical_bytes(self) -> bytes:
+        """Sorted-key compact JSON: the bytes the digest, checkpoints and WELCOME carry."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.canonical_bytes()).digest()
+
+    def replace(self, **sections: Any) -> RunConfig:
+        """A copy with some top-level fields or whole sections replaced."""
+        return dataclasses.replace(self, **sections)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "es": ESConfig,
+    "fitness": FitnessConfig,
+    "update": UpdateConfig,
+    "data": DataConfig,
+    "validation": ValidationConfig,
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError with one clear line for the first invalid value."""
+    m, es, up = cfg.model, cfg.es, cfg.update
+    _check(m.arch == "egg", f"model.arch={m.arch!r}: only 'egg' is implemented")
+    _check(2 <= m.vocab_size <= 1 << 20, f"model.vocab_size={m.vocab_size} must be 2..2**20")
+    _check(1 <= m.n_layer <= 64, f"model.n_layer={m.n_layer} must be 1..64")
+    # 1024 keeps every int32 product of the forward pass far from overflow.
+    _check(4 <= m.d_model <= 1024, f"model.d_model={m.d_model} must be 4..1024")
+    _check(
+        es.population >= 2 and es.population % 2 == 0,
+        f"es.population={es.population} must be even and >= 2 (members come in ± pairs)",
+    )
+    _check(
+        es.chunk_size >= 2 and es.chunk_size % 2 == 0,
+        f"es.chunk_size={es.chunk_size} must be a whole number of pairs (even, >= 2)",
+    )
+    _check(
+        es.population % es.chunk_size == 0,
+        f"es.population={es.population} is not divisible by es.chunk_size={es.chunk_size}",
+    )
+    _check(1 <= es.seq_len <= 1 << 16, f"es.seq_len={es.seq_len} must be 1..65536")
+    _check(0 <= es.sigma_shift <= 15, f"es.sigma_shift={es.sigma_shift} must be 0..15")
+    _check(
+        es.noise in ("uniform", "gaussian"),
+        f"es.noise={es.noise!r} must be 'uniform' or 'gaussian'",
+    )
+    _check(up.rule == "ztest", f"update.rule={up.rule!r}: only 'ztest' is implemented")
+    _check(up.alpha > 0, f"update.alpha={up.alpha} must be > 0")
+    _check(
+        up.alpha <= 1 or (float(up.alpha).is_integer() and up.alpha <= 30),
+        f"update.alpha={up.alpha}: above 1 it is a decay exponent and must be an integer <= 30",
+    )
+    _check(
+        up.alpha_decay_steps >= 1, f"update.alpha_decay_steps={up.alpha_decay_steps} must be >= 1"
+    )
+    _check(cfg.validation.every_steps >= 0, "validation.every_steps must be >= 0")
+    _check(cfg.validation.max_tokens >= 0, "validation.max_tokens must be >= 0")
+    _check(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
+    for name, seed in (
+        ("model.init_seed", m.init_seed),
+        ("es.run_seed", es.run_seed),
+        ("data.data_seed", cfg.data.data_seed),
+    ):
+        _check(0 <= seed <= MAX_SEED, f"{name}={seed} must be in 0..2**64-1")
+
+
+def _typed(section: str, cls: type, values: dict[str, Any]) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key '{section}.{key}' (known: {', '.join(known)})")
+        want = type(getattr(cls(), key))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = float(value)
+        elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(
+                f"'{section}.{key}' must be {want.__name__}, got {type(value).__name__} {value!r}"
+            )
+    return cls(**values)
+
+
+def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
+    """Build a config from nested dicts, overriding `base` (default: the dataclass defaults)."""
+    data = dict(data)
+    base = base or RunConfig()
+    if data.pop("format", CONFIG_FORMAT) != CONFIG_FORMAT:
+        raise ConfigError(f"config format is not {CONFIG_FORMAT}; this version cannot read it")
+    changes: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{key}' must be a table of settings")
+            merged = {**dataclasses.asdict(getattr(base, key)), **value}
+            changes[key] = _typed(key, _SECTIONS[key], merged)
+        elif key == "steps":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"'steps' must be an integer, got {value!r}")
+            changes[key] = value
+        else:
+            raise ConfigError(
+                f"unknown config key '{key}' (known: {', '.join([*_SECTIONS, 'steps'])})"
+            )
+    return dataclasses.replace(base, **changes)
+
+
+def from_canonical_bytes(raw: bytes) -> RunConfig:
+    """Inverse of `RunConfig.canonical_bytes` (what a worker receives in WELCOME)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"run config bytes are not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("run config bytes are not a JSON object")
+    return from_dict(data)
+
+
+PRESETS: dict[str, RunConfig] = {
+    # Tuned to learn fastest per second on a 2-core CPU with the NumPy backend.
+    "tiny": RunConfig(),
+    # The nano-egg paper model: 6 layers, width 256, byte vocabulary, T = 100.
+    "egg-paper": RunConfig(
+        model=ModelConfig(n_layer=6, d_model=256),
+        es=ESConfig(population=32768, chunk_size=4096, seq_len=100, sigma_shift=4),
+        validation=ValidationConfig(every_steps=10, max_tokens=102400),
+        steps=1000,
+    ),
+}
+
+
+def preset(name: str) -> RunConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a TOML config; a top-level `preset = "name"` supplies the defaults."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    base = preset(data.pop("preset")) if "preset" in data else None
+    return from_dict(data, base)
+
+
+def resolve_config(preset_name: str | None, config_path: str | None) -> RunConfig:
+    """The --preset / --config pair every command takes (a config file wins if both)."""
+    if config_path:
+        return load_config(config_path)
+    return preset(preset_name or "tiny")

@@ -1,0 +1,295 @@
+"""The EGG model (nano-egg's integer minGRU language model), NumPy reference.
+
+Everything is integer: int8 weights in [-127, 127], int32 accumulation, floor shifts and
+floor division (never C truncation), clip to [-127, 127]. Activations are fixed point with
+16 = 1.0. The CuPy backend mirrors this file kernel by kernel and must match it exactly.
+
+    x = EMB[token]                                   # (M, D)  one row per population member
+    for each layer (state s starts at 0, and is reset where the input token is 0):
+        h = LN1(x)
+        f = clip(MM(h, Wf) + MM(s, Uf) + bf)         # gate logits, no sigmoid
+        g = ((f + 127) * s) >> 8
+        c = clip(MM(h, Wh) + MM(g, Uh) + bh)         # candidate, no tanh
+        s = s + (((f + 127) * (c - s)) >> 8)         # new state = layer output
+        x = clip(x + s)
+        x = clip(x + MM(MM(LN2(x), W1), W2))         # MLP: D -> 4D -> D, no activation
+    logits = MM(LN_out(x), HEAD)                     # (M, V), base-2 log-odds in 1/16 bits
+
+    MM(x, W)  = clip((x @ W^T + (((x . b) * a) >> (4 + sigma_shift))) // (16 * isqrt(in)))
+    LN(x)     = clip((x * w) // max(sum|x| // D, 1)) # mean-absolute-value norm
+
+Each member m perturbs every matrix W by the rank-1 `a_m b_m^T` (a carries the member's
+antithetic sign) without ever forming a per-member weight copy: the base GEMM is shared by
+all members and the correction is one dot product and one scaled vector per member. Vector
+parameters get full-rank noise `p + ((sign * u1 * u2) >> (4 + sigma_shift))`, clipped.
+
+Unlike nano-egg, no hidden state is carried across steps: every antithetic pair reads its
+own window of seq_len + 1 tokens (chunks move between workers) and starts from zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from math import isqrt
+
+import numpy as np
+
+from .config import ModelConfig, RunConfig
+from .matmul import exact_matmul
+from .noise import init_values, noise_block
+
+# ---------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]  # matrices are (out, in); the embedding is (vocab, D)
+    kind: str  # "matrix": rank-1 noise a (out) b (in); "vector": full-rank u1 * u2 noise
+    init: str  # "gaussian" (int8 bell, std ~16), "sixteen" (1.0 in fixed point), "zero"
+    tensor_id: int  # the noise stream of this tensor
+
+
+@cache
+def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
+    d, v = m.d_model, m.vocab_size
+    layout: list[tuple[str, tuple[int, ...], str, str]] = [("emb", (v, d), "matrix", "gaussian")]
+    for i in range(m.n_layer):
+        p = f"layers.{i}."
+        layout += [
+            (p + "ln1", (d,), "vector", "sixteen"),
+            (p + "wf", (d, d), "matrix", "gaussian"),
+            (p + "uf", (d, d), "matrix", "gaussian"),
+            (p + "bf", (d,), "vector", "zero"),
+            (p + "wh", (d, d), "matrix", "gaussian"),
+            (p + "uh", (d, d), "matrix", "gaussian"),
+            (p + "bh", (d,), "vector", "zero"),
+            (p + "ln2", (d,), "vector", "sixteen"),
+            (p + "w1", (4 * d, d), "matrix", "gaussian"),
+            (p + "w2", (d, 4 * d), "matrix", "gaussian"),
+        ]
+    layout += [("ln_out", (d,), "vector", "sixteen"), ("head", (v, d), "matrix", "gaussian")]
+    return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
+
+
+def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
+    """Initial int8 weights, a pure function of the model config."""
+    params = {}
+    for spec in param_specs(m):
+        size = int(np.prod(spec.shape))
+        if spec.init == "gaussian":
+            values = init_values(m.init_seed, spec.tensor_id, size)
+        else:
+            values = np.full(size, 16 if spec.init == "sixteen" else 0, dtype=np.int8)
+        params[spec.name] = np.clip(values, -127, 127).astype(np.int8).reshape(spec.shape)
+    return params
+
+
+# --------------------------------------------------------------------------------- noise
+
+
+@dataclass(frozen=True)
+class PairNoise:
+    """The noise of a block of antithetic pairs, shared by forward pass and update.
+
+    matrices: name -> (a (P, out) int8, b (P, in) int8); vectors: name -> u1*u2 (P, n) int16.
+    These are the even (+) member's values; the odd member uses -a and -u1*u2.
+    """
+
+    pairs: np.ndarray
+    a: dict[str, np.ndarray]
+    b: dict[str, np.ndarray]
+    u: dict[str, np.ndarray]
+
+
+def pair_noise(cfg: RunConfig, step: int, pairs: np.ndarray) -> PairNoise:
+    """Regenerate every tensor's noise for these pairs: indices [0, out) are a, then b."""
+    es = cfg.es
+    a, b, u = {}, {}, {}
+    for spec in param_specs(cfg.model):
+        if spec.kind == "matrix":
+            out, inp = spec.shape
+            block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, out + inp, es.noise)
+            a[spec.name], b[spec.name] = block[:, :out], block[:, out:]
+        else:
+            (n,) = spec.shape
+            block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, 2 * n, es.noise)
+            u[spec.name] = block[:, :n].astype(np.int16) * block[:, n:].astype(np.int16)
+    return PairNoise(np.asarray(pairs), a, b, u)
+
+
+@dataclass(frozen=True)
+class MemberNoise:
+    """Per-member perturbations for 2P members (pair k -> members 2k (+) and 2k+1 (-)).
+
+    a: name -> (M, out) int32 with the sign folded in; b: name -> (M, in) float32;
+    vectors: name -> (M, n) int32, the member's perturbed vector parameter itself.
+    """
+
+    a: dict[str, np.ndarray]
+    b: dict[str, np.ndarray]
+    vectors: dict[str, np.ndarray]
+
+
+def member_noise(noise: PairNoise, params: dict[str, np.ndarray], sigma_shift: int) -> MemberNoise:
+    sign = np.tile(np.array([1, -1], dtype=np.int32), len(noise.pairs))[:, None]  # (M, 1)
+    shift = 4 + sigma_shift
+    a = {k: np.repeat(v.astype(np.int32), 2, axis=0) * sign for k, v in noise.a.items()}
+    b = {k: np.repeat(v.astype(np.float32), 2, axis=0) for k, v in noise.b.items()}
+    vectors = {}
+    for name, u in noise.u.items():
+        delta = (np.repeat(u.astype(np.int32), 2, axis=0) * sign) >> shift
+        vectors[name] = np.clip(params[name].astype(np.int32) + delta, -127, 127)
+    return MemberNoise(a, b, vectors)
+
+
+# ------------------------------------------------------------------------ integer loss
+
+
+@cache
+def _exp2_table() -> np.ndarray:
+    """EXP2[i] = floor(16 * 2**(i/16)) = floor(2**(4 + i/16)) for i in 0..255, exactly."""
+    table = []
+    for i in range(256):
+        # Largest c with c**16 <= 2**(64 + i), by integer bisection (no float rounding).
+        lo, hi = 1, 1 << 21
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if mid**16 <= 1 << (64 + i) else (lo, mid - 1)
+        table.append(lo)
+    return np.array(table, dtype=np.int64)
+
+
+@cache
+def _log2_thresholds() -> np.ndarray:
+    """TH[j] = ceil(2**31 * 2**(j/16)) for j = 1..15: the mantissa steps of 16*log2."""
+    th = []
+    for j in range(1, 16):
+        lo, hi = 1 << 31, 1 << 32
+        while lo < hi:  # smallest c with c**16 >= 2**(31*16 + j)
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if mid**16 >= 1 << (31 * 16 + j) else (mid + 1, hi)
+        th.append(lo)
+    return np.array(th, dtype=np.int64)
+
+
+def floor_log2_16(s: np.ndarray) -> np.ndarray:
+    """floor(16 * log2(s)) for positive int64 s < 2**53, exactly (replaces a 1 GiB table)."""
+    _, exp = np.frexp(s.astype(np.float64))  # s = mant * 2**exp with mant in [0.5, 1): exact
+    e = exp.astype(np.int64) - 1  # floor(log2 s)
+    left = np.maximum(31 - e, 0)
+    right = np.maximum(e - 31, 0)
+    mant = (s << left) >> right  # s scaled to [2**31, 2**32); truncation keeps floor exact
+    return 16 * e + np.searchsorted(_log2_thresholds(), mant, side="right")
+
+
+def token_loss(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log2 p(target) in 1/16 bit per row: LOG2(sum EXP2[l + 128]) - 64 - (l[target] + 128)."""
+    shifted = logits.astype(np.intp) + 128
+    total = _exp2_table()[shifted].sum(axis=1)
+    target = shifted[np.arange(len(targets)), targets]
+    return floor_log2_16(total) - 64 - target
+
+
+def true_bits(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """The exact -log2 softmax of logits/16 (base 2), in float64: reporting only."""
+    z = logits.astype(np.float64) / 16.0
+    top = z.max(axis=1)
+    log_total = top + np.log2(np.exp2(z - top[:, None]).sum(axis=1))
+    return log_total - z[np.arange(len(targets)), targets]
+
+
+# ------------------------------------------------------------------------------- model
+
+
+def _clip8(x: np.ndarray) -> np.ndarray:
+    return np.clip(x, -127, 127, out=x)
+
+
+class EggModel:
+    """Forward pass of the EGG model for a batch of members (or unperturbed rows)."""
+
+    def __init__(self, cfg: RunConfig, params: dict[str, np.ndarray]):
+        self.cfg = cfg
+        self.params = params
+        self.shift = 4 + cfg.es.sigma_shift
+        # float32 transposes for exact BLAS GEMMs (|x|, |w| <= 127; see matmul.py).
+        self.wt = {
+            s.name: np.ascontiguousarray(params[s.name].T, dtype=np.float32)
+            for s in param_specs(cfg.model)
+            if s.kind == "matrix" and s.name != "emb"
+        }
+
+    def _mm(self, x: np.ndarray, name: str, noise: MemberNoise | None) -> np.ndarray:
+        """MM(x, W): shared base GEMM + rank-1 member correction, scaled and clipped."""
+        wt = self.wt[name]
+        k = wt.shape[0]
+        xf = x.astype(np.float32)
+        acc = exact_matmul(xf, wt, 127, 127)
+        if noise is not None:
+            # x . b per member; float64 sums of these integer products are exact.
+            xb = (xf * noise.b[name]).sum(axis=1, dtype=np.float64).astype(np.int32)
+            acc += (xb[:, None] * noise.a[name]) >> self.shift
+        return _clip8(acc // (16 * isqrt(k)))
+
+    def _vector(self, name: str, noise: MemberNoise | None) -> np.ndarray:
+        return self.params[name].astype(np.int32) if noise is None else noise.vectors[name]
+
+    def _ln(self, x: np.ndarray, name: str, noise: MemberNoise | None) -> np.ndarray:
+        d = x.shape[1]
+        mav = np.maximum(np.abs(x).sum(axis=1, keepdims=True) // d, 1)
+        return _clip8((x * self._vector(name, noise)) // mav)
+
+    def _embed(self, tokens: np.ndarray, noise: MemberNoise | None) -> np.ndarray:
+        x = self.params["emb"][tokens].astype(np.int32)
+        if noise is not None:
+            a_tok = noise.a["emb"][np.arange(len(tokens)), tokens]  # (M,)
+            x += (a_tok[:, None] * noise.b["emb"].astype(np.int32)) >> self.shift
+        return _clip8(x)
+
+    def forward(
+        self, tokens: np.ndarray, noise: MemberNoise | None = None, float_bits: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Score rows of tokens (M, T + 1): predict tokens[:, 1:] from the prefix.
+
+        Returns the integer loss per row (sum over T tokens, 1/16 bit units, int64) and,
+        if asked, the exact float64 bits per row for reporting.
+        """
+        m, steps = tokens.shape[0], tokens.shape[1] - 1
+        d, n_layer = self.cfg.model.d_model, self.cfg.model.n_layer
+        state = [np.zeros((m, d), dtype=np.int32) for _ in range(n_layer)]
+        loss = np.zeros(m, dtype=np.int64)
+        bits = np.zeros(m, dtype=np.float64) if float_bits else None
+        for t in range(steps):
+            tok = tokens[:, t]
+            x = self._embed(tok, noise)
+            reset = tok == 0  # a document starts: forget the previous one
+            for i in range(n_layer):
+                p = f"layers.{i}."
+                s = state[i]
+                s[reset] = 0
+                h = self._ln(x, p + "ln1", noise)
+                f = _clip8(
+                    self._mm(h, p + "wf", noise)
+                    + self._mm(s, p + "uf", noise)
+                    + self._vector(p + "bf", noise)
+                )
+                gate = f + 127
+                g = (gate * s) >> 8
+                c = _clip8(
+                    self._mm(h, p + "wh", noise)
+                    + self._mm(g, p + "uh", noise)
+                    + self._vector(p + "bh", noise)
+                )
+                s = s + ((gate * (c - s)) >> 8)
+                state[i] = s
+                x = _clip8(x + s)
+                hidden = self._mm(self._ln(x, p + "ln2", noise), p + "w1", noise)
+                x = _clip8(x + self._mm(hidden, p + "w2", noise))
+            logits = self._mm(self._ln(x, "ln_out", noise), "head", noise)
+            target = tokens[:, t + 1]
+            loss += token_loss(logits, target)
+            if bits is not None:
+                bits += true_bits(logits, target)
+        return loss, bits

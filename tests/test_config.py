@@ -1,0 +1,81 @@
+"""Run config: presets, TOML loading, canonical bytes, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eggroll_dist.shared.config import (
+    PRESETS,
+    ConfigError,
+    ESConfig,
+    RunConfig,
+    from_canonical_bytes,
+    load_config,
+    preset,
+)
+
+
+def test_presets() -> None:
+    paper = preset("egg-paper")
+    assert (paper.model.n_layer, paper.model.d_model, paper.model.vocab_size) == (6, 256, 256)
+    assert paper.es.seq_len == 100
+    assert set(PRESETS) >= {"tiny", "egg-paper"}
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        preset("huge")
+
+
+def test_canonical_bytes_round_trip_and_digest() -> None:
+    for cfg in PRESETS.values():
+        raw = cfg.canonical_bytes()
+        assert from_canonical_bytes(raw) == cfg
+        assert from_canonical_bytes(raw).digest() == cfg.digest()
+        assert b" " not in raw  # compact, sorted: one byte string per config
+    tiny = preset("tiny")
+    other = tiny.replace(es=ESConfig(**{**tiny.es.__dict__, "run_seed": 1}))
+    assert other.digest() != tiny.digest()
+
+
+def test_toml_overrides_a_preset(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'preset = "egg-paper"\nsteps = 7\n[es]\npopulation = 64\nchunk_size = 16\n'
+        "[update]\nalpha = 0.25\n"
+    )
+    cfg = load_config(path)
+    assert cfg.steps == 7 and cfg.es.population == 64 and cfg.model.n_layer == 6
+    assert cfg.update.alpha == 0.25 and cfg.chunks == 4 and cfg.pairs == 32
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("[es]\npopulation = 63\nchunk_size = 7", "es.population=63 must be even"),
+        ("[es]\npopulation = 64\nchunk_size = 7", "chunk_size=7 must be a whole number of pairs"),
+        ("[es]\npopulation = 64\nchunk_size = 24", "not divisible by es.chunk_size=24"),
+        ("[es]\npopsize = 4", "unknown key 'es.popsize'"),
+        ("[es]\nseq_len = 'long'", "'es.seq_len' must be int"),
+        ("[update]\nalpha = 2.5", "must be an integer"),
+        ("[model]\narch = 'former'", "only 'egg' is implemented"),
+        ("colour = 3", "unknown config key 'colour'"),
+        ("[es\n", "not valid TOML"),
+    ],
+)
+def test_invalid_configs_give_one_clear_line(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_invalid_values_rejected_in_code_too() -> None:
+    with pytest.raises(ConfigError, match=r"es\.population=10 is not divisible"):
+        RunConfig(es=ESConfig(population=10, chunk_size=4))

@@ -1,0 +1,39 @@
+"""The four folders install as one namespace; bare top-level names are not importable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import eggroll_dist.protocol
+
+
+@pytest.mark.parametrize("bare", ["shared", "protocol", "worker", "coordinator"])
+def test_bare_names_are_not_importable(bare: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {bare}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
+
+
+def test_namespaces_import_from_anywhere(tmp_path: Path) -> None:
+    code = (
+        "import eggroll_dist.protocol, eggroll_dist.shared, eggroll_dist.worker, "
+        "eggroll_dist.coordinator, eggroll_dist.worker.backend; print('ok')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_spec_ships_with_the_protocol_package() -> None:
+    spec = Path(eggroll_dist.protocol.__file__).with_name("SPEC.md")
+    assert spec.is_file() and "EGGR" in spec.read_text()

@@ -1,0 +1,164 @@
+"""The single-process trainer: deterministic digests, replay of the fitness log, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
+from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.shared.fitness_log import FitnessLog
+from eggroll_dist.shared.replica import ReplicaState, load_checkpoint
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.prepare import prepare_data_dir
+from eggroll_dist.worker.train import replay, train
+
+SMALL = RunConfig(
+    model=ModelConfig(n_layer=1, d_model=16),
+    es=ESConfig(population=32, chunk_size=8, seq_len=12),
+    validation=ValidationConfig(every_steps=3, max_tokens=600),
+    steps=6,
+)
+TOML = """
+steps = 6
+[model]
+n_layer = 1
+d_model = 16
+[es]
+population = 32
+chunk_size = 8
+seq_len = 12
+[validation]
+every_steps = 3
+max_tokens = 600
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
+    docs = [" ".join(rng.choice(words) for _ in range(400)).encode() for _ in range(40)]
+    out = tmp_path_factory.mktemp("data")
+    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
+    return out
+
+
+def test_same_run_twice_gives_the_same_digest_and_replay_reproduces_it(data_dir: Path) -> None:
+    dataset = load_data_dir(data_dir)
+    a = train(SMALL, NumpyBackend(dataset, ReplicaState.initial(SMALL)), 6)
+    b = train(SMALL, NumpyBackend(dataset, ReplicaState.initial(SMALL), batch_members=6), 6)
+    assert a.state.digest() == b.state.digest()
+    assert a.fitness == b.fitness
+    assert a.state.step == 6 and [c["step"] for c in a.curve] == [3, 6]  # every 3, the end
+    replayed = replay(ReplicaState.initial(SMALL), a.fitness)
+    assert replayed.digest() == a.state.digest()
+    # Replaying a different fitness sequence does not.
+    other = replay(ReplicaState.initial(SMALL), a.fitness[::-1])
+    assert other.digest() != a.state.digest()
+
+
+def test_chunk_results_do_not_depend_on_who_evaluates_them(data_dir: Path) -> None:
+    dataset = load_data_dir(data_dir)
+    one = NumpyBackend(dataset, ReplicaState.initial(SMALL))
+    two = NumpyBackend(dataset, ReplicaState.initial(SMALL), batch_members=2)
+    for chunk in range(SMALL.chunks):
+        r1 = one.evaluate_chunk(0, chunk * 8, 8)
+        r2 = two.evaluate_chunk(0, chunk * 8, 8)
+        assert r1.fitness.tobytes() == r2.fitness.tobytes() and r1.loss_sum == r2.loss_sum
+    with pytest.raises(ValueError, match="replica is at step 0"):
+        one.evaluate_chunk(1, 0, 8)
+    with pytest.raises(ValueError, match="bad member range"):
+        one.evaluate_chunk(0, 3, 8)
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("eggroll-train")
+    return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_runs_writes_summary_and_save_dir(data_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(TOML)
+    summaries = []
+    for i in range(2):
+        summary = tmp_path / f"summary{i}.json"
+        save = tmp_path / f"run{i}"
+        done = _cli(
+            "--data-dir",
+            data_dir,
+            "--config",
+            config,
+            "--summary-json",
+            summary,
+            "--save-dir",
+            save,
+            "--log-format",
+            "json",
+        )
+        assert done.returncode == 0, done.stderr
+        summaries.append(json.loads(summary.read_text()))
+        assert "held-out" in done.stderr and "replica digest" in done.stderr
+    s = summaries[0]
+    for key in (
+        "steps",
+        "valid_bits_per_token",
+        "baselines",
+        "replica_digest",
+        "member_tokens_per_second",
+        "seconds",
+    ):
+        assert key in s
+    assert s["steps"] == 6 and set(s["baselines"]) == {"unigram", "bigram", "gzip9"}
+    assert summaries[0]["replica_digest"] == summaries[1]["replica_digest"]
+    # The save dir holds the run: replaying its fitness log reaches the same digest.
+    log = FitnessLog.open(tmp_path / "run0" / "fitness.log")
+    state = replay(ReplicaState.initial(SMALL), log.read(0, log.steps))
+    assert state.digest_hex() == s["replica_digest"]
+    snap = load_checkpoint(tmp_path / "run0" / "snapshots" / "step-00000006.ckpt")
+    assert snap.digest_hex() == s["replica_digest"]
+    lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert [ln["step"] for ln in lines if ln["event"] == "step"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_cli_errors_are_one_line(data_dir: Path, tmp_path: Path) -> None:
+    done = _cli("--data-dir", tmp_path / "nothing", "--steps", "1")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "eggroll-data prepare" in done.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[es]\npopulation = 7\n")
+    done = _cli("--data-dir", data_dir, "--config", bad)
+    assert done.returncode == 1 and "must be even" in done.stderr
+    assert "Traceback" not in done.stderr
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep me")
+    done = _cli("--data-dir", data_dir, "--config", bad.with_name("none.toml"), "--save-dir", busy)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert (busy / "x").read_text() == "keep me"
+
+
+def test_vocab_mismatch_is_reported(data_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    config = tmp_path / "v.toml"
+    config.write_text(TOML.replace("d_model = 16", "d_model = 16\nvocab_size = 300"))
+    done = _cli("--data-dir", copy, "--config", config)
+    assert done.returncode == 1 and "vocabulary 256" in done.stderr
+
+
+def test_member_noise_and_windows_are_shared_within_a_pair(data_dir: Path) -> None:
+    from eggroll_dist.worker.backend.numpy_backend import pair_windows
+
+    dataset = load_data_dir(data_dir)
+    w = pair_windows(SMALL, dataset.train, 3, np.arange(4))
+    assert w.shape == (4, SMALL.es.seq_len + 1)
+    assert np.array_equal(w, pair_windows(SMALL, dataset.train, 3, np.arange(4)))
+    assert not np.array_equal(w, pair_windows(SMALL, dataset.train, 4, np.arange(4)))

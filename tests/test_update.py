@@ -1,0 +1,115 @@
+"""The ztest update: Z as a GEMM equals the explicit per-pair sum; exact thresholds."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig
+from eggroll_dist.shared.model import init_params, pair_noise, param_specs
+from eggroll_dist.shared.noise import second_moment
+from eggroll_dist.shared.update import (
+    TAIL_2POW32,
+    accumulate_z,
+    alpha_at,
+    apply_update,
+    move_threshold,
+    z_sixteenths,
+)
+
+
+def _cfg(noise: str = "uniform", population: int = 40) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(vocab_size=16, n_layer=1, d_model=8),
+        es=ESConfig(population=population, chunk_size=population // 2, seq_len=4, noise=noise),
+    )
+
+
+@pytest.mark.parametrize("noise", ["uniform", "gaussian"])
+def test_z_gemm_equals_explicit_per_pair_sum(noise: str) -> None:
+    cfg = _cfg(noise)
+    rng = np.random.default_rng(0)
+    fitness = rng.integers(-1, 2, size=cfg.pairs).astype(np.int8)
+    z = accumulate_z(cfg, 3, fitness)
+    pn = pair_noise(cfg, 3, np.arange(cfg.pairs))
+    for spec in param_specs(cfg.model):
+        want = np.zeros(spec.shape, dtype=np.int64)
+        for k in range(cfg.pairs):
+            if spec.kind == "matrix":
+                a = pn.a[spec.name][k].astype(np.int64)
+                want += int(fitness[k]) * np.outer(a, pn.b[spec.name][k].astype(np.int64))
+            else:
+                want += int(fitness[k]) * pn.u[spec.name][k].astype(np.int64)
+        assert np.array_equal(z[spec.name], want), spec.name
+
+
+def test_z_accumulates_across_pair_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(population=64)
+    fitness = np.random.default_rng(1).integers(-1, 2, size=cfg.pairs).astype(np.int8)
+    whole = accumulate_z(cfg, 0, fitness)
+    monkeypatch.setattr("eggroll_dist.shared.update.PAIR_BLOCK", 5)
+    blocked = accumulate_z(cfg, 0, fitness)
+    for name in whole:
+        assert np.array_equal(whole[name], blocked[name])
+
+
+def test_equal_fitness_gives_no_update() -> None:
+    cfg = _cfg()
+    params = init_params(cfg.model)
+    new, changed = apply_update(cfg, 5, params, np.zeros(cfg.pairs, dtype=np.int8))
+    assert changed == 0
+    assert all(np.array_equal(new[k], params[k]) for k in params)
+
+
+def test_update_moves_by_one_where_the_test_passes() -> None:
+    cfg = _cfg()
+    params = init_params(cfg.model)
+    fitness = np.random.default_rng(2).integers(-1, 2, size=cfg.pairs).astype(np.int8)
+    step = 50
+    new, changed = apply_update(cfg, step, params, fitness)
+    z = accumulate_z(cfg, step, fitness)
+    threshold = move_threshold(cfg.pairs, alpha_at(cfg.update, step), cfg.es.noise)
+    total = 0
+    for name, w in params.items():
+        move = np.where(np.abs(z[name]) >= threshold, np.sign(z[name]), 0)
+        want = np.clip(w.astype(np.int16) + move, -127, 127)
+        assert np.array_equal(new[name], want)
+        assert np.abs(new[name].astype(np.int16) - w).max() <= 1
+        total += int(np.count_nonzero(want != w))
+    assert changed == total > 0
+
+
+def test_alpha_schedule() -> None:
+    up = UpdateConfig(alpha=4.0, alpha_decay_steps=1000)
+    assert alpha_at(up, 0) == 1
+    assert alpha_at(up, 1000) == Fraction(1, 16)
+    assert alpha_at(up, 100) == Fraction(1000, 15 * 100 + 1000)
+    assert alpha_at(UpdateConfig(alpha=0.25), 12345) == Fraction(1, 4)
+
+
+def test_tail_table_matches_the_normal_distribution() -> None:
+    for k, tail in enumerate(TAIL_2POW32):
+        assert abs(tail - 2**32 * math.erfc(k / 16 / math.sqrt(2))) <= 1
+
+
+def test_z_threshold_and_move_threshold() -> None:
+    assert z_sixteenths(Fraction(1)) == 0
+    # alpha = 0.05 -> z = 1.96 -> 31.36 sixteenths -> the least k with tail <= 0.05 is 32
+    assert z_sixteenths(Fraction(1, 20)) == 32
+    assert move_threshold(1000, Fraction(1), "uniform") == 0
+    pairs, alpha = 16384, Fraction(1, 20)
+    t = move_threshold(pairs, alpha, "uniform")
+    exact = 32 / 16 * math.sqrt(pairs) * float(second_moment("uniform"))
+    assert t - 1 < exact <= t
+    # The least integer: T**2 * 256 >= k**2 * P * m**2 and (T - 1) fails.
+    var = second_moment("uniform") ** 2 * pairs * 32 * 32
+    assert 256 * t * t >= var > 256 * (t - 1) ** 2
+
+
+def test_update_rejects_wrong_fitness_shape() -> None:
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="fitness has shape"):
+        apply_update(cfg, 0, init_params(cfg.model), np.zeros(3, dtype=np.int8))

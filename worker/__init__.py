@@ -1,0 +1,1 @@
+"""Worker: holds a model replica, evaluates chunks, applies every committed step."""

@@ -1,0 +1,1 @@
+"""Compute backends of the worker: the NumPy reference (and CuPy on GPUs)."""
