@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     TOO_OLD = 11
     SHUTTING_DOWN = 12
     INTERNAL = 13
+    DIVERGED = 14  # the replica's digest differs from the agreed one: drop it and resync
 
 
 class ProtocolError(Exception):

@@ -410,21 +410,27 @@ class Welcome(Message):
 
 @dataclass(frozen=True, slots=True)
 class JobRequest(Message):
-    """W->C: ask for work; replica_step = number of steps the worker has applied."""
+    """W->C: ask for work, reporting the replica: steps applied, its digest, and how many
+    weights the last applied update changed (0 before any)."""
 
     TYPE: ClassVar[MsgType] = MsgType.JOB_REQUEST
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQQ")
 
     replica_step: int
+    replica_digest: int = 0
+    weights_changed: int = 0
 
     def __post_init__(self) -> None:
         _u64(self, "replica_step")
+        _u64(self, "replica_digest")
+        _u64(self, "weights_changed")
 
     def encode(self) -> bytes:
-        return _U64.pack(self.replica_step)
+        return self._FIXED.pack(self.replica_step, self.replica_digest, self.weights_changed)
 
     @classmethod
     def _read(cls, reader: _Reader) -> Self:
-        return cls(*reader.fields(_U64))
+        return cls(*reader.fields(cls._FIXED))
 
 
 @dataclass(frozen=True, slots=True)

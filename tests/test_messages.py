@@ -125,7 +125,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         st.integers(-1, 2**63 - 1),
         u32,
     ),
-    JobRequest: st.builds(JobRequest, u64),
+    JobRequest: st.builds(JobRequest, u64, u64, u64),
     Job: jobs(),
     Wait: st.builds(Wait, u32),
     Result: results(),
@@ -201,8 +201,10 @@ def test_unknown_type(msg_type: int) -> None:
 
 
 def test_worked_example_job_request_frame() -> None:
-    frame = encode_message(JobRequest(5))
-    assert frame.hex() == "45474752010500000000000815482be60000000000000005"
+    frame = encode_message(JobRequest(5, 0x0123456789ABCDEF, 42))
+    assert frame.hex() == (
+        "4547475201050000000000184a62ccc000000000000000050123456789abcdef000000000000002a"
+    )
 
 
 # --- field layout and validation --------------------------------------------------------
@@ -302,7 +304,7 @@ def test_decode_rejects_invalid_fields() -> None:
     assert_malformed(MsgType.SNAPSHOT_CHUNK, struct.pack(">QQQ", 0, 2, 1) + b"ab")
     assert_malformed(MsgType.LOG, b"\x04\x00\x00")
     assert_malformed(MsgType.ERROR, b"\x00\x00\x00\x00")
-    assert_malformed(MsgType.ERROR, b"\x00\x0e\x00\x00")
+    assert_malformed(MsgType.ERROR, b"\x00\x0f\x00\x00")
 
 
 def test_integer_fields_normalized_to_int() -> None:
@@ -399,7 +401,7 @@ def test_exception_hierarchy() -> None:
     assert exc.error_code is ErrorCode.ILLEGAL_STATE and exc.message == "nope"
     assert "ILLEGAL_STATE" in str(exc)
     assert issubclass(RemoteProtocolError, ProtocolError)
-    assert [int(c) for c in ErrorCode] == list(range(1, 14))
+    assert [int(c) for c in ErrorCode] == list(range(1, 15))
 
 
 def test_frame_of_message_has_type_in_header() -> None:
@@ -436,7 +438,7 @@ def test_spec_worked_examples_match_the_code() -> None:
     )
     assert spec_hex_blocks() == [
         encode_frame(7, b"abc"),
-        encode_message(JobRequest(5)),
+        encode_message(JobRequest(5, 0x0123456789ABCDEF, 42)),
         encode_message(result),
         encode_message(Error(ErrorCode.ILLEGAL_STATE, "no")),
     ]
