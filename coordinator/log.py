@@ -1,0 +1,36 @@
+"""structlog set-up for the coordinator: a human line on a TTY, JSON lines otherwise."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure_logging(log_format: str = "auto") -> None:
+    """`auto` picks text on a terminal and JSON lines otherwise; NO_COLOR is respected.
+
+    Worker log text is printed through structlog's renderers, which escape control
+    characters, so a worker cannot inject terminal escapes (d-eggs W-S3).
+    """
+    if log_format == "auto":
+        log_format = "text" if sys.stderr.isatty() else "json"
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty() and "NO_COLOR" not in os.environ, sort_keys=False
+        )
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )

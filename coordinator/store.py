@@ -1,0 +1,168 @@
+"""The save directory: everything the coordinator keeps, crash-safe.
+
+    run.json         run id, run config, data digest (rewritten atomically)
+    fitness.log      one fsync'd record per committed step: the run itself
+    digests.log      "step digest" lines: the agreed replica digest at each step
+    snapshots/       step-00000100.ckpt ...: replica states streamed from workers
+    .lock            held while a coordinator runs on this directory
+
+Steps committed = records in fitness.log. A snapshot only shortens catch-up; losing one
+loses nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from eggroll_dist.shared.config import ConfigError, RunConfig, from_dict
+from eggroll_dist.shared.fitness_log import FitnessLog, FitnessLogError
+from eggroll_dist.shared.replica import write_atomic
+
+RUN_FORMAT = 1
+
+
+class StoreError(Exception):
+    """A save directory that cannot be used; the message says what to do."""
+
+
+class RunStore:
+    def __init__(self, path: Path, run: dict, log: FitnessLog, config: RunConfig, lock_fd: int):
+        self.path = path
+        self._run = run
+        self.fitness_log = log
+        self.config = config
+        self._lock_fd = lock_fd
+        self.digests = self._read_digests()
+        self.snapshot_steps = self._scan_snapshots()
+
+    @classmethod
+    def open(cls, path: str | Path, config: RunConfig | None) -> RunStore:
+        """Open the run in `path`, or start one there with `config` (None: must exist)."""
+        path = Path(path)
+        try:
+            (path / "snapshots").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot use --save-dir {path}: {exc.strerror}") from None
+        lock_fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise StoreError(f"another coordinator is running on {path}") from None
+        try:
+            run, stored = cls._load_or_create_run(path, config)
+            log_path = path / "fitness.log"
+            if log_path.exists():
+                log = FitnessLog.open(log_path)
+                if log.config_digest != stored.digest() or log.pairs != stored.pairs:
+                    raise StoreError(f"{log_path} belongs to another run config")
+            else:
+                log = FitnessLog.create(log_path, stored.pairs, stored.digest())
+        except (FitnessLogError, StoreError) as exc:
+            os.close(lock_fd)
+            raise StoreError(str(exc)) from None
+        return cls(path, run, log, stored, lock_fd)
+
+    @staticmethod
+    def _load_or_create_run(path: Path, config: RunConfig | None) -> tuple[dict, RunConfig]:
+        run_file = path / "run.json"
+        if not run_file.exists():
+            if config is None:
+                raise StoreError(f"{path} holds no run (no run.json)")
+            run = {
+                "format": RUN_FORMAT,
+                "run_id": secrets.token_hex(16),
+                "created": time.time(),
+                "config": config.to_dict(),
+                "data_digest": None,
+            }
+            write_atomic(run_file, json.dumps(run, indent=2).encode())
+            return run, config
+        try:
+            run = json.loads(run_file.read_text())
+            stored = from_dict(run["config"])
+        except (ValueError, KeyError, ConfigError) as exc:
+            raise StoreError(
+                f"{run_file} is unreadable ({exc}); restore it or use a new --save-dir"
+            ) from None
+        if config is not None and config.digest() != stored.digest():
+            raise StoreError(
+                f"--save-dir {path} holds a run with config digest {stored.digest().hex()[:16]}, "
+                f"the given config has {config.digest().hex()[:16]}: start it with the same "
+                "--preset/--config (or none), or use a new --save-dir"
+            )
+        return run, stored
+
+    def close(self) -> None:
+        os.close(self._lock_fd)
+
+    # ------------------------------------------------------------------ run metadata
+
+    @property
+    def run_id(self) -> bytes:
+        return bytes.fromhex(self._run["run_id"])
+
+    @property
+    def steps(self) -> int:
+        """Steps committed."""
+        return self.fitness_log.steps
+
+    @property
+    def data_digest(self) -> bytes | None:
+        digest = self._run.get("data_digest")
+        return bytes.fromhex(digest) if digest else None
+
+    def set_data_digest(self, digest: bytes) -> None:
+        self._run["data_digest"] = digest.hex()
+        write_atomic(self.path / "run.json", json.dumps(self._run, indent=2).encode())
+
+    # ------------------------------------------------------------------------ digests
+
+    def _read_digests(self) -> dict[int, int]:
+        digests: dict[int, int] = {}
+        try:
+            for line in (self.path / "digests.log").read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 2:  # a torn last line is skipped
+                    digests[int(parts[0])] = int(parts[1], 16)
+        except FileNotFoundError:
+            pass
+        return digests
+
+    def record_digest(self, step: int, digest: int) -> None:
+        """Remember the agreed digest of the replica state at `step` (not fsync'd: it is
+        a check, recomputable by replaying the log)."""
+        self.digests[step] = digest
+        with open(self.path / "digests.log", "a") as f:
+            f.write(f"{step} {digest:016x}\n")
+
+    # ---------------------------------------------------------------------- snapshots
+
+    def snapshot_path(self, step: int) -> Path:
+        return self.path / "snapshots" / f"step-{step:08d}.ckpt"
+
+    def _scan_snapshots(self) -> list[int]:
+        steps = []
+        for p in (self.path / "snapshots").glob("step-*.ckpt"):
+            try:
+                steps.append(int(p.stem.split("-")[1]))
+            except ValueError:
+                continue
+        return sorted(s for s in steps if s <= self.steps)
+
+    @property
+    def latest_snapshot(self) -> int | None:
+        return self.snapshot_steps[-1] if self.snapshot_steps else None
+
+    def save_snapshot(self, step: int, blob: bytes, keep: int) -> None:
+        """Store a verified snapshot atomically and keep only the newest `keep`."""
+        write_atomic(self.snapshot_path(step), blob)
+        self.snapshot_steps = sorted({*self.snapshot_steps, step})
+        while len(self.snapshot_steps) > keep:
+            old = self.snapshot_steps.pop(0)
+            self.snapshot_path(old).unlink(missing_ok=True)
