@@ -177,7 +177,7 @@ class StepJobs:
 
     def next_deadline(self) -> float | None:
         """When `expire` could next have something to do."""
-        live = [l.deadline for held in self.leases.values() for l in held if not l.expired]
+        live = [x.deadline for held in self.leases.values() for x in held if not x.expired]
         return min(live, default=None)
 
     def step_fitness(self) -> bytes:

@@ -158,7 +158,7 @@ def _exp2_table() -> np.ndarray:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if mid**16 <= 1 << (64 + i) else (lo, mid - 1)
         table.append(lo)
-    return np.array(table, dtype=np.int64)
+    return np.array(table, dtype=np.int32)  # <= 2**20: sums of 2048 of them fit int32
 
 
 @cache
@@ -186,8 +186,8 @@ def floor_log2_16(s: np.ndarray) -> np.ndarray:
 
 def token_loss(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log2 p(target) in 1/16 bit per row: LOG2(sum EXP2[l + 128]) - 64 - (l[target] + 128)."""
-    shifted = logits.astype(np.intp) + 128
-    total = _exp2_table()[shifted].sum(axis=1)
+    shifted = logits + 128
+    total = _exp2_table().take(shifted).sum(axis=1, dtype=np.int64)
     target = shifted[np.arange(len(targets)), targets]
     return floor_log2_16(total) - 64 - target
 
@@ -205,6 +205,18 @@ def true_bits(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def _clip8(x: np.ndarray) -> np.ndarray:
     return np.clip(x, -127, 127, out=x)
+
+
+def floor_div(a: np.ndarray, b: int | np.ndarray) -> np.ndarray:
+    """floor(a / b) for int32 a and positive b, exactly, without slow integer division.
+
+    A power-of-two divisor is an arithmetic shift. Otherwise float64 division is correctly
+    rounded, and its error (< |a / b| * 2**-53) is smaller than the distance 1/b from a
+    non-integer quotient to the next integer while |a| < 2**53, so floor() is exact.
+    """
+    if isinstance(b, int) and b & (b - 1) == 0:
+        return a >> (b.bit_length() - 1)
+    return np.floor(a / np.asarray(b, dtype=np.float64)).astype(np.int32)
 
 
 class EggModel:
@@ -231,7 +243,7 @@ class EggModel:
             # x . b per member; float64 sums of these integer products are exact.
             xb = (xf * noise.b[name]).sum(axis=1, dtype=np.float64).astype(np.int32)
             acc += (xb[:, None] * noise.a[name]) >> self.shift
-        return _clip8(acc // (16 * isqrt(k)))
+        return _clip8(floor_div(acc, 16 * isqrt(k)))
 
     def _vector(self, name: str, noise: MemberNoise | None) -> np.ndarray:
         return self.params[name].astype(np.int32) if noise is None else noise.vectors[name]
@@ -239,7 +251,7 @@ class EggModel:
     def _ln(self, x: np.ndarray, name: str, noise: MemberNoise | None) -> np.ndarray:
         d = x.shape[1]
         mav = np.maximum(np.abs(x).sum(axis=1, keepdims=True) // d, 1)
-        return _clip8((x * self._vector(name, noise)) // mav)
+        return _clip8(floor_div(x * self._vector(name, noise), mav))
 
     def _embed(self, tokens: np.ndarray, noise: MemberNoise | None) -> np.ndarray:
         x = self.params["emb"][tokens].astype(np.int32)

@@ -1,0 +1,118 @@
+"""Shared fixtures: a small data directory, and real subprocesses whose log lines tests wait on."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eggroll_dist.worker.prepare import prepare_data_dir
+
+
+@pytest.fixture(scope="session")
+def words_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level data directory with some structure to learn."""
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
+    docs = [" ".join(rng.choice(words) for _ in range(400)).encode() for _ in range(40)]
+    out = tmp_path_factory.mktemp("words")
+    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
+    return out
+
+
+def command(name: str) -> str:
+    """A console script of the installation under test."""
+    return str(Path(sys.executable).with_name(name))
+
+
+class Proc:
+    """A real subprocess; its stderr (JSON log lines) is collected for waiting on."""
+
+    def __init__(self, args: list[str], name: str):
+        self.name = name
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self.events: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._eof = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip())
+                try:
+                    event = json.loads(line)
+                    if isinstance(event, dict):
+                        self.events.append(event)
+                except ValueError:
+                    pass
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def wait_for(
+        self, match: Callable[[dict[str, Any]], bool], timeout: float = 60.0, what: str = "event"
+    ) -> dict[str, Any]:
+        """The first logged event that matches, waiting for it up to `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.events:
+                    if match(event):
+                        return event
+                left = deadline - time.monotonic()
+                if left <= 0 or self._eof:
+                    raise AssertionError(
+                        f"{self.name}: no {what} within {timeout} s; log tail:\n"
+                        + "\n".join(self.lines[-25:])
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def count(self, match: Callable[[dict[str, Any]], bool]) -> int:
+        with self._cond:
+            return sum(1 for e in self.events if match(e))
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Proc]]:
+    """Start real processes; every one is stopped when the test ends."""
+    procs: list[Proc] = []
+
+    def start(name: str, *args: str | Path) -> Proc:
+        p = Proc([command(name), *map(str, args)], name)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in reversed(procs):
+        p.stop()

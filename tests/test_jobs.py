@@ -1,0 +1,108 @@
+"""The open step's chunk queue: leases, re-queues, backups, first result wins."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eggroll_dist.coordinator.jobs import ChunkTimer, Outcome, StepJobs
+from eggroll_dist.protocol import pack_ternary, unpack_ternary
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _jobs(chunks: int = 4, members: int = 10, timer: ChunkTimer | None = None):
+    clock = FakeClock()
+    return StepJobs(7, chunks, members, clock, timer or ChunkTimer(fixed_s=30.0)), clock
+
+
+def _fit(seed: int, pairs: int = 5) -> bytes:
+    return pack_ternary(np.random.default_rng(seed).integers(-1, 2, size=pairs))
+
+
+def test_leases_in_order_then_nothing_without_chunk_times() -> None:
+    jobs, _ = _jobs()
+    assert [jobs.lease(w) for w in "abcd"] == [0, 1, 2, 3]
+    assert jobs.lease("e") is None  # no chunk time observed yet: no backups
+    assert jobs.member_range(2) == (20, 10)
+
+
+def test_first_result_wins_and_duplicates_are_compared() -> None:
+    jobs, _ = _jobs(chunks=2)
+    jobs.lease("a")
+    jobs.lease("b")
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 10) is Outcome.ACCEPTED
+    assert jobs.complete_chunk("b", 7, 0, _fit(1), 5, 10) is Outcome.DUPLICATE
+    assert jobs.complete_chunk("b", 7, 0, _fit(2), 5, 10) is Outcome.MISMATCH
+    assert jobs.complete_chunk("b", 6, 1, _fit(1), 5, 10) is Outcome.STALE
+    assert jobs.complete_chunk("b", 7, 9, _fit(1), 5, 10) is Outcome.OUT_OF_RANGE
+    assert jobs.complete_chunk("b", 7, 1, _fit(1, 4), 4, 10) is Outcome.BAD_SIZE
+    assert not jobs.complete
+    assert jobs.complete_chunk("b", 7, 1, _fit(3), 5, 5) is Outcome.ACCEPTED
+    assert jobs.complete and jobs.loss_sum == 15
+
+
+def test_disconnect_requeues_at_once_and_first() -> None:
+    jobs, _ = _jobs()
+    for w in "abcd":
+        jobs.lease(w)
+    assert jobs.release_worker("b") == [1]
+    assert jobs.lease("e") == 1
+    assert jobs.release_worker("zzz") == []
+
+
+def test_deadline_requeues_and_late_result_still_counts() -> None:
+    jobs, clock = _jobs(chunks=2)
+    jobs.lease("a")
+    jobs.lease("b")
+    assert jobs.next_deadline() == 130.0
+    clock.now = 129.0
+    assert jobs.expire() == []
+    clock.now = 131.0
+    assert jobs.expire() == [0, 1]
+    assert jobs.expire() == []  # once per lease
+    assert jobs.lease("c") == 0
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 1) is Outcome.ACCEPTED  # the slow one
+    assert jobs.complete_chunk("c", 7, 0, _fit(1), 5, 1) is Outcome.DUPLICATE
+    assert jobs.lease("d") == 1
+
+
+def test_backups_go_to_idle_workers_for_slow_chunks_only() -> None:
+    jobs, clock = _jobs(chunks=3, timer=ChunkTimer(fixed_s=60.0))
+    for w in "abc":
+        jobs.lease(w)
+    clock.now += 2.0
+    jobs.complete_chunk("a", 7, 0, _fit(1), 5, 1)  # a chunk takes ~2 s
+    assert jobs.lease("a") is None  # chunks 1, 2 have run 2 s: not slow yet (>= 3 s)
+    clock.now += 1.5
+    assert jobs.lease("a") == 1  # the longest-running one, a backup copy
+    assert jobs.lease("d") == 2
+    assert jobs.lease("e") is None  # each chunk has two leases now
+
+
+def test_adaptive_timeout() -> None:
+    timer = ChunkTimer()
+    assert timer.timeout_s() == timer.initial_s
+    for s in (1.0, 2.0, 3.0):
+        timer.observe(s)
+    assert timer.timeout_s() == 6.0 and timer.backup_after_s() == 3.0
+    timer.observe(0.01)
+    timer.observe(0.01)
+    assert timer.timeout_s() == 5.0  # floor
+
+
+def test_step_fitness_concatenates_chunks_in_order() -> None:
+    for members in (10, 8):  # 5 pairs per chunk (whole bytes) and 4 (repacked)
+        pairs = members // 2
+        jobs, _ = _jobs(chunks=3, members=members)
+        values = np.random.default_rng(members).integers(-1, 2, size=3 * pairs)
+        for c in (2, 0, 1):
+            jobs.lease(c)
+            part = pack_ternary(values[c * pairs : (c + 1) * pairs])
+            assert jobs.complete_chunk(c, 7, c, part, pairs, 0) is Outcome.ACCEPTED
+        assert np.array_equal(unpack_ternary(jobs.step_fitness(), 3 * pairs), values)
