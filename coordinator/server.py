@@ -241,6 +241,10 @@ class Coordinator:
                 writer.write(session.conn.error_frame(exc))
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except Exception:  # a bug must cost one connection, never the run
+            log.exception("session failed", worker=session.name, peer=session.peer)
+            with contextlib.suppress(Exception):
+                writer.write(session.conn.send_error(ErrorCode.INTERNAL, "coordinator error"))
         finally:
             self._drop(session)
             with contextlib.suppress(Exception):
@@ -492,7 +496,11 @@ class Coordinator:
         if step is None:
             self._fail(s, ErrorCode.ILLEGAL_STATE, "the run has no snapshot yet")
             return
-        blob = await asyncio.to_thread(self.store.snapshot_path(step).read_bytes)
+        try:
+            blob = await asyncio.to_thread(self.store.snapshot_path(step).read_bytes)
+        except OSError:  # pruned just now by a newer snapshot: the worker asks again
+            self._fail(s, ErrorCode.INTERNAL, f"snapshot {step} is no longer available; retry")
+            return
         for chunk in iter_snapshot_chunks(step, blob):
             self._send(s, chunk)
             await s.writer.drain()
@@ -506,8 +514,13 @@ class Coordinator:
         if len(s.snapshot) < msg.total_bytes:
             return
         blob, s.snapshot = bytes(s.snapshot), None
-        if self.snapshot_source is s:
-            self.snapshot_source = None
+        try:
+            await self._store_snapshot(s, blob)
+        finally:  # only now may another worker be asked: one snapshot at a time
+            if self.snapshot_source is s:
+                self.snapshot_source = None
+
+    async def _store_snapshot(self, s: Session, blob: bytes) -> None:
         try:
             state = await asyncio.to_thread(decode_checkpoint, blob)
         except CheckpointError as exc:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,7 +160,7 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Write a file so that a crash leaves the old version or the new one, never a mix."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

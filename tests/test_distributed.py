@@ -1,0 +1,224 @@
+"""Real coordinator and worker processes on loopback: the distributed run equals the
+single-process one, and losing a worker or the coordinator loses nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eggroll_dist.shared.config import load_config
+from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.train import train
+
+
+def command(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+# Chunks slow enough (~0.1 s) that a kill lands in the middle of one.
+SLOW = """
+[model]
+n_layer = 1
+d_model = 32
+[es]
+population = 512
+chunk_size = 64
+seq_len = 48
+[validation]
+every_steps = 0
+max_tokens = 480
+"""
+
+
+def expected_digest(data_dir: Path, config: Path, steps: int) -> str:
+    cfg = load_config(config)
+    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(cfg))
+    return train(cfg, backend, steps).state.digest_hex()
+
+
+def inspect(save_dir: Path) -> dict:
+    done = subprocess.run(
+        [command("eggroll-inspect"), str(save_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture
+def slow_config(tmp_path: Path) -> Path:
+    path = tmp_path / "slow.toml"
+    path.write_text(SLOW)
+    return path
+
+
+def start_coordinator(spawn, save_dir: Path, config: Path, *extra: str, port: int = 0):
+    coord = spawn(
+        "eggroll-coordinator",
+        "--save-dir",
+        save_dir,
+        "--config",
+        config,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-format",
+        "json",
+        *extra,
+    )
+    listening = coord.wait_for(lambda e: e.get("event") == "listening", 30, "listening line")
+    return coord, listening["port"]
+
+
+def start_worker(spawn, port: int, data_dir: Path, name: str):
+    return spawn(
+        "eggroll-worker",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        data_dir,
+        "--name",
+        name,
+        "--log-format",
+        "json",
+        "--max-retry-s",
+        "1",
+    )
+
+
+def committed(step: int):
+    return lambda e: e.get("event") == "step" and e.get("step", 0) >= step
+
+
+def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> None:
+    save_dir, summary = tmp_path / "run", tmp_path / "summary.json"
+    done = subprocess.run(
+        [
+            command("eggroll-local"),
+            "--workers",
+            "2",
+            "--steps",
+            "30",
+            "--preset",
+            "tiny",
+            "--data-dir",
+            str(words_data),
+            "--save-dir",
+            str(save_dir),
+            "--summary-json",
+            str(summary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "held-out" in done.stdout and "unigram" in done.stdout
+    train_summary = tmp_path / "train.json"
+    single = subprocess.run(
+        [
+            command("eggroll-train"),
+            "--data-dir",
+            str(words_data),
+            "--preset",
+            "tiny",
+            "--steps",
+            "30",
+            "--summary-json",
+            str(train_summary),
+            "--log-format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert single.returncode == 0, single.stderr
+    want = json.loads(train_summary.read_text())["replica_digest"]
+    info = inspect(save_dir)
+    assert info["step"] == 30 and info["log_ok"]
+    assert info["replica_digest"] == want
+    assert json.loads(summary.read_text())["replica_digest"] == want
+
+
+def test_worker_sigkill_mid_step_loses_nothing(
+    spawn, words_data: Path, tmp_path: Path, slow_config: Path
+) -> None:
+    steps = 8
+    save_dir = tmp_path / "run"
+    coord, port = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps))
+    start_worker(spawn, port, words_data, "steady")
+    victim = start_worker(spawn, port, words_data, "victim")
+    coord.wait_for(committed(2), 120, "step 2")
+    victim.wait_for(
+        lambda e: e.get("event") == "chunk done" and e.get("step", 0) >= 2,
+        60,
+        "a chunk done by the victim",
+    )
+    victim.kill()  # it asked for its next chunk at once: it dies holding a lease
+    coord.wait_for(
+        lambda e: e.get("event") == "chunks requeued" and e.get("reason") == "disconnect",
+        30,
+        "a re-queue on disconnect",
+    )
+    assert coord.wait(180) == 0
+    info = inspect(save_dir)
+    assert info["step"] == steps
+    assert info["replica_digest"] == expected_digest(words_data, slow_config, steps)
+
+
+def test_coordinator_sigkill_resume_loses_nothing(
+    spawn, words_data: Path, tmp_path: Path, slow_config: Path
+) -> None:
+    steps = 8
+    save_dir = tmp_path / "run"
+    coord, port = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps))
+    workers = [start_worker(spawn, port, words_data, f"w{i}") for i in range(2)]
+    coord.wait_for(committed(3), 120, "step 3")
+    coord.kill()
+    # Same save dir and port, no config flags: the run resumes; the workers come back alone.
+    again, _ = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps), port=port)
+    resumed_at = again.wait_for(lambda e: e.get("event") == "listening")["step"]
+    assert resumed_at >= 3
+    again.wait_for(lambda e: e.get("event") == "worker joined", 60, "a worker rejoining")
+    assert again.wait(180) == 0
+    assert all(w.proc.poll() is None for w in workers)  # a coordinator restart kills no worker
+    info = inspect(save_dir)
+    assert info["step"] == steps and info["log_ok"]
+    assert info["replica_digest"] == expected_digest(words_data, slow_config, steps)
+
+
+def test_late_join_loads_snapshot_and_contributes(
+    spawn, words_data: Path, tmp_path: Path, slow_config: Path
+) -> None:
+    steps = 10
+    save_dir = tmp_path / "run"
+    coord, port = start_coordinator(
+        spawn, save_dir, slow_config, "--max-steps", str(steps), "--snapshot-every", "3"
+    )
+    start_worker(spawn, port, words_data, "early")
+    coord.wait_for(
+        lambda e: e.get("event") == "snapshot stored" and e["step"] >= 3, 120, "a snapshot"
+    )
+    coord.wait_for(committed(4), 120, "step 4")
+    late = start_worker(spawn, port, words_data, "late")
+    loaded = late.wait_for(lambda e: e.get("event") == "snapshot loaded", 60, "snapshot load")
+    assert loaded["step"] >= 3
+    late.wait_for(lambda e: e.get("event") == "chunk done", 120, "a chunk from the late worker")
+    assert coord.wait(180) == 0
+    assert coord.count(lambda e: e.get("code") == "DIVERGED") == 0
+    info = inspect(save_dir)
+    want = expected_digest(words_data, slow_config, steps)
+    assert info["step"] == steps and info["replica_digest"] == want
+    applied = [e for e in late.events if e.get("event") == "step applied"]
+    assert applied and all(
+        e["digest"] == info["digests"].get(str(e["step"]), e["digest"]) for e in applied
+    )

@@ -1,0 +1,260 @@
+"""`eggroll-local`: a whole distributed run on this machine, in one command.
+
+Prepares the built-in data if needed, starts a coordinator and N workers as real
+subprocesses on loopback, shows progress, and ends with a summary: held-out bits per token
+of the final snapshot against the data's baselines, steps/s, and where everything is.
+Started again on the same --save-dir it resumes the run (up to --steps in total).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import click
+
+from eggroll_dist.shared.config import ConfigError, resolve_config
+from eggroll_dist.shared.data import DataError, load_data_dir
+from eggroll_dist.shared.replica import load_checkpoint
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.prepare import builtin_documents, builtin_source, prepare_data_dir
+
+
+def _exe(name: str) -> str:
+    """A console script of this installation (beside the running Python)."""
+    path = Path(sys.executable).with_name(name)
+    return str(path) if path.exists() else name
+
+
+class Coordinator:
+    """The coordinator subprocess; its JSON log lines become progress output."""
+
+    def __init__(self, args: list[str], log_path: Path, total_steps: int):
+        self.proc = subprocess.Popen(
+            [_exe("eggroll-coordinator"), *args], stderr=subprocess.PIPE, text=True
+        )
+        self.port: int | None = None
+        self.ready = threading.Event()
+        self.start_step = 0
+        self.last_step = 0
+        self.tail: deque[str] = deque(maxlen=20)
+        self.total = total_steps
+        self.thread = threading.Thread(target=self._read, args=(log_path,), daemon=True)
+        self.thread.start()
+
+    def _read(self, log_path: Path) -> None:
+        assert self.proc.stderr is not None
+        with open(log_path, "a") as log:
+            for line in self.proc.stderr:
+                log.write(line)
+                self.tail.append(line.rstrip())
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "listening":
+                    self.port, self.start_step = event["port"], event["step"]
+                    self.last_step = self.start_step
+                    self.ready.set()
+                elif event.get("event") == "step":
+                    self.last_step = event["step"]
+                    click.echo(
+                        f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
+                        f"bits/token  {event['step_s']:.2f} s  "
+                        f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
+                        f"requeued {event['requeued']}"
+                    )
+                elif event.get("level") in ("warning", "error") or event.get("event") in (
+                    "worker joined",
+                    "worker left",
+                    "snapshot stored",
+                    "chunks requeued",
+                ):
+                    fields = {
+                        k: v for k, v in event.items() if k not in ("event", "level", "timestamp")
+                    }
+                    click.echo(f"  coordinator: {event['event']} {fields}")
+        self.ready.set()  # the process ended (maybe before listening)
+
+
+def _ensure_data(data_dir: Path) -> None:
+    if (data_dir / "meta.json").exists():
+        return
+    click.echo(f"preparing the built-in corpus in {data_dir} ...")
+    prepare_data_dir(builtin_documents(), data_dir, builtin_source(), echo=click.echo)
+
+
+def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Train until this many steps are committed (default: the config's).",
+)
+@click.option("--preset", "preset_name", default=None, help="tiny (default) or egg-paper.")
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="TOML run config (overrides --preset).",
+)
+@click.option(
+    "--save-dir",
+    default=Path("checkpoints/local"),
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Run directory (resumed if it holds a run).",
+)
+@click.option(
+    "--data-dir",
+    default=Path("data"),
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Data directory (the built-in corpus is prepared there if missing).",
+)
+@click.option("--snapshot-every", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option("--summary-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(
+    workers: int,
+    steps: int | None,
+    preset_name: str | None,
+    config_path: str | None,
+    save_dir: Path,
+    data_dir: Path,
+    snapshot_every: int,
+    summary_json: Path | None,
+) -> None:
+    """Train with a coordinator and N workers on this machine (loopback TCP)."""
+    try:
+        cfg = resolve_config(preset_name, config_path)
+        _ensure_data(data_dir)
+        dataset = load_data_dir(data_dir)
+    except (ConfigError, DataError) as exc:
+        raise click.ClickException(str(exc)) from None
+    steps = steps or cfg.steps
+    logs = save_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    coord_args = [
+        "--save-dir",
+        str(save_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-steps",
+        str(steps),
+        "--snapshot-every",
+        str(snapshot_every),
+        "--log-format",
+        "json",
+    ]
+    coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
+    started = time.monotonic()
+    coordinator = Coordinator(coord_args, logs / "coordinator.log", steps)
+    procs: list[subprocess.Popen] = []
+    try:
+        coordinator.ready.wait(60)
+        if coordinator.port is None:
+            coordinator.proc.wait(10)
+            raise click.ClickException(
+                "the coordinator did not start:\n" + "\n".join(coordinator.tail)
+            )
+        click.echo(
+            f"coordinator on 127.0.0.1:{coordinator.port}, run in {save_dir} "
+            f"(from step {coordinator.start_step}); starting {workers} workers"
+        )
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for i in range(workers):
+            with open(logs / f"worker-{i}.log", "a") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            _exe("eggroll-worker"),
+                            f"127.0.0.1:{coordinator.port}",
+                            "--data-dir",
+                            str(data_dir),
+                            "--name",
+                            f"local-{i}",
+                            "--log-format",
+                            "json",
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
+        while coordinator.proc.poll() is None:
+            for i, p in enumerate(procs):
+                if p.poll() is not None and p.returncode != 0:
+                    raise click.ClickException(
+                        f"worker {i} exited with code {p.returncode}; see {logs}/worker-{i}.log"
+                    )
+            time.sleep(0.2)
+        coordinator.thread.join(5)
+        if coordinator.proc.returncode != 0:
+            raise click.ClickException(
+                f"the coordinator exited with code {coordinator.proc.returncode}:\n"
+                + "\n".join(coordinator.tail)
+            )
+    except KeyboardInterrupt:
+        click.echo("interrupted: stopping; nothing committed is lost, run again to resume")
+        _stop([coordinator.proc, *procs])
+        sys.exit(130)
+    finally:
+        _stop([*procs, coordinator.proc])
+    seconds = time.monotonic() - started
+    _summarise(save_dir, dataset, coordinator, seconds, summary_json)
+
+
+def _summarise(
+    save_dir: Path, dataset, coordinator: Coordinator, seconds: float, summary_json: Path | None
+) -> None:
+    snapshots = sorted((save_dir / "snapshots").glob("step-*.ckpt"))
+    if not snapshots:
+        raise click.ClickException(f"no snapshot in {save_dir}/snapshots to evaluate")
+    state = load_checkpoint(snapshots[-1])
+    validation = NumpyBackend(dataset, state).validate()
+    ran = coordinator.last_step - coordinator.start_step
+    base = dataset.meta.baselines
+    summary = {
+        "steps": state.step,
+        "replica_digest": state.digest_hex(),
+        "config_digest": state.config.digest().hex(),
+        "valid_bits_per_token": validation.bits_per_token,
+        "valid_loss_16": validation.loss_16,
+        "baselines": base,
+        "steps_per_second": ran / seconds if ran else 0.0,
+        "seconds": seconds,
+        "save_dir": str(save_dir),
+        "snapshot": str(snapshots[-1]),
+    }
+    if summary_json is not None:
+        summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    click.echo(
+        f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
+        f"held-out {validation.bits_per_token:.3f} bits/token (unigram {base['unigram']:.3f}, "
+        f"bigram {base['bigram']:.3f}, gzip -9 {base['gzip9']:.3f}); replica digest "
+        f"{state.digest_hex()}; checkpoints in {save_dir}/snapshots, logs in {save_dir}/logs"
+    )
