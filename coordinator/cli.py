@@ -12,13 +12,14 @@ import click
 from eggroll_dist.shared.config import ConfigError, resolve_config
 
 from .log import configure_logging
+from .metrics import Metrics
 from .server import Coordinator, Options
 from .store import RunStore, StoreError
 
 
-def _run(store: RunStore, options: Options) -> None:
+def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     async def serve() -> None:
-        await Coordinator(store, options).run()
+        await Coordinator(store, options, metrics).run()
 
     try:
         import uvloop
@@ -79,6 +80,13 @@ def _run(store: RunStore, options: Options) -> None:
     help="Seconds before a leased chunk is leased again (default: adapted to the "
     "chunk times seen, 3x the median, at least 5 s).",
 )
+@click.option(
+    "--metrics-port",
+    default=12346,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: off).",
+)
 @click.option("--token", default="", help="Shared secret workers must present (HMAC).")
 @click.option(
     "--log-format", type=click.Choice(["auto", "text", "json"]), default="auto", show_default=True
@@ -93,6 +101,7 @@ def main(
     snapshot_every: int,
     keep_snapshots: int,
     chunk_timeout: float | None,
+    metrics_port: int,
     token: str,
     log_format: str,
 ) -> None:
@@ -117,8 +126,18 @@ def main(
         keep_snapshots=keep_snapshots,
         chunk_timeout_s=chunk_timeout,
     )
+    metrics = Metrics()
+    if metrics_port:
+        try:
+            metrics.serve(metrics_port, host)
+        except OSError as exc:
+            store.close()
+            raise click.ClickException(
+                f"cannot serve metrics on {host}:{metrics_port} ({exc.strerror}): pass another "
+                "--metrics-port, or 0 to turn metrics off"
+            ) from None
     try:
-        _run(store, options)
+        _run(store, options, metrics)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise click.ClickException(

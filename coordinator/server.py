@@ -42,6 +42,8 @@ from eggroll_dist.protocol import (
     SnapshotRequest,
     State,
     Step,
+    Validate,
+    Validation,
     Wait,
     Welcome,
     iter_snapshot_chunks,
@@ -51,6 +53,7 @@ from eggroll_dist.protocol import Error as ErrorMsg
 from eggroll_dist.shared.replica import CheckpointError, decode_checkpoint
 
 from .jobs import ChunkTimer, Outcome, StepJobs
+from .metrics import Metrics
 from .store import RunStore
 
 log = structlog.get_logger("eggroll.coordinator")
@@ -88,15 +91,18 @@ class Session:
     broadcast_from: int = 0  # every STEP from this step on has been sent to this worker
     waiting: bool = False  # told to WAIT; gets a JOB pushed when one frees up
     snapshot: bytearray | None = None  # a snapshot being received from this worker
-
-    def send(self, msg: Message) -> int:
-        data = self.conn.send(msg)
-        self.writer.write(data)
-        return len(data)
+    job_started: dict[int, float] = field(default_factory=dict)  # chunk -> lease time
+    counted_in: Counter = field(default_factory=Counter)  # bytes received, per type, counted
 
 
 class Coordinator:
-    def __init__(self, store: RunStore, options: Options, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        options: Options,
+        metrics: Metrics | None = None,
+        clock=time.monotonic,
+    ) -> None:
         self.store = store
         self.opt = options
         self.clock = clock
@@ -108,9 +114,11 @@ class Coordinator:
         self.jobs = self._open_step(store.steps)
         self.snapshot_wanted: int | None = None  # step whose state should be snapshotted
         self.snapshot_source: Session | None = None
+        self.validation_wanted: int | None = None  # step whose held-out score is wanted
         self.stopping = asyncio.Event()
         self.finished = False  # --max-steps reached
-        self.counters: Counter[str] = Counter()
+        self.metrics = metrics or Metrics()
+        self.metrics.step.set(store.steps)
         self.net_in = self.net_out = 0
         self._step_marks = (0, 0, self.clock())
         self._last_changed = 0
@@ -222,6 +230,7 @@ class Coordinator:
                 self.net_in += len(data)
                 session.conn.receive_data(data)
                 while (msg := session.conn.next_event()) is not None:
+                    self._count_in(session)
                     await self._dispatch(session, msg)
                     if session.conn.state is State.CLOSED:
                         break
@@ -229,7 +238,7 @@ class Coordinator:
                     break
                 await writer.drain()
         except ProtocolError as exc:
-            self.counters[f"protocol_error:{exc.error_code.name}"] += 1
+            self.metrics.protocol_errors.labels(exc.error_code.name).inc()
             log.warning(
                 "protocol error",
                 worker=session.name,
@@ -255,10 +264,13 @@ class Coordinator:
     def _drop(self, session: Session) -> None:
         if self.sessions.pop(session.id, None) is None:
             return
-        if session.replica_step is not None:
+        if session.conn.state is State.READY or session.replica_step is not None:
             log.info("worker left", worker=session.name, workers=self._ready_count())
+            self.metrics.worker_left(session.name)
+        self.metrics.workers.set(self._ready_count())
         requeued = self.jobs.release_worker(session.id)
         if requeued:
+            self.metrics.chunks_requeued.labels("disconnect").inc(len(requeued))
             log.info("chunks requeued", reason="disconnect", chunks=requeued, step=self.step)
             self._push_jobs()
         if self.snapshot_source is session:
@@ -268,14 +280,26 @@ class Coordinator:
         return sum(1 for s in self.sessions.values() if s.conn.state is State.READY)
 
     def _send(self, session: Session, msg: Message) -> None:
-        self.net_out += session.send(msg)
+        data = session.conn.send(msg)
+        session.writer.write(data)
+        self.net_out += len(data)
+        self.metrics.network_bytes.labels("out", msg.TYPE.name).inc(len(data))
+
+    def _count_in(self, session: Session) -> None:
+        """Add the bytes of newly decoded messages to the per-type network counter."""
+        for msg_type, total in session.conn.bytes_received.items():
+            new = total - session.counted_in[msg_type]
+            if new:
+                self.metrics.network_bytes.labels("in", msg_type.name).inc(new)
+                session.counted_in[msg_type] = total
 
     def _fail(self, session: Session, code: ErrorCode, message: str) -> None:
         """Send ERROR and close (the handler loop sees the CLOSED state and ends)."""
-        self.counters[f"error_sent:{code.name}"] += 1
+        self.metrics.protocol_errors.labels(code.name).inc()
         log.warning("rejecting worker", worker=session.name, code=code.name, reason=message)
         data = session.conn.send_error(code, message)
         self.net_out += len(data)
+        self.metrics.network_bytes.labels("out", "ERROR").inc(len(data))
         session.writer.write(data)
 
     # ------------------------------------------------------------------ messages
@@ -298,6 +322,8 @@ class Coordinator:
                 await self._on_snapshot_chunk(s, msg)
             case Heartbeat():
                 pass
+            case Validation():
+                self._on_validation(s, msg)
             case Log():
                 log.info("worker log", worker=s.name, level=int(msg.level), text=msg.text)
             case ErrorMsg():
@@ -346,6 +372,7 @@ class Coordinator:
             ),
         )
         s.broadcast_from = self.step
+        self.metrics.workers.set(self._ready_count())
         log.info("worker joined", worker=s.name, peer=s.peer, workers=self._ready_count())
 
     def _digest_ok(self, s: Session, step: int, digest: int) -> bool:
@@ -355,7 +382,7 @@ class Coordinator:
             return True
         if agreed == digest:
             return True
-        self.counters["digest_mismatch"] += 1
+        self.metrics.digest_mismatches.inc()
         self._fail(
             s,
             ErrorCode.DIVERGED,
@@ -383,7 +410,9 @@ class Coordinator:
             return
         if step == self.step:
             self._last_changed = msg.weights_changed
+            self.metrics.weights_changed.set(msg.weights_changed)
         self._maybe_request_snapshot(s)
+        self._maybe_request_validation(s)
         if self.finished:
             self._send(s, Wait(WAIT_MS))
             return
@@ -397,7 +426,8 @@ class Coordinator:
             return False
         s.waiting = False
         first, count = self.jobs.member_range(chunk)
-        self.counters["chunks_leased"] += 1
+        self.metrics.chunks_leased.inc()
+        s.job_started[chunk] = self.clock()
         self._send(s, Job(self.step, chunk, first, count))
         return True
 
@@ -410,14 +440,20 @@ class Coordinator:
                 self._lease_to(s)
 
     def _on_result(self, s: Session, msg: Result) -> None:
+        started = s.job_started.pop(msg.chunk, None)
+        if started is not None and msg.step == self.step:
+            seconds = max(self.clock() - started, 1e-9)
+            tokens = self.cfg.es.chunk_size * self.cfg.es.seq_len
+            self.metrics.worker_chunk_seconds.labels(s.name).set(seconds)
+            self.metrics.worker_tokens_per_second.labels(s.name).set(tokens / seconds)
         if msg.step == self.step and not self._digest_ok(s, msg.step, msg.replica_digest):
-            self.counters["result_dropped:diverged"] += 1
+            self.metrics.results_dropped.labels("diverged").inc()
             return
         outcome = self.jobs.complete_chunk(
             s.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum
         )
         if outcome is not Outcome.ACCEPTED:
-            self.counters[f"result_dropped:{outcome.value}"] += 1
+            self.metrics.results_dropped.labels(outcome.value).inc()
             level = log.error if outcome is Outcome.MISMATCH else log.info
             level(
                 "result dropped",
@@ -427,7 +463,7 @@ class Coordinator:
                 chunk=msg.chunk,
             )
             return
-        self.counters["chunks_completed"] += 1
+        self.metrics.chunks_completed.inc()
         if self.jobs.complete:
             self._commit()
 
@@ -443,8 +479,13 @@ class Coordinator:
                 self._send(s, message)
         self._log_step(step, jobs)
         self.jobs = self._open_step(self.step)
+        for s in self.sessions.values():
+            s.job_started.clear()
         if self.opt.snapshot_every and self.step % self.opt.snapshot_every == 0:
             self.snapshot_wanted = self.step
+        every = self.cfg.validation.every_steps
+        if every and self.step % every == 0:
+            self.validation_wanted = self.step
         if self.opt.max_steps is not None and self.step >= self.opt.max_steps:
             self._finish()
 
@@ -456,11 +497,19 @@ class Coordinator:
         now = self.clock()
         seconds = max(now - t0, 1e-9)
         tokens = self.cfg.es.population * self.cfg.es.seq_len
+        loss_bits = jobs.loss_sum / 16 / tokens
+        m = self.metrics
+        m.step.set(step + 1)
+        m.steps_committed.inc()
+        m.step_duration.observe(max(now - jobs.opened, 0.0))
+        m.train_loss.set(loss_bits)
+        m.member_tokens.inc(tokens)
+        m.last_commit.set(time.time())
         log.info(
             "step",
             step=step + 1,
             member_tokens=tokens,
-            loss_bits=round(jobs.loss_sum / 16 / tokens, 4),
+            loss_bits=round(loss_bits, 4),
             step_s=round(seconds, 3),
             changed=self._last_changed,
             member_tok_s=round(tokens / seconds),
@@ -475,7 +524,7 @@ class Coordinator:
         limit = min(max_steps, CATCHUP_STEPS, FitnessRange.max_steps_per_frame(self.cfg.pairs))
         count = max(0, min(limit, self.step - first))
         packed = self.store.fitness_log.read(first, count) if count else []
-        self.counters["catchup_steps"] += count
+        self.metrics.catchup_steps.inc(count)
         self._send(s, FitnessRange.from_steps(first, self.cfg.pairs, packed))
 
     # ----------------------------------------------------------------- snapshots
@@ -504,7 +553,7 @@ class Coordinator:
         for chunk in iter_snapshot_chunks(step, blob):
             self._send(s, chunk)
             await s.writer.drain()
-        self.counters["snapshots_served"] += 1
+        self.metrics.snapshot_transfers.labels("out").inc()
         log.info("snapshot sent", worker=s.name, step=step, bytes=len(blob))
 
     async def _on_snapshot_chunk(self, s: Session, msg: SnapshotChunk) -> None:
@@ -524,7 +573,6 @@ class Coordinator:
         try:
             state = await asyncio.to_thread(decode_checkpoint, blob)
         except CheckpointError as exc:
-            self.counters["snapshot_rejected"] += 1
             log.warning("snapshot rejected", worker=s.name, error=str(exc))
             return
         agreed = self.store.digests.get(state.step)
@@ -533,7 +581,6 @@ class Coordinator:
             or state.step > self.step
             or (agreed is not None and agreed != state.digest())
         ):
-            self.counters["snapshot_rejected"] += 1
             log.warning(
                 "snapshot rejected",
                 worker=s.name,
@@ -542,7 +589,8 @@ class Coordinator:
             )
             return
         await asyncio.to_thread(self.store.save_snapshot, state.step, blob, self.opt.keep_snapshots)
-        self.counters["snapshots_stored"] += 1
+        self.metrics.snapshot_transfers.labels("in").inc()
+        self.metrics.last_snapshot.set(time.time())
         log.info(
             "snapshot stored",
             step=state.step,
@@ -555,6 +603,27 @@ class Coordinator:
         if self.finished and state.step == self.step:
             self.stopping.set()
 
+    # ---------------------------------------------------------------- validation
+
+    def _maybe_request_validation(self, s: Session) -> None:
+        """Ask one worker at the wanted step for its held-out score (SPEC §8)."""
+        if self.validation_wanted is not None and s.replica_step == self.validation_wanted:
+            self._send(s, Validate(self.validation_wanted))
+            self.validation_wanted = None
+
+    def _on_validation(self, s: Session, msg: Validation) -> None:
+        if msg.step > self.step or self.store.digests.get(msg.step) is None:
+            return
+        self.metrics.valid_bits.set(msg.bits_per_token)
+        self.metrics.valid_step.set(msg.step)
+        log.info(
+            "validation",
+            step=msg.step,
+            valid_bits=round(msg.bits_per_token, 4),
+            tokens=msg.tokens,
+            worker=s.name,
+        )
+
     # ------------------------------------------------------------------ deadlines
 
     async def _watch_deadlines(self) -> None:
@@ -564,5 +633,6 @@ class Coordinator:
             await asyncio.sleep(delay)
             requeued = self.jobs.expire()
             if requeued:
+                self.metrics.chunks_requeued.labels("deadline").inc(len(requeued))
                 log.info("chunks requeued", reason="deadline", chunks=requeued, step=self.step)
                 self._push_jobs()

@@ -75,6 +75,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.SNAPSHOT_CHUNK,
         T.HEARTBEAT,
         T.LOG,
+        T.VALIDATION,
     )
     coordinator_to_worker = (
         T.JOB,
@@ -84,6 +85,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.SNAPSHOT_REQUEST,
         T.SNAPSHOT_CHUNK,
         T.HEARTBEAT,
+        T.VALIDATE,
     )
     for t in worker_to_coordinator:
         table[W, S.READY, SEND, t] = S.READY

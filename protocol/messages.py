@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import operator
 import struct
 from collections.abc import Iterator, Sequence
@@ -94,6 +95,8 @@ class MsgType(IntEnum):
     HEARTBEAT = 14
     LOG = 15
     ERROR = 16
+    VALIDATE = 17
+    VALIDATION = 18
 
 
 class LogLevel(IntEnum):
@@ -800,6 +803,55 @@ class Error(Message):
 
 
 # ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Validate(Message):
+    """C->W: score your unperturbed replica at `step` on the held-out split."""
+
+    TYPE: ClassVar[MsgType] = MsgType.VALIDATE
+
+    step: int
+
+    def __post_init__(self) -> None:
+        _u64(self, "step")
+
+    def encode(self) -> bytes:
+        return _U64.pack(self.step)
+
+    @classmethod
+    def _read(cls, reader: _Reader) -> Self:
+        return cls(*reader.fields(_U64))
+
+
+@dataclass(frozen=True, slots=True)
+class Validation(Message):
+    """W->C: held-out score of the replica at `step`: mean integer loss (1/16 bit) and
+    true bits per token (float64, reporting only) over `tokens` tokens."""
+
+    TYPE: ClassVar[MsgType] = MsgType.VALIDATION
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQdd")
+
+    step: int
+    tokens: int
+    loss_16: float
+    bits_per_token: float
+
+    def __post_init__(self) -> None:
+        _u64(self, "step")
+        _u64(self, "tokens")
+        for name in ("loss_16", "bits_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, float | int) or not math.isfinite(value) or value < 0:
+                raise _invalid(f"{name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    def encode(self) -> bytes:
+        return self._FIXED.pack(self.step, self.tokens, self.loss_16, self.bits_per_token)
+
+    @classmethod
+    def _read(cls, reader: _Reader) -> Self:
+        return cls(*reader.fields(cls._FIXED))
+
+
 # Registry and helpers.
 
 _CLASSES: dict[int, type[Message]] = {
@@ -821,6 +873,8 @@ _CLASSES: dict[int, type[Message]] = {
         Heartbeat,
         Log,
         Error,
+        Validate,
+        Validation,
     )
 }
 assert sorted(_CLASSES) == sorted(MsgType), "every MsgType needs exactly one class"

@@ -121,6 +121,8 @@ async def bench_one(workers: int, population: int, chunk: int, steps: int) -> di
             "127.0.0.1",
             "--port",
             "0",
+            "--metrics-port",
+            "0",
             "--snapshot-every",
             "0",
             "--log-format",

@@ -42,6 +42,8 @@ from eggroll_dist.protocol.messages import (
     SnapshotChunk,
     SnapshotRequest,
     Step,
+    Validate,
+    Validation,
     Wait,
     Welcome,
     auth_mac,
@@ -135,6 +137,10 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     SnapshotRequest: st.builds(SnapshotRequest, u64),
     SnapshotChunk: snapshot_chunks(),
     Heartbeat: st.builds(Heartbeat, u64),
+    Validate: st.builds(Validate, u64),
+    Validation: st.builds(
+        Validation, u64, u64, st.floats(0, 1e9, allow_nan=False), st.floats(0, 64, allow_nan=False)
+    ),
     Log: st.builds(Log, st.sampled_from(LogLevel), text(4096)),
     Error: st.builds(Error, st.sampled_from(ErrorCode), text(1024)),
 }
@@ -153,7 +159,7 @@ def assert_malformed(msg_type: int, payload: bytes) -> RemoteProtocolError:
 
 def test_every_type_has_a_strategy() -> None:
     assert sorted(cls.TYPE for cls in STRATEGIES) == sorted(MsgType)
-    assert [int(t) for t in MsgType] == list(range(1, 17))
+    assert [int(t) for t in MsgType] == list(range(1, 19))
 
 
 @pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda c: c.__name__)
@@ -193,7 +199,7 @@ def test_truncated_and_overlong_payloads_are_malformed(
     assert_malformed(message.TYPE, payload + extra)
 
 
-@pytest.mark.parametrize("msg_type", [0, 17, 100, 255])
+@pytest.mark.parametrize("msg_type", [0, 19, 100, 255])
 def test_unknown_type(msg_type: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_message(msg_type, b"")

@@ -50,6 +50,8 @@ from eggroll_dist.protocol import (
     SnapshotChunk,
     SnapshotRequest,
     Step,
+    Validate,
+    Validation,
     Wait,
     Welcome,
     auth_mac,
@@ -66,6 +68,7 @@ from eggroll_dist.shared.replica import (
     encode_checkpoint,
 )
 from eggroll_dist.worker.backend.numpy_backend import ChunkResult, NumpyBackend
+from eggroll_dist.worker.backend.numpy_backend import Validation as ValidationResult
 
 __all__ = [
     "DEFAULT_PORT",
@@ -141,6 +144,8 @@ class Backend(Protocol):
     def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult: ...
 
     def apply_step(self, fitness: np.ndarray) -> int: ...
+
+    def validate(self) -> ValidationResult: ...
 
 
 @dataclass(frozen=True)
@@ -697,6 +702,8 @@ class _Session:
             await self._send_snapshot(msg.step)
         elif isinstance(msg, SnapshotChunk):
             await self._on_snapshot_chunk(msg)
+        elif isinstance(msg, Validate):
+            await self._on_validate(msg)
         # HEARTBEAT: nothing to do; receiving it already proved the coordinator alive.
 
     async def _on_job(self, job: Job) -> None:
@@ -813,6 +820,22 @@ class _Session:
             from_step=start,
             to_step=backend.step,
             run_step=self.committed,
+            seconds=round(time.monotonic() - t0, 3),
+        )
+
+    async def _on_validate(self, msg: Validate) -> None:
+        """Score the replica on valid.bin if it is still at the asked step (SPEC §8)."""
+        backend = self.backend
+        if msg.step != backend.step or self.download is not None:
+            return
+        t0 = time.monotonic()
+        v = await self.client._call(backend.validate)
+        await self._send(Validation(msg.step, v.tokens, v.loss_16, v.bits_per_token))
+        log.info(
+            "validation",
+            step=msg.step,
+            valid_bits=round(v.bits_per_token, 4),
+            tokens=v.tokens,
             seconds=round(time.monotonic() - t0, 3),
         )
 

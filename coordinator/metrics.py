@@ -1,0 +1,138 @@
+"""Prometheus metrics of a run, all in one `Metrics(registry)` object (no module globals).
+
+Names follow Prometheus conventions: base units, `_total` counters, `_seconds`, `_bytes`,
+bounded labels only (reasons, error codes, message types, and worker names, which are
+removed when a worker leaves); never a step or chunk label.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import start_http_server
+
+# Training steps take from milliseconds (tiny models) to minutes (GPU populations of 2**20).
+STEP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def _package_version() -> str:
+    try:
+        return version("eggroll-distributed")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.build_info = Info("eggroll_build", "Version of the coordinator.", registry=r)
+        self.build_info.info({"version": _package_version(), "python": platform.python_version()})
+        self.step = Gauge("eggroll_step", "The open step (= steps committed).", registry=r)
+        self.steps_committed = Counter(
+            "eggroll_steps_committed_total",
+            "Steps committed by this coordinator process.",
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "eggroll_step_duration_seconds",
+            "Wall time from a step's opening to its commit.",
+            buckets=STEP_BUCKETS_S,
+            registry=r,
+        )
+        self.train_loss = Gauge(
+            "eggroll_train_loss_bits",
+            "Mean population loss of the last step, bits per token.",
+            registry=r,
+        )
+        self.valid_bits = Gauge(
+            "eggroll_valid_bits_per_token",
+            "Held-out bits per token of the unperturbed model.",
+            registry=r,
+        )
+        self.valid_step = Gauge(
+            "eggroll_valid_step", "Step at which the held-out bits were measured.", registry=r
+        )
+        self.member_tokens = Counter(
+            "eggroll_member_tokens_total", "Tokens scored by population members.", registry=r
+        )
+        self.workers = Gauge("eggroll_workers_connected", "Workers past the handshake.", registry=r)
+        self.chunks_leased = Counter("eggroll_chunks_leased_total", "Chunks leased.", registry=r)
+        self.chunks_completed = Counter(
+            "eggroll_chunks_completed_total", "Chunks whose first valid result arrived.", registry=r
+        )
+        self.chunks_requeued = Counter(
+            "eggroll_chunks_requeued_total", "Chunks put back in the queue.", ["reason"], registry=r
+        )
+        self.results_dropped = Counter(
+            "eggroll_results_dropped_total", "RESULT messages not used.", ["reason"], registry=r
+        )
+        self.protocol_errors = Counter(
+            "eggroll_protocol_errors_total",
+            "Protocol errors, received or sent.",
+            ["code"],
+            registry=r,
+        )
+        self.network_bytes = Counter(
+            "eggroll_network_bytes_total",
+            "Bytes on worker connections, headers included.",
+            ["direction", "type"],
+            registry=r,
+        )
+        self.catchup_steps = Counter(
+            "eggroll_catchup_steps_served_total",
+            "Steps of fitness sent to workers catching up.",
+            registry=r,
+        )
+        self.snapshot_transfers = Counter(
+            "eggroll_snapshot_transfers_total",
+            "Snapshots received from or sent to workers.",
+            ["direction"],
+            registry=r,
+        )
+        self.digest_mismatches = Counter(
+            "eggroll_replica_digest_mismatches_total",
+            "Replica digests that differed from the agreed one.",
+            registry=r,
+        )
+        self.weights_changed = Gauge(
+            "eggroll_weights_changed", "int8 weights changed by the last update.", registry=r
+        )
+        self.last_commit = Gauge(
+            "eggroll_last_commit_timestamp_seconds", "Unix time of the last commit.", registry=r
+        )
+        self.last_snapshot = Gauge(
+            "eggroll_last_snapshot_timestamp_seconds",
+            "Unix time of the last stored snapshot.",
+            registry=r,
+        )
+        self.worker_tokens_per_second = Gauge(
+            "eggroll_worker_member_tokens_per_second",
+            "Member-tokens per second of a worker's last chunk.",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_chunk_seconds = Gauge(
+            "eggroll_worker_chunk_seconds",
+            "Lease-to-result time of a worker's last chunk.",
+            ["worker"],
+            registry=r,
+        )
+        # Label values that exist from the start, so dashboards show zeros, not gaps.
+        for reason in ("disconnect", "deadline"):
+            self.chunks_requeued.labels(reason)
+        for direction in ("in", "out"):
+            self.snapshot_transfers.labels(direction)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serve /metrics over HTTP from a background thread."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def worker_left(self, name: str) -> None:
+        for gauge in (self.worker_tokens_per_second, self.worker_chunk_seconds):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass
