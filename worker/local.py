@@ -135,6 +135,13 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     help="Data directory (the built-in corpus is prepared there if missing).",
 )
 @click.option("--snapshot-every", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--metrics-port",
+    default=12346,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="The coordinator's Prometheus endpoint (0: off).",
+)
 @click.option("--summary-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     workers: int,
@@ -144,6 +151,7 @@ def main(
     save_dir: Path,
     data_dir: Path,
     snapshot_every: int,
+    metrics_port: int,
     summary_json: Path | None,
 ) -> None:
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
@@ -167,6 +175,8 @@ def main(
         str(steps),
         "--snapshot-every",
         str(snapshot_every),
+        "--metrics-port",
+        str(metrics_port),
         "--log-format",
         "json",
     ]
