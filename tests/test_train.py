@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, load_checkpoint
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.prepare import prepare_data_dir
 from eggroll_dist.worker.train import replay, train
 
 SMALL = RunConfig(
@@ -42,13 +40,8 @@ max_tokens = 600
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
-    docs = [" ".join(rng.choice(words) for _ in range(400)).encode() for _ in range(40)]
-    out = tmp_path_factory.mktemp("data")
-    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
-    return out
+def data_dir(words_data: Path) -> Path:
+    return words_data
 
 
 def test_same_run_twice_gives_the_same_digest_and_replay_reproduces_it(data_dir: Path) -> None:
