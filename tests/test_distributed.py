@@ -4,6 +4,7 @@ single-process one, and losing a worker or the coordinator loses nothing."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +227,54 @@ def test_late_join_loads_snapshot_and_contributes(
     assert applied and all(
         e["digest"] == info["digests"].get(str(e["step"]), e["digest"]) for e in applied
     )
+
+
+def test_local_run_stops_its_children_on_sigterm(
+    words_data: Path, tmp_path: Path, slow_config: Path
+) -> None:
+    save_dir = tmp_path / "run"
+    local = subprocess.Popen(
+        [
+            command("eggroll-local"),
+            "--workers",
+            "2",
+            "--steps",
+            "1000",
+            "--config",
+            str(slow_config),
+            "--data-dir",
+            str(words_data),
+            "--save-dir",
+            str(save_dir),
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert local.stdout is not None
+        for line in local.stdout:  # bounded: the process is killed in `finally` otherwise
+            if line.startswith("step"):
+                break
+        local.send_signal(signal.SIGTERM)
+        assert local.wait(60) == 130
+    finally:
+        if local.poll() is None:
+            local.kill()
+    leftovers = [
+        p
+        for p in Path("/proc").glob("[0-9]*")
+        if str(save_dir).encode() in _cmdline(p)
+        or f"--data-dir\0{words_data}\0".encode() in _cmdline(p)
+    ]
+    assert leftovers == []
+    assert inspect(save_dir)["log_ok"]  # whatever was committed is intact
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

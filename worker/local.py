@@ -84,6 +84,10 @@ class Coordinator:
         self.ready.set()  # the process ended (maybe before listening)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _ensure_data(data_dir: Path) -> None:
     if (data_dir / "meta.json").exists():
         return
@@ -182,6 +186,7 @@ def main(
     ]
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
     coordinator = Coordinator(coord_args, logs / "coordinator.log", steps)
     procs: list[subprocess.Popen] = []
     try:
@@ -195,7 +200,15 @@ def main(
             f"coordinator on 127.0.0.1:{coordinator.port}, run in {save_dir} "
             f"(from step {coordinator.start_step}); starting {workers} workers"
         )
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Workers share this machine's cores: one BLAS pool each of cores/workers threads
+        # avoids oversubscription (unless the user chose).
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        env = {
+            "OPENBLAS_NUM_THREADS": threads,
+            "OMP_NUM_THREADS": threads,
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+        }
         for i in range(workers):
             with open(logs / f"worker-{i}.log", "a") as out:
                 procs.append(
