@@ -161,8 +161,8 @@ class Coordinator:
 
     def request_stop(self) -> None:
         if not self.stopping.is_set():
-            log.info("stopping", step=self.step)
             self.stopping.set()
+            log.info("stopping", step=self.step)
 
     async def _shutdown(self) -> None:
         """Stop accepting, get a last snapshot if cheap, tell workers, drain, cancel."""
@@ -185,10 +185,15 @@ class Coordinator:
 
     async def _final_snapshot(self, timeout_s: float) -> None:
         """Ask a worker at the current step for its state and wait a bounded time for it."""
+        if self.step == 0:
+            return  # the initial state is a pure function of the config
         self.snapshot_wanted = self.step
-        for s in self.sessions.values():
-            if s.replica_step == self.step and self._maybe_request_snapshot(s):
-                break
+        if self.snapshot_source is None and not any(
+            s.replica_step == self.step and self._maybe_request_snapshot(s)
+            for s in self.sessions.values()
+        ):
+            log.info("no worker at the current step for a final snapshot", step=self.step)
+            return
         deadline = self.clock() + timeout_s
         while self.store.latest_snapshot != self.step and self.clock() < deadline:
             await asyncio.sleep(0.05)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -82,6 +83,15 @@ class Coordinator:
                     }
                     click.echo(f"  coordinator: {event['event']} {fields}")
         self.ready.set()  # the process ended (maybe before listening)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -166,6 +176,12 @@ def main(
     except (ConfigError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
     steps = steps or cfg.steps
+    if metrics_port and not _port_free(metrics_port):
+        click.echo(
+            f"metrics port {metrics_port} is busy: metrics are off for this run "
+            "(pass --metrics-port to pick another)"
+        )
+        metrics_port = 0
     logs = save_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     coord_args = [

@@ -9,6 +9,23 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """stderr that drops writes once the reader is gone (a closed pipe must not turn every
+    log call into an exception, least of all during shutdown)."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except (OSError, ValueError):
+            return 0
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def configure_logging(log_format: str = "auto") -> None:
     """`auto` picks text on a terminal and JSON lines otherwise; NO_COLOR is respected."""
     if log_format == "auto":
@@ -25,6 +42,6 @@ def configure_logging(log_format: str = "auto") -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
         cache_logger_on_first_use=False,
     )

@@ -1,0 +1,74 @@
+"""eggroll-coordinator as a user meets it: env vars, clear errors, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXE = str(Path(sys.executable).with_name("eggroll-coordinator"))
+
+
+def test_flags_come_from_environment_variables(spawn, tmp_path: Path) -> None:
+    env_dir = tmp_path / "from-env"
+    os.environ["EGGROLL_SAVE_DIR"] = str(env_dir)
+    try:
+        coord = spawn(
+            "eggroll-coordinator",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--log-format",
+            "json",
+        )
+        listening = coord.wait_for(lambda e: e.get("event") == "listening", 30)
+    finally:
+        del os.environ["EGGROLL_SAVE_DIR"]
+    assert listening["save_dir"] == str(env_dir) and listening["step"] == 0
+    coord.proc.send_signal(signal.SIGTERM)
+    assert coord.wait(30) == 0  # SIGTERM stops it cleanly
+    coord.wait_for(lambda e: e.get("event") == "stopped", 5)
+    assert (env_dir / "run.json").exists() and (env_dir / "fitness.log").exists()
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [EXE, *args, "--log-format", "json", "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_different_config_on_resume_is_one_clear_line(tmp_path: Path) -> None:
+    save = str(tmp_path / "run")
+    with socket.socket() as busy:  # also: a port in use is one clear line
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        done = _run("--save-dir", save, "--preset", "tiny", "--host", "127.0.0.1", "--port", port)
+    assert done.returncode == 1 and "is in use" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = _run("--save-dir", save, "--preset", "egg-paper")
+    assert done.returncode == 1 and "holds a run with config digest" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--preset", "huge"], "unknown preset"),
+        (["--config", "/nonexistent.toml"], "does not exist"),
+    ],
+)
+def test_bad_config_is_one_clear_line(tmp_path: Path, args: list[str], message: str) -> None:
+    done = _run("--save-dir", str(tmp_path / "run"), *args)
+    assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr
