@@ -74,6 +74,7 @@ class Options:
     chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
     final_snapshot_timeout_s: float = 120.0
     drain_timeout_s: float = 5.0
+    idle_timeout_s: float = 60.0  # a connection silent this long is dropped
 
 
 @dataclass(eq=False)
@@ -229,7 +230,15 @@ class Coordinator:
         self.sessions[session.id] = session
         try:
             while True:
-                data = await reader.read(READ_BYTES)
+                try:
+                    data = await asyncio.wait_for(reader.read(READ_BYTES), self.opt.idle_timeout_s)
+                except TimeoutError:  # workers heartbeat every few seconds: this one is gone
+                    log.warning(
+                        "worker silent, dropping it",
+                        worker=session.name,
+                        seconds=self.opt.idle_timeout_s,
+                    )
+                    break
                 if not data:
                     break
                 self.net_in += len(data)
