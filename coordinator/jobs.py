@@ -84,6 +84,7 @@ class StepJobs:
         self.loss_sum = 0
         self.requeued = {"disconnect": 0, "deadline": 0}
         self.opened = clock()
+        self.first_lease: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -112,6 +113,8 @@ class StepJobs:
         return self._add_lease(min(candidates)[1], worker, now)
 
     def _add_lease(self, chunk: int, worker: Hashable, now: float) -> int:
+        if self.first_lease is None:
+            self.first_lease = now
         deadline = now + self.timer.timeout_s()
         self.leases.setdefault(chunk, []).append(Lease(chunk, worker, now, deadline))
         return chunk

@@ -10,8 +10,23 @@ from __future__ import annotations
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.exposition import start_http_server
+
+from eggroll_dist.protocol import ErrorCode, MsgType
+
+from .jobs import Outcome
+
+# Why a RESULT is not used: every non-accepted outcome, and a diverged replica.
+DROP_REASONS = (*(o.value for o in Outcome if o is not Outcome.ACCEPTED), "diverged")
 
 # Training steps take from milliseconds (tiny models) to minutes (GPU populations of 2**20).
 STEP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -30,6 +45,9 @@ class Metrics:
         r = self.registry
         self.build_info = Info("eggroll_build", "Version of the coordinator.", registry=r)
         self.build_info.info({"version": _package_version(), "python": platform.python_version()})
+        self.run_info = Info("eggroll_run", "The run served.", registry=r)
+        ProcessCollector(registry=r)  # start time, CPU, memory: restarts and leaks show
+        PlatformCollector(registry=r)
         self.step = Gauge("eggroll_step", "The open step (= steps committed).", registry=r)
         self.steps_committed = Counter(
             "eggroll_steps_committed_total",
@@ -120,18 +138,44 @@ class Metrics:
             ["worker"],
             registry=r,
         )
-        # Label values that exist from the start, so dashboards show zeros, not gaps.
+        self.worker_member_tokens = Counter(
+            "eggroll_worker_member_tokens_total",
+            "Member-tokens of the chunks a worker completed.",
+            ["worker"],
+            registry=r,
+        )
+        # Unknown until measured: NaN, not a misleading 0.
+        for gauge in (
+            self.train_loss,
+            self.valid_bits,
+            self.valid_step,
+            self.last_commit,
+            self.last_snapshot,
+            self.weights_changed,
+        ):
+            gauge.set(float("nan"))
+        # Label values that exist from the start, so the first event shows in rate().
         for reason in ("disconnect", "deadline"):
             self.chunks_requeued.labels(reason)
+        for reason in DROP_REASONS:
+            self.results_dropped.labels(reason)
+        for code in ErrorCode:
+            self.protocol_errors.labels(code.name)
         for direction in ("in", "out"):
             self.snapshot_transfers.labels(direction)
+            for msg_type in MsgType:
+                self.network_bytes.labels(direction, msg_type.name)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serve /metrics over HTTP from a background thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
     def worker_left(self, name: str) -> None:
-        for gauge in (self.worker_tokens_per_second, self.worker_chunk_seconds):
+        for gauge in (
+            self.worker_tokens_per_second,
+            self.worker_chunk_seconds,
+            self.worker_member_tokens,
+        ):
             try:
                 gauge.remove(name)
             except KeyError:

@@ -120,6 +120,9 @@ class Coordinator:
         self.finished = False  # --max-steps reached
         self.metrics = metrics or Metrics()
         self.metrics.step.set(store.steps)
+        self.metrics.run_info.info(
+            {"run_id": store.run_id.hex(), "config_digest": self.cfg.digest().hex()}
+        )
         self.net_in = self.net_out = 0
         self._step_marks = (0, 0, self.clock())
         self._last_changed = 0
@@ -460,6 +463,7 @@ class Coordinator:
             tokens = self.cfg.es.chunk_size * self.cfg.es.seq_len
             self.metrics.worker_chunk_seconds.labels(s.name).set(seconds)
             self.metrics.worker_tokens_per_second.labels(s.name).set(tokens / seconds)
+            self.metrics.worker_member_tokens.labels(s.name).inc(tokens)
         if msg.step == self.step and not self._digest_ok(s, msg.step, msg.replica_digest):
             self.metrics.results_dropped.labels("diverged").inc()
             return
@@ -515,7 +519,8 @@ class Coordinator:
         m = self.metrics
         m.step.set(step + 1)
         m.steps_committed.inc()
-        m.step_duration.observe(max(now - jobs.opened, 0.0))
+        # From the step's first lease: time spent waiting for workers is not step time.
+        m.step_duration.observe(max(now - (jobs.first_lease or jobs.opened), 0.0))
         m.train_loss.set(loss_bits)
         m.member_tokens.inc(tokens)
         m.last_commit.set(time.time())
