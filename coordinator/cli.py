@@ -50,12 +50,14 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     "--preset",
     "preset_name",
     default=None,
+    envvar="EGGROLL_PRESET",
     help="Named run config for a new run: tiny (default), egg-paper.",
 )
 @click.option(
     "--config",
     "config_path",
     default=None,
+    envvar="EGGROLL_CONFIG",
     type=click.Path(dir_okay=False),
     help="TOML run config for a new run (overrides --preset).",
 )

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ def command(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-# Chunks slow enough (~0.1 s) that a kill lands in the middle of one.
-SLOW = """
+# Eight small chunks a step: quick, and enough chunks for two workers to share.
+FAST = """
 [model]
 n_layer = 1
 d_model = 32
@@ -34,6 +35,19 @@ seq_len = 48
 [validation]
 every_steps = 0
 max_tokens = 480
+"""
+# Four chunks a step, each long enough (~0.3 s here) that a kill lands inside one.
+SLOW = """
+[model]
+n_layer = 1
+d_model = 32
+[es]
+population = 256
+chunk_size = 64
+seq_len = 384
+[validation]
+every_steps = 0
+max_tokens = 4096
 """
 
 
@@ -58,6 +72,13 @@ def inspect(save_dir: Path) -> dict:
 def slow_config(tmp_path: Path) -> Path:
     path = tmp_path / "slow.toml"
     path.write_text(SLOW)
+    return path
+
+
+@pytest.fixture
+def fast_config(tmp_path: Path) -> Path:
+    path = tmp_path / "fast.toml"
+    path.write_text(FAST)
     return path
 
 
@@ -157,7 +178,7 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
 def test_worker_sigkill_mid_step_loses_nothing(
     spawn, words_data: Path, tmp_path: Path, slow_config: Path
 ) -> None:
-    steps = 8
+    steps = 6
     save_dir = tmp_path / "run"
     coord, port = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps))
     start_worker(spawn, port, words_data, "steady")
@@ -168,7 +189,9 @@ def test_worker_sigkill_mid_step_loses_nothing(
         60,
         "a chunk done by the victim",
     )
-    victim.kill()  # it asked for its next chunk at once: it dies holding a lease
+    # It asked for its next chunk at once; a moment later it holds that lease, mid-chunk.
+    time.sleep(0.05)
+    victim.kill()
     coord.wait_for(
         lambda e: e.get("event") == "chunks requeued" and e.get("reason") == "disconnect",
         30,
@@ -181,16 +204,16 @@ def test_worker_sigkill_mid_step_loses_nothing(
 
 
 def test_coordinator_sigkill_resume_loses_nothing(
-    spawn, words_data: Path, tmp_path: Path, slow_config: Path
+    spawn, words_data: Path, tmp_path: Path, fast_config: Path
 ) -> None:
     steps = 8
     save_dir = tmp_path / "run"
-    coord, port = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps))
+    coord, port = start_coordinator(spawn, save_dir, fast_config, "--max-steps", str(steps))
     workers = [start_worker(spawn, port, words_data, f"w{i}") for i in range(2)]
     coord.wait_for(committed(3), 120, "step 3")
     coord.kill()
     # Same save dir and port, no config flags: the run resumes; the workers come back alone.
-    again, _ = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps), port=port)
+    again, _ = start_coordinator(spawn, save_dir, fast_config, "--max-steps", str(steps), port=port)
     resumed_at = again.wait_for(lambda e: e.get("event") == "listening")["step"]
     assert resumed_at >= 3
     again.wait_for(lambda e: e.get("event") == "worker joined", 60, "a worker rejoining")
@@ -198,16 +221,16 @@ def test_coordinator_sigkill_resume_loses_nothing(
     assert all(w.proc.poll() is None for w in workers)  # a coordinator restart kills no worker
     info = inspect(save_dir)
     assert info["step"] == steps and info["log_ok"]
-    assert info["replica_digest"] == expected_digest(words_data, slow_config, steps)
+    assert info["replica_digest"] == expected_digest(words_data, fast_config, steps)
 
 
 def test_late_join_loads_snapshot_and_contributes(
-    spawn, words_data: Path, tmp_path: Path, slow_config: Path
+    spawn, words_data: Path, tmp_path: Path, fast_config: Path
 ) -> None:
     steps = 10
     save_dir = tmp_path / "run"
     coord, port = start_coordinator(
-        spawn, save_dir, slow_config, "--max-steps", str(steps), "--snapshot-every", "3"
+        spawn, save_dir, fast_config, "--max-steps", str(steps), "--snapshot-every", "3"
     )
     start_worker(spawn, port, words_data, "early")
     coord.wait_for(
@@ -221,7 +244,7 @@ def test_late_join_loads_snapshot_and_contributes(
     assert coord.wait(180) == 0
     assert coord.count(lambda e: e.get("code") == "DIVERGED") == 0
     info = inspect(save_dir)
-    want = expected_digest(words_data, slow_config, steps)
+    want = expected_digest(words_data, fast_config, steps)
     assert info["step"] == steps and info["replica_digest"] == want
     applied = [e for e in late.events if e.get("event") == "step applied"]
     assert applied and all(
@@ -230,7 +253,7 @@ def test_late_join_loads_snapshot_and_contributes(
 
 
 def test_local_run_stops_its_children_on_sigterm(
-    words_data: Path, tmp_path: Path, slow_config: Path
+    words_data: Path, tmp_path: Path, fast_config: Path
 ) -> None:
     save_dir = tmp_path / "run"
     local = subprocess.Popen(
@@ -241,7 +264,7 @@ def test_local_run_stops_its_children_on_sigterm(
             "--steps",
             "1000",
             "--config",
-            str(slow_config),
+            str(fast_config),
             "--data-dir",
             str(words_data),
             "--save-dir",

@@ -110,6 +110,21 @@ _CLOSE_TIMEOUT_S = 2.0
 T = TypeVar("T")
 
 
+async def _cancel_until_done(task: asyncio.Task, timeout_s: float = 10.0) -> None:
+    """Cancel a task and wait for it to end. On Python 3.11, asyncio.wait_for can swallow a
+    cancellation that races with its inner future completing (CPython gh-86296), so one
+    cancel() is not enough: cancel again until the task is done (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not warn about it
+    elif not task.done():
+        log.warning("a session task did not stop", seconds=timeout_s)
+
+
 class WorkerFatal(Exception):
     """The worker cannot take part in this run (SPEC §8 permanent errors); str() is one line
     that says what to do. `code` is the ERROR code behind it, if any."""
@@ -336,10 +351,8 @@ class WorkerClient:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
         finally:
-            if session is not None and not session.done():
-                session.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await session
+            if session is not None:
+                await _cancel_until_done(session)
             self._executor.shutdown(wait=False)
             self._executor = None
 
