@@ -802,7 +802,6 @@ class Error(Message):
         return cls(code, reader.string())
 
 
-# ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Validate(Message):
     """C->W: score your unperturbed replica at `step` on the held-out split."""
@@ -852,6 +851,7 @@ class Validation(Message):
         return cls(*reader.fields(cls._FIXED))
 
 
+# ---------------------------------------------------------------------------------------
 # Registry and helpers.
 
 _CLASSES: dict[int, type[Message]] = {
