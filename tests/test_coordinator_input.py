@@ -1,0 +1,136 @@
+"""Nothing the network sends can crash the coordinator or lose committed data."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+from eggroll_dist.protocol import (
+    Auth,
+    Challenge,
+    Connection,
+    Error,
+    ErrorCode,
+    Hello,
+    Role,
+    auth_mac,
+    decode_message,
+    encode_frame,
+)
+
+CONFIG = """
+[model]
+n_layer = 1
+d_model = 16
+[es]
+population = 32
+chunk_size = 8
+seq_len = 8
+[validation]
+every_steps = 0
+max_tokens = 200
+"""
+
+
+def _talk(port: int, data: bytes) -> Error | None:
+    """Send raw bytes; return the ERROR the coordinator answers with (None if none)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    if len(received) < 16:
+        return None
+    (length,) = struct.unpack(">I", received[8:12])
+    msg = decode_message(received[5], received[16 : 16 + length])
+    return msg if isinstance(msg, Error) else None
+
+
+def _handshake_with_token(port: int, token: bytes) -> Error | None:
+    conn = Connection(Role.WORKER)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.send(Hello(1, "intruder", "numpy", "cpu", bytes(32))))
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return None
+            conn.receive_data(data)
+            while (msg := conn.next_event()) is not None:
+                if isinstance(msg, Challenge):
+                    sock.sendall(conn.send(Auth(auth_mac(token, msg.nonce))))
+                elif isinstance(msg, Error):
+                    return msg
+
+
+def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
+    spawn, words_data: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    coord = spawn(
+        "eggroll-coordinator",
+        "--save-dir",
+        tmp_path / "run",
+        "--config",
+        config,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--token",
+        "s3cret",
+        "--max-steps",
+        "3",
+        "--log-format",
+        "json",
+    )
+    port = coord.wait_for(lambda e: e.get("event") == "listening", 30)["port"]
+
+    bad_magic = b"JOBS" + bytes(12)
+    assert _talk(port, bad_magic).code == ErrorCode.BAD_MAGIC
+    header = b"EGGR\x01\x01\x00\x00" + struct.pack(">I", 1 << 30) + bytes(4)
+    assert _talk(port, header).code == ErrorCode.FRAME_TOO_LARGE  # never buffers 1 GiB
+    bad_crc = bytearray(encode_frame(1, b"\x01" + bytes(40)))
+    bad_crc[12] ^= 0xFF
+    assert _talk(port, bytes(bad_crc)).code == ErrorCode.BAD_CRC
+    assert _talk(port, encode_frame(99, b"")).code == ErrorCode.UNKNOWN_TYPE
+    assert _talk(port, encode_frame(5, struct.pack(">QQQ", 0, 0, 0))).code == (
+        ErrorCode.ILLEGAL_STATE  # a JOB_REQUEST before the handshake
+    )
+    assert _talk(port, encode_frame(1, b"\x01\x00")).code == ErrorCode.MALFORMED
+    assert _handshake_with_token(port, b"guess").code == ErrorCode.AUTH_FAILED
+    wrong = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("eggroll-worker")),
+            f"127.0.0.1:{port}",
+            "--data-dir",
+            str(words_data),
+            "--token",
+            "guess",
+            "--log-format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert wrong.returncode == 2 and "token" in wrong.stderr and "Traceback" not in wrong.stderr
+
+    # The coordinator is still serving: a worker with the right token trains to the end.
+    spawn(
+        "eggroll-worker",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        words_data,
+        "--token",
+        "s3cret",
+        "--log-format",
+        "json",
+    )
+    assert coord.wait(120) == 0
+    assert coord.count(lambda e: e.get("event") == "step") == 3
