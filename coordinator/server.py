@@ -124,7 +124,7 @@ class Coordinator:
             {"run_id": store.run_id.hex(), "config_digest": self.cfg.digest().hex()}
         )
         self.net_in = self.net_out = 0
-        self._step_marks = (0, 0, self.clock())
+        self._net_marks = (0, 0)  # network byte totals at the last commit
         self._last_changed = 0
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task] = set()
@@ -511,16 +511,16 @@ class Coordinator:
         return StepJobs(step, self.cfg.chunks, self.cfg.es.chunk_size, self.clock, self.timer)
 
     def _log_step(self, step: int, jobs: StepJobs) -> None:
-        net_in0, net_out0, t0 = self._step_marks
+        net_in0, net_out0 = self._net_marks
         now = self.clock()
-        seconds = max(now - t0, 1e-9)
+        # From the step's first lease: time spent waiting for workers is not step time.
+        seconds = max(now - (jobs.first_lease or jobs.opened), 1e-9)
         tokens = self.cfg.es.population * self.cfg.es.seq_len
         loss_bits = jobs.loss_sum / 16 / tokens
         m = self.metrics
         m.step.set(step + 1)
         m.steps_committed.inc()
-        # From the step's first lease: time spent waiting for workers is not step time.
-        m.step_duration.observe(max(now - (jobs.first_lease or jobs.opened), 0.0))
+        m.step_duration.observe(seconds)
         m.train_loss.set(loss_bits)
         m.member_tokens.inc(tokens)
         m.last_commit.set(time.time())
@@ -537,7 +537,7 @@ class Coordinator:
             net_out=self.net_out - net_out0,
             requeued=sum(jobs.requeued.values()),
         )
-        self._step_marks = (self.net_in, self.net_out, now)
+        self._net_marks = (self.net_in, self.net_out)
 
     def _send_fitness(self, s: Session, first: int, max_steps: int) -> None:
         limit = min(max_steps, CATCHUP_STEPS, FitnessRange.max_steps_per_frame(self.cfg.pairs))
