@@ -102,7 +102,7 @@ async def _serve(client: WorkerClient) -> None:
     show_default=True,
     envvar="EGGROLL_BACKEND",
     show_envvar=True,
-    help="Compute backend; auto takes a CUDA GPU when one is usable, else numpy.",
+    help="Compute backend; auto is numpy in this version (the CuPy backend is not there yet).",
 )
 @click.option(
     "--name",
