@@ -13,6 +13,8 @@ from eggroll_dist.shared.config import ConfigError, from_dict
 from eggroll_dist.shared.fitness_log import FitnessLog, FitnessLogError
 from eggroll_dist.shared.replica import CheckpointError, load_checkpoint
 
+from .store import read_digests
+
 
 def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
     """A summary of the run in `save_dir` (raises click.ClickException if there is none)."""
@@ -31,7 +33,7 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
             log_ok, log_error = False, "fitness.log belongs to another run config"
     except FitnessLogError as exc:
         log_ok, log_error = False, str(exc)
-    digests = _read_digests(save_dir / "digests.log")
+    digests = {s: f"{d:016x}" for s, d in read_digests(save_dir / "digests.log").items()}
     snapshots = []
     for path in sorted((save_dir / "snapshots").glob("step-*.ckpt")):
         entry: dict[str, Any] = {"file": str(path), "bytes": path.stat().st_size}
@@ -55,18 +57,6 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
         "log_ok": log_ok,
         "log_error": log_error,
     }
-
-
-def _read_digests(path: Path) -> dict[int, str]:
-    digests: dict[int, str] = {}
-    try:
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 2:
-                digests[int(parts[0])] = parts[1]
-    except FileNotFoundError:
-        pass
-    return digests
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

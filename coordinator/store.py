@@ -26,6 +26,20 @@ from eggroll_dist.shared.replica import write_atomic
 RUN_FORMAT = 1
 
 
+def read_digests(path: Path) -> dict[int, int]:
+    """Agreed digests from a digests.log ("step digest-hex" lines; a torn last line is
+    skipped)."""
+    digests: dict[int, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                digests[int(parts[0])] = int(parts[1], 16)
+    except FileNotFoundError:
+        pass
+    return digests
+
+
 class StoreError(Exception):
     """A save directory that cannot be used; the message says what to do."""
 
@@ -37,7 +51,7 @@ class RunStore:
         self.fitness_log = log
         self.config = config
         self._lock_fd = lock_fd
-        self.digests = self._read_digests()
+        self.digests = read_digests(path / "digests.log")
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -122,17 +136,6 @@ class RunStore:
         write_atomic(self.path / "run.json", json.dumps(self._run, indent=2).encode())
 
     # ------------------------------------------------------------------------ digests
-
-    def _read_digests(self) -> dict[int, int]:
-        digests: dict[int, int] = {}
-        try:
-            for line in (self.path / "digests.log").read_text().splitlines():
-                parts = line.split()
-                if len(parts) == 2:  # a torn last line is skipped
-                    digests[int(parts[0])] = int(parts[1], 16)
-        except FileNotFoundError:
-            pass
-        return digests
 
     def record_digest(self, step: int, digest: int) -> None:
         """Remember the agreed digest of the replica state at `step` (not fsync'd: it is
