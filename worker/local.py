@@ -34,7 +34,7 @@ def _exe(name: str) -> str:
     return str(path) if path.exists() else name
 
 
-class Coordinator:
+class CoordinatorProcess:
     """The coordinator subprocess; its JSON log lines become progress output."""
 
     def __init__(self, args: list[str], log_path: Path, total_steps: int):
@@ -203,7 +203,7 @@ def main(
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
-    coordinator = Coordinator(coord_args, logs / "coordinator.log", steps)
+    coordinator = CoordinatorProcess(coord_args, logs / "coordinator.log", steps)
     procs: list[subprocess.Popen] = []
     try:
         coordinator.ready.wait(60)
@@ -268,7 +268,11 @@ def main(
 
 
 def _summarise(
-    save_dir: Path, dataset, coordinator: Coordinator, seconds: float, summary_json: Path | None
+    save_dir: Path,
+    dataset,
+    coordinator: CoordinatorProcess,
+    seconds: float,
+    summary_json: Path | None,
 ) -> None:
     snapshots = sorted((save_dir / "snapshots").glob("step-*.ckpt"))
     if not snapshots:
