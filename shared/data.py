@@ -20,14 +20,14 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import IO
 
 import numpy as np
+
+from .atomic_file import write_atomic
 
 FORMAT_VERSION = 1
 BYTE_VOCAB_SIZE = 256
@@ -54,22 +54,6 @@ def _prepare_hint(directory: Path | str) -> str:
 # --- atomic writes -------------------------------------------------------------------
 
 
-def _atomic_write(path: Path | str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write through `write` into a temp file beside `path`, fsync it, then rename over it."""
-    path = Path(path)
-    # open(..., "xb") rather than mkstemp: the file gets the usual umask permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 # --- token files ---------------------------------------------------------------------
 
 
@@ -92,7 +76,7 @@ def write_tokens(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_siz
     if lo < 0 or hi >= vocab_size:
         raise DataError(f"tokens for {path} must lie in [0, {vocab_size}), got [{lo}, {hi}]")
     data = np.ascontiguousarray(arr.astype(dtype, copy=False))
-    _atomic_write(path, lambda f: f.write(memoryview(data).cast("B")))
+    write_atomic(path, memoryview(data).cast("B"))
 
 
 def read_tokens(path: Path | str, vocab_size: int) -> np.ndarray:
@@ -139,7 +123,7 @@ def write_decoding(path: Path | str, pieces: Sequence[bytes]) -> None:
         parts.append(struct.pack("<I", len(piece)))
         parts.append(bytes(piece))
     blob = b"".join(parts)
-    _atomic_write(path, lambda f: f.write(blob))
+    write_atomic(path, blob)
 
 
 def read_decoding(path: Path | str) -> list[bytes]:
@@ -257,7 +241,7 @@ def _is_hex(text: str) -> bool:
 
 def write_meta(path: Path | str, meta: DataMeta) -> None:
     blob = meta.to_json().encode()
-    _atomic_write(path, lambda f: f.write(blob))
+    write_atomic(path, blob)
 
 
 def read_meta(path: Path | str) -> DataMeta:

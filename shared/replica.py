@@ -27,15 +27,14 @@ of the directory), so a crash leaves either the old file or the new one.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .atomic_file import write_atomic
 from .config import ConfigError, RunConfig, from_canonical_bytes
 from .model import init_params, param_specs
 
@@ -155,22 +154,6 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
     if state.digest() != digest:
         raise CheckpointError("checkpoint digest mismatch: weights do not match their digest")
     return state
-
-
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write a file so that a crash leaves the old version or the new one, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def save_checkpoint(path: str | Path, state: ReplicaState) -> None:

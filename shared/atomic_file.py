@@ -1,0 +1,30 @@
+"""Crash-safe file replacement: a crash leaves the old version or the new one, never a mix."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def write_atomic(path: str | Path, data: bytes | memoryview) -> None:
+    """Write a temporary file beside `path`, fsync it, rename it over `path`, fsync the
+    directory (so the rename itself survives a crash)."""
+    path = Path(path)
+    # open(..., "xb") rather than mkstemp: the file gets the usual umask permissions; the
+    # random part keeps concurrent writers of the same path apart.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
