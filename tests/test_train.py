@@ -148,7 +148,7 @@ def test_vocab_mismatch_is_reported(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_member_noise_and_windows_are_shared_within_a_pair(data_dir: Path) -> None:
-    from eggroll_dist.worker.backend.numpy_backend import pair_windows
+    from eggroll_dist.shared.window import pair_windows
 
     dataset = load_data_dir(data_dir)
     w = pair_windows(SMALL, dataset.train, 3, np.arange(4))

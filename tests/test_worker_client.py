@@ -51,8 +51,9 @@ from eggroll_dist.protocol import (
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.replica import ReplicaState, decode_checkpoint, encode_checkpoint
-from eggroll_dist.worker.backend.numpy_backend import ChunkResult, NumpyBackend
-from eggroll_dist.worker.client import BackendFactory, WorkerClient, WorkerFatal, numpy_backend
+from eggroll_dist.worker.backend import BackendFactory, ChunkResult, get_backend
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.client import WorkerClient, WorkerFatal
 from eggroll_dist.worker.prepare import prepare_data_dir
 from eggroll_dist.worker.train import replay
 
@@ -195,7 +196,7 @@ async def coordinator() -> AsyncIterator[FakeCoordinator]:
 def make_client(fake: FakeCoordinator, dataset: Dataset, **kwargs: object) -> WorkerClient:
     kwargs.setdefault("name", "w1")
     kwargs.setdefault("max_retry_s", 0.05)
-    kwargs.setdefault("backend", numpy_backend(8))
+    kwargs.setdefault("backend", get_backend("numpy", 8))
     return WorkerClient("127.0.0.1", fake.port, dataset, **kwargs)  # type: ignore[arg-type]
 
 

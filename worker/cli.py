@@ -19,14 +19,13 @@ import click
 import structlog
 
 from eggroll_dist.shared.data import DataError, load_data_dir
+from eggroll_dist.worker.backend import BackendUnavailable, get_backend
 from eggroll_dist.worker.client import (
     DEFAULT_PORT,
     MAX_WORKER_NAME_BYTES,
-    BackendUnavailable,
     WorkerClient,
     WorkerFatal,
     default_worker_name,
-    select_backend,
 )
 from eggroll_dist.worker.log import configure_logging
 
@@ -173,7 +172,7 @@ def main(
             param_hint="--name",
         )
     try:
-        factory = select_backend(backend, batch_members)
+        factory = get_backend(backend, batch_members)
         dataset = load_data_dir(data_dir)
     except (BackendUnavailable, DataError) as exc:
         raise click.ClickException(str(exc)) from None

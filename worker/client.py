@@ -23,9 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-import numpy as np
 import structlog
 
 from eggroll_dist.protocol import (
@@ -67,22 +66,15 @@ from eggroll_dist.shared.replica import (
     decode_checkpoint,
     encode_checkpoint,
 )
-from eggroll_dist.worker.backend.numpy_backend import ChunkResult, NumpyBackend
-from eggroll_dist.worker.backend.numpy_backend import Validation as ValidationResult
+from eggroll_dist.worker.backend import Backend, BackendFactory, get_backend
 
 __all__ = [
     "DEFAULT_PORT",
     "FATAL_CODES",
     "MAX_WORKER_NAME_BYTES",
-    "Backend",
-    "BackendFactory",
-    "BackendUnavailable",
     "WorkerClient",
     "WorkerFatal",
-    "cuda_usable",
     "default_worker_name",
-    "numpy_backend",
-    "select_backend",
 ]
 
 log = structlog.get_logger("eggroll.worker")
@@ -132,81 +124,6 @@ class WorkerFatal(Exception):
     def __init__(self, message: str, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.code = code
-
-
-class BackendUnavailable(ValueError):
-    """The requested compute backend cannot run here; the message says what to use."""
-
-
-class Backend(Protocol):
-    """What the client needs of a backend (NumpyBackend is the reference)."""
-
-    name: str
-    device: str
-    state: ReplicaState
-    weights_changed: int
-
-    @property
-    def step(self) -> int: ...
-
-    @property
-    def config(self) -> RunConfig: ...
-
-    def load_state(self, state: ReplicaState) -> None: ...
-
-    def digest(self) -> int: ...
-
-    def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult: ...
-
-    def apply_step(self, fitness: np.ndarray) -> int: ...
-
-    def validate(self) -> ValidationResult: ...
-
-
-@dataclass(frozen=True)
-class BackendFactory:
-    """Builds the replica's backend; `name` and `device` are announced in HELLO."""
-
-    name: str
-    device: str
-    build: Callable[[Dataset, ReplicaState], Backend]
-
-
-def numpy_backend(batch_members: int = 1024) -> BackendFactory:
-    """The NumPy reference backend, `batch_members` members per forward sub-batch."""
-
-    def build(dataset: Dataset, state: ReplicaState) -> Backend:
-        return NumpyBackend(dataset, state, batch_members)
-
-    return BackendFactory(NumpyBackend.name, NumpyBackend.device, build)
-
-
-def cuda_usable() -> bool:
-    """Whether CuPy is installed and sees a CUDA device (imported lazily: CPU hosts lack it)."""
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
-        return False
-
-
-def select_backend(kind: str, batch_members: int = 1024) -> BackendFactory:
-    """`auto`, `numpy` or `cupy`; BackendUnavailable when the choice cannot run here."""
-    if kind == "numpy":
-        return numpy_backend(batch_members)
-    if kind == "cupy":
-        raise BackendUnavailable(
-            "the CuPy backend is not available in this version: use --backend numpy"
-        )
-    if kind == "auto":
-        if cuda_usable():
-            log.warning(
-                "a CUDA GPU is usable but the CuPy backend is not available in this "
-                "version; using numpy"
-            )
-        return numpy_backend(batch_members)
-    raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy or cupy")
 
 
 def default_worker_name() -> str:
@@ -297,7 +214,7 @@ class WorkerClient:
         self.host = host
         self.port = port
         self.dataset = dataset
-        self.backend_factory = backend or numpy_backend()
+        self.backend_factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
         if len(self.name.encode("utf-8")) > MAX_WORKER_NAME_BYTES:
             raise ValueError(
@@ -313,6 +230,7 @@ class WorkerClient:
         self.backend: Backend | None = None
         self.run_id: bytes | None = None
         self.replica_digest = 0  # digest of backend.state, refreshed after every change
+        self.weights_changed = 0  # by the update that produced the replica; 0 when unknown
         self.connections = 0  # handshakes completed
         self._stop = asyncio.Event()
         self._rng = random.Random()  # backoff jitter only; nothing a replica depends on
@@ -386,6 +304,7 @@ class WorkerClient:
         backend = await self._call(self.backend_factory.build, self.dataset, state)
         self.backend = backend
         self.replica_digest = await self._call(backend.digest)
+        self.weights_changed = 0
         return backend
 
     def _drop_replica(self) -> None:
@@ -691,7 +610,7 @@ class _Session:
                     digest=f"{self.client.replica_digest:016x}",
                 )
             await self._send(
-                JobRequest(backend.step, self.client.replica_digest, backend.weights_changed)
+                JobRequest(backend.step, self.client.replica_digest, self.client.weights_changed)
             )
             self.awaiting = JobRequest
 
@@ -753,7 +672,7 @@ class _Session:
                 step=job.step,
                 chunk=job.chunk,
                 loss_sum=result.loss_sum,
-                weights_changed=backend.weights_changed,
+                weights_changed=self.client.weights_changed,
                 replica_digest=self.client.replica_digest,
                 fitness=result.fitness,
             )
@@ -790,6 +709,7 @@ class _Session:
         fitness = unpack_ternary(msg.fitness, msg.pair_count)
         t0 = time.monotonic()
         changed = await self.client._call(backend.apply_step, fitness)
+        self.client.weights_changed = changed
         self.client.replica_digest = await self.client._call(backend.digest)
         # `step` counts the updates applied, so `digest` is the one reported for that step.
         log.info(
@@ -826,7 +746,8 @@ class _Session:
         start, t0 = backend.step, time.monotonic()
         for packed in todo:
             # One call per step: a stop or a heartbeat never waits for a whole batch.
-            await self.client._call(backend.apply_step, unpack_ternary(packed, pairs))
+            changed = await self.client._call(backend.apply_step, unpack_ternary(packed, pairs))
+            self.client.weights_changed = changed
         self.client.replica_digest = await self.client._call(backend.digest)
         log.info(
             "replayed",
@@ -894,7 +815,7 @@ class _Session:
             log.info("snapshot not newer than the replica", step=state.step)
             return
         await self.client._call(self.backend.load_state, state)
-        self.backend.weights_changed = 0  # unknown after a snapshot; 0 as at step 0
+        self.client.weights_changed = 0  # unknown after a snapshot; 0 as at step 0
         self.client.replica_digest = await self.client._call(self.backend.digest)
         log.info(
             "snapshot loaded",

@@ -25,7 +25,8 @@ from eggroll_dist.shared.data import DataError, load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
 from eggroll_dist.shared.update import apply_update
-from eggroll_dist.worker.backend.numpy_backend import NumpyBackend, Validation
+from eggroll_dist.worker.backend import Backend, Validation
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.log import configure_logging
 
 log = structlog.get_logger("eggroll.train")
@@ -42,7 +43,7 @@ class TrainResult:
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
 
 
-def _validate(backend: NumpyBackend, result: TrainResult) -> Validation:
+def _validate(backend: Backend, result: TrainResult) -> Validation:
     v = backend.validate()
     result.curve.append(
         {"step": backend.step, "bits_per_token": v.bits_per_token, "loss_16": v.loss_16}
@@ -54,7 +55,7 @@ def _validate(backend: NumpyBackend, result: TrainResult) -> Validation:
 
 
 def train(
-    cfg: RunConfig, backend: NumpyBackend, steps: int, fitness_log: FitnessLog | None = None
+    cfg: RunConfig, backend: Backend, steps: int, fitness_log: FitnessLog | None = None
 ) -> TrainResult:
     """Run `steps` steps from the backend's state; validate every K steps and at the end."""
     result = TrainResult(backend.state)

@@ -1,1 +1,121 @@
-"""Compute backends of the worker: the NumPy reference (and CuPy on GPUs)."""
+"""Compute backends of the worker, behind one seam.
+
+A backend holds one replica (weights and optimizer state) and the data, evaluates chunks of
+the population and applies committed steps; every backend produces the same bytes as the
+NumPy reference (`numpy_backend.py`). Which tokens are read comes from `shared.window`, so
+backends agree on data by import. A new backend is one file in this folder plus one line in
+`_REGISTRY`. This package is not the protocol loop (`worker/client.py`) and holds no I/O.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ...shared.config import RunConfig
+from ...shared.data import Dataset
+from ...shared.replica import ReplicaState
+
+__all__ = [
+    "Backend",
+    "BackendFactory",
+    "BackendUnavailable",
+    "ChunkResult",
+    "Validation",
+    "cuda_usable",
+    "get_backend",
+]
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    fitness: np.ndarray  # int8, one value in {-1, 0, 1} per pair of the chunk
+    loss_sum: int  # sum of both members' integer losses over the chunk (1/16 bit)
+
+
+@dataclass(frozen=True)
+class Validation:
+    tokens: int  # held-out tokens scored
+    loss_16: float  # mean integer loss per token, in 1/16 bit (the training metric)
+    bits_per_token: float  # exact log-softmax of the integer logits, float64
+
+
+class Backend(Protocol):
+    """One replica on one device. Calls come from one thread, in order."""
+
+    name: str
+    device: str
+
+    @property
+    def state(self) -> ReplicaState:
+        """The replica as host arrays (copied back from the device when needed)."""
+        ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def config(self) -> RunConfig: ...
+
+    def load_state(self, state: ReplicaState) -> None: ...
+
+    def digest(self) -> int: ...
+
+    def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
+        """Score members [first_member, first_member + count) of the population at `step`."""
+        ...
+
+    def apply_step(self, fitness: np.ndarray) -> int:
+        """Apply the committed fitness of `self.step` (all pairs); returns weights changed."""
+        ...
+
+    def validate(self) -> Validation: ...
+
+
+class BackendUnavailable(ValueError):
+    """The requested compute backend cannot run here; the message says what to use."""
+
+
+@dataclass(frozen=True)
+class BackendFactory:
+    """Builds the replica's backend; `name` and `device` are announced in HELLO."""
+
+    name: str
+    device: str
+    build: Callable[[Dataset, ReplicaState], Backend]
+
+
+# name -> "module:function" returning a BackendFactory; imported only when chosen, so CPU
+# hosts never import CuPy.
+_REGISTRY = {
+    "numpy": "numpy_backend:factory",
+}
+
+
+def cuda_usable() -> bool:
+    """Whether CuPy is installed and sees a CUDA device (imported lazily: CPU hosts lack it)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def get_backend(kind: str, batch_members: int = 1024) -> BackendFactory:
+    """`auto`, `numpy` or `cupy`; BackendUnavailable when the choice cannot run here."""
+    if kind == "auto":
+        kind = "cupy" if "cupy" in _REGISTRY and cuda_usable() else "numpy"
+    if kind == "cupy" and "cupy" not in _REGISTRY:
+        raise BackendUnavailable(
+            "the CuPy backend is not available in this version: use --backend numpy"
+        )
+    if kind not in _REGISTRY:
+        raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy or cupy")
+    module, function = _REGISTRY[kind].split(":")
+    build = getattr(importlib.import_module(f"{__name__}.{module}"), function)
+    return build(batch_members)

@@ -1,43 +1,20 @@
 """The NumPy reference backend: evaluates chunks and applies committed steps on the CPU.
 
-Every other backend must produce the same bytes as this one (DESIGN.md §2).
+Every other backend must produce the same bytes as this one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from eggroll_dist.shared.config import RunConfig
-from eggroll_dist.shared.data import Dataset
-from eggroll_dist.shared.fitness import pair_fitness
-from eggroll_dist.shared.model import EggModel, member_noise, pair_noise
-from eggroll_dist.shared.noise import window_offsets
-from eggroll_dist.shared.replica import ReplicaState
-from eggroll_dist.shared.update import apply_update
-
-
-@dataclass(frozen=True)
-class ChunkResult:
-    fitness: np.ndarray  # int8, one value in {-1, 0, 1} per pair of the chunk
-    loss_sum: int  # sum of both members' integer losses over the chunk (1/16 bit)
-
-
-@dataclass(frozen=True)
-class Validation:
-    tokens: int  # held-out tokens scored
-    loss_16: float  # mean integer loss per token, in 1/16 bit (the training metric)
-    bits_per_token: float  # exact log-softmax of the integer logits, float64
-
-
-def pair_windows(cfg: RunConfig, train: np.ndarray, step: int, pairs: np.ndarray) -> np.ndarray:
-    """Each pair's seq_len + 1 tokens (P, T + 1), at a hashed offset into the train split."""
-    span = len(train) - cfg.es.seq_len
-    if span < 1:
-        raise ValueError(f"train split has {len(train)} tokens; seq_len needs > {cfg.es.seq_len}")
-    start = window_offsets(cfg.data.data_seed, step, pairs, span)
-    return train[start[:, None] + np.arange(cfg.es.seq_len + 1)]
+from ...shared.config import RunConfig
+from ...shared.data import Dataset
+from ...shared.fitness import pair_fitness
+from ...shared.model import EggModel, member_noise, pair_noise
+from ...shared.replica import ReplicaState
+from ...shared.update import apply_update
+from ...shared.window import pair_windows, validation_windows
+from . import BackendFactory, ChunkResult, Validation
 
 
 class NumpyBackend:
@@ -49,7 +26,6 @@ class NumpyBackend:
     def __init__(self, dataset: Dataset, state: ReplicaState, batch_members: int = 1024) -> None:
         self.dataset = dataset
         self.batch_members = max(2, batch_members - batch_members % 2)
-        self.weights_changed = 0  # by the update that produced the current state
         self.load_state(state)
 
     @property
@@ -96,20 +72,14 @@ class NumpyBackend:
         cfg = self.config
         params, changed = apply_update(cfg, self.step, self.state.params, np.asarray(fitness))
         self.load_state(ReplicaState(cfg, self.step + 1, params))
-        self.weights_changed = changed
         return changed
 
     def validate(self, rows_per_batch: int = 512) -> Validation:
         """Unperturbed model over windows of valid.bin (seq_len + 1 tokens, stride seq_len)."""
         cfg = self.config
         t = cfg.es.seq_len
-        valid = self.dataset.valid
-        rows = (len(valid) - 1) // t
-        if cfg.validation.max_tokens:
-            rows = min(rows, max(1, cfg.validation.max_tokens // t))
-        if rows < 1:
-            raise ValueError(f"valid split has {len(valid)} tokens; seq_len needs > {t}")
-        windows = valid[np.arange(rows)[:, None] * t + np.arange(t + 1)]
+        windows = validation_windows(cfg, self.dataset.valid)
+        rows = len(windows)
         loss_sum, bits_sum = 0, 0.0
         for lo in range(0, rows, rows_per_batch):
             loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
@@ -117,3 +87,12 @@ class NumpyBackend:
             bits_sum += float(bits.sum())
         tokens = rows * t
         return Validation(tokens, loss_sum / tokens, bits_sum / tokens)
+
+
+def factory(batch_members: int = 1024) -> BackendFactory:
+    """The NumPy reference backend, `batch_members` members per forward sub-batch."""
+    return BackendFactory(
+        NumpyBackend.name,
+        NumpyBackend.device,
+        lambda dataset, state: NumpyBackend(dataset, state, batch_members),
+    )

@@ -1,0 +1,30 @@
+"""Which tokens each evaluation reads: a pure function of (config, step, pair), so every
+backend scores the same windows by importing this module."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import RunConfig
+from .noise import window_offsets
+
+
+def pair_windows(cfg: RunConfig, train: np.ndarray, step: int, pairs: np.ndarray) -> np.ndarray:
+    """Each pair's seq_len + 1 tokens (P, T + 1), at a hashed offset into the train split."""
+    span = len(train) - cfg.es.seq_len
+    if span < 1:
+        raise ValueError(f"train split has {len(train)} tokens; seq_len needs > {cfg.es.seq_len}")
+    start = window_offsets(cfg.data.data_seed, step, pairs, span)
+    return train[start[:, None] + np.arange(cfg.es.seq_len + 1)]
+
+
+def validation_windows(cfg: RunConfig, valid: np.ndarray) -> np.ndarray:
+    """The held-out windows (rows, T + 1): seq_len + 1 tokens at stride seq_len from the start
+    of valid.bin, at most `validation.max_tokens` tokens' worth of rows."""
+    t = cfg.es.seq_len
+    rows = (len(valid) - 1) // t
+    if cfg.validation.max_tokens:
+        rows = min(rows, max(1, cfg.validation.max_tokens // t))
+    if rows < 1:
+        raise ValueError(f"valid split has {len(valid)} tokens; seq_len needs > {t}")
+    return valid[np.arange(rows)[:, None] * t + np.arange(t + 1)]
