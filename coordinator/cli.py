@@ -11,6 +11,7 @@ import click
 
 from eggroll_dist.shared.config import ConfigError, resolve_config
 
+from ..protocol import DEFAULT_PORT
 from .log import configure_logging
 from .metrics import Metrics
 from .server import Coordinator, Options
@@ -41,7 +42,7 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option(
     "--port",
-    default=12345,
+    default=DEFAULT_PORT,
     show_default=True,
     type=click.IntRange(0, 65535),
     help="TCP port (0: pick a free one; the 'listening' line says which).",

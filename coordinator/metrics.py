@@ -8,7 +8,9 @@ removed when a worker leaves); never a step or chunk label.
 from __future__ import annotations
 
 import platform
+import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,9 +23,11 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import start_http_server
 
-from eggroll_dist.protocol import ErrorCode, MsgType
-
+from ..protocol import ErrorCode, MsgType
 from .jobs import Outcome
+
+if TYPE_CHECKING:
+    from .run import RunCore
 
 # Why a RESULT is not used: every non-accepted outcome, and a diverged replica.
 DROP_REASONS = (*(o.value for o in Outcome if o is not Outcome.ACCEPTED), "diverged")
@@ -165,6 +169,37 @@ class Metrics:
             self.snapshot_transfers.labels(direction)
             for msg_type in MsgType:
                 self.network_bytes.labels(direction, msg_type.name)
+
+    def observe(self, core: RunCore) -> None:
+        """Gauges that are read from the run core at scrape time."""
+        self.step.set_function(lambda: core.step)
+        self.workers.set_function(core.ready_count)
+        self.weights_changed.set_function(
+            lambda: float("nan") if core.weights_changed is None else core.weights_changed
+        )
+        self.run_info.info(
+            {"run_id": core.store.run_id.hex(), "config_digest": core.cfg.digest().hex()}
+        )
+
+    def committed(self, seconds: float, loss_bits: float, member_tokens: int) -> None:
+        self.steps_committed.inc()
+        self.step_duration.observe(seconds)
+        self.train_loss.set(loss_bits)
+        self.member_tokens.inc(member_tokens)
+        self.last_commit.set(time.time())
+
+    def worker_chunk(self, name: str, seconds: float, member_tokens: int) -> None:
+        self.worker_chunk_seconds.labels(name).set(seconds)
+        self.worker_tokens_per_second.labels(name).set(member_tokens / seconds)
+        self.worker_member_tokens.labels(name).inc(member_tokens)
+
+    def validated(self, step: int, bits_per_token: float) -> None:
+        self.valid_bits.set(bits_per_token)
+        self.valid_step.set(step)
+
+    def snapshot_stored(self) -> None:
+        self.snapshot_transfers.labels("in").inc()
+        self.last_snapshot.set(time.time())
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serve /metrics over HTTP from a background thread."""

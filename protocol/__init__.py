@@ -10,6 +10,7 @@ from .errors import (
 )
 from .frames import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_PORT,
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
@@ -58,6 +59,7 @@ from .ternary import (
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_PORT",
     "HEADER_SIZE",
     "LATEST_SNAPSHOT",
     "MAGIC",

@@ -17,6 +17,7 @@ from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_PORT",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
@@ -28,6 +29,7 @@ __all__ = [
 
 MAGIC = b"EGGR"
 PROTOCOL_VERSION = 1
+DEFAULT_PORT = 12345  # the coordinator's TCP port unless told otherwise
 HEADER = struct.Struct(">4sBBHII")
 HEADER_SIZE = HEADER.size  # 16
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**20

@@ -64,6 +64,8 @@ __all__ = [
     "SnapshotChunk",
     "SnapshotRequest",
     "Step",
+    "Validate",
+    "Validation",
     "Wait",
     "Welcome",
     "auth_mac",

@@ -1,0 +1,168 @@
+"""The worker's replica behind one async façade: the backend, its thread, its cached digest.
+
+Every backend call (evaluate a chunk, apply a step, encode or decode a snapshot, validate)
+runs on one daemon thread: heartbeats and incoming frames keep flowing while a long chunk
+runs, calls stay in order on one device context, and a stopping worker need not wait for a
+chunk nobody will read. The replica outlives connections: it is kept across reconnects while
+the coordinator's run id stays the same. `step`, `digest`, `weights_changed`, `run_id` and
+`config_digest` are plain attributes the pure session reads (`session.ReplicaView`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import structlog
+
+from ..shared.config import RunConfig
+from ..shared.data import Dataset
+from ..shared.replica import ReplicaState, decode_checkpoint, encode_checkpoint
+from .backend import Backend, BackendFactory, ChunkResult, Validation
+
+__all__ = ["Replica"]
+
+log = structlog.get_logger("eggroll.worker")
+
+T = TypeVar("T")
+
+
+class _BackendThread(concurrent.futures.Executor):
+    """One daemon thread for every backend call.
+
+    One thread keeps calls in order and on one device context; a daemon thread lets the
+    process exit on SIGTERM without waiting for a chunk that nobody will read.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="eggroll-backend", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        if self._closed:
+            raise RuntimeError("the backend thread is shut down")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
+
+
+class Replica:
+    """The backend holding this worker's replica, or none yet; calls run on one thread."""
+
+    def __init__(self, dataset: Dataset, factory: BackendFactory) -> None:
+        self.dataset = dataset
+        self.factory = factory
+        self.backend: Backend | None = None
+        self.run_id: bytes | None = None
+        self.digest = 0  # of backend.state, refreshed after every change
+        self.weights_changed = 0  # by the update that produced the replica; 0 when unknown
+        self._thread: _BackendThread | None = None
+
+    # --- what the session reads --------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return -1 if self.backend is None else self.backend.step
+
+    @property
+    def config_digest(self) -> bytes | None:
+        return None if self.backend is None else self.backend.config.digest()
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def open(self) -> None:
+        self._thread = _BackendThread()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._thread is not None, "backend calls happen between open() and close()"
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def drop(self) -> None:
+        self.backend = None
+        self.run_id = None
+
+    async def start(self, config: RunConfig, run_id: bytes) -> None:
+        """A fresh replica at step 0 of the run."""
+        backend = await self._call(self.factory.build, self.dataset, ReplicaState.initial(config))
+        self.backend = backend
+        self.run_id = run_id
+        self.digest = await self._call(backend.digest)
+        self.weights_changed = 0
+
+    # --- backend calls -----------------------------------------------------------------
+
+    def _backend(self) -> Backend:
+        assert self.backend is not None, "no replica"
+        return self.backend
+
+    async def evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
+        return await self._call(self._backend().evaluate_chunk, step, first_member, count)
+
+    async def apply(self, fitness: list[np.ndarray]) -> None:
+        """Apply committed steps in order, one backend call per step (a stop or a heartbeat
+        never waits for a whole batch)."""
+        backend = self._backend()
+        start, t0 = backend.step, time.monotonic()
+        for values in fitness:
+            self.weights_changed = await self._call(backend.apply_step, values)
+        self.digest = await self._call(backend.digest)
+        seconds = round(time.monotonic() - t0, 3)
+        if len(fitness) == 1:
+            # `step` counts the updates applied, so `digest` is the one reported for that step.
+            log.info(
+                "step applied",
+                step=backend.step,
+                changed=self.weights_changed,
+                digest=f"{self.digest:016x}",
+                seconds=seconds,
+            )
+        else:
+            log.info("replayed", from_step=start, to_step=backend.step, seconds=seconds)
+
+    async def encode(self) -> tuple[int, bytes]:
+        state = self._backend().state
+        return state.step, await self._call(encode_checkpoint, state)
+
+    async def decode(self, blob: bytes) -> ReplicaState:
+        """Raises CheckpointError for a blob that is not a valid checkpoint."""
+        return await self._call(decode_checkpoint, blob)
+
+    async def load(self, state: ReplicaState) -> None:
+        backend = self._backend()
+        await self._call(backend.load_state, state)
+        self.weights_changed = 0  # unknown after a snapshot; 0 as at step 0
+        self.digest = await self._call(backend.digest)
+
+    async def validate(self) -> Validation:
+        return await self._call(self._backend().validate)

@@ -1,0 +1,664 @@
+"""The worker's side of one connection (protocol/SPEC.md §8) as pure code.
+
+No asyncio, no sockets, no backend calls. `Session` reads the replica through `ReplicaView`
+(plain attributes) and answers every event with a list of commands for the shell
+(`client.py`) to carry out in order: send a message, evaluate a job, apply steps, drop or
+start the replica, decode or install a snapshot, export one, validate. A command's result
+comes back as a call (`evaluated`, `snapshot_decoded`, `validated`), which may return more
+commands. The shell carries out one command at a time, so the session never sees a message
+while a command of its own is in flight.
+
+Rule 1: everything that decides what the worker asks for, waits for or ignores lives in this
+file; the shell only moves bytes and runs what it is told.
+
+Theory of operation. After the handshake (HELLO, CHALLENGE, AUTH, WELCOME), the worker has
+at most one thing outstanding, named by its phase:
+
+    LOADING_SNAPSHOT  SNAPSHOT_REQUEST sent; chunks arrive, then the blob is decoded
+    CATCHING_UP       FITNESS_REQUEST sent; a FITNESS_RANGE is due
+    REQUESTED         JOB_REQUEST sent; a JOB or WAIT is due, or a STEP overtakes it
+    WAITING           WAIT received; ask again at `retry_at` unless a JOB or STEP comes
+    EVALUATING        a JOB handed to the shell; its RESULT follows `evaluated`
+    IDLE              nothing outstanding: `advance()` asks for what comes next
+
+`advance()` asks FITNESS_REQUEST while the replica is behind the steps the run has
+committed (as far as this worker knows) and JOB_REQUEST once it is level. Only the newest
+request counts: a JOB or FITNESS_RANGE for a step the replica has left answers a request a
+STEP overtook, and is ignored. A STEP for the replica's step is applied at once (and ends a
+WAIT); one for a later step means the replica is behind, so it catches up. While a snapshot
+loads, STEP and FITNESS_RANGE only raise what the worker knows the run has committed.
+
+To add a request/reply pair the coordinator starts (as VALIDATE/VALIDATION): a handler in
+the running rows of `_TABLE` that returns a command, the command class, and a result call
+that returns the reply to send.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import structlog
+
+from ..protocol import (
+    LATEST_SNAPSHOT,
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Error,
+    ErrorCode,
+    FitnessRange,
+    FitnessRequest,
+    Hello,
+    Job,
+    JobRequest,
+    Message,
+    MsgType,
+    Result,
+    SnapshotChunk,
+    SnapshotRequest,
+    Step,
+    Validate,
+    Validation,
+    Wait,
+    Welcome,
+    auth_mac,
+    unpack_ternary,
+)
+from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
+from ..shared.replica import ReplicaState
+from .backend import ChunkResult
+from .backend import Validation as Score
+
+__all__ = [
+    "FATAL_CODES",
+    "FITNESS_STEPS_PER_REQUEST",
+    "Apply",
+    "Command",
+    "DecodeSnapshot",
+    "DropReplica",
+    "Ended",
+    "Evaluate",
+    "ExportSnapshot",
+    "Identity",
+    "InstallSnapshot",
+    "PeerViolation",
+    "Phase",
+    "ReplicaView",
+    "RunValidation",
+    "Send",
+    "Session",
+    "StartReplica",
+    "WorkerFatal",
+]
+
+log = structlog.get_logger("eggroll.worker")
+
+# SPEC §8: these mean the worker can never join this run as it is; reconnecting won't help.
+FATAL_CODES = frozenset(
+    {
+        ErrorCode.BAD_VERSION,
+        ErrorCode.AUTH_FAILED,
+        ErrorCode.DATA_MISMATCH,
+        ErrorCode.CONFIG_MISMATCH,
+    }
+)
+# Steps asked for per FITNESS_REQUEST: one progress line per batch while catching up.
+FITNESS_STEPS_PER_REQUEST = 256
+
+
+class WorkerFatal(Exception):
+    """The worker cannot take part in this run (SPEC §8 permanent errors); str() is one line
+    that says what to do. `code` is the ERROR code behind it; `tell` says whether the
+    coordinator must be sent ERROR(code) first (it is the worker that refuses)."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None, tell: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.tell = tell
+
+
+class Ended(Exception):
+    """This connection is over; reconnect. The message (one line) says why;
+    `drop_replica` says the replica must start again from step 0 (DIVERGED)."""
+
+    def __init__(self, message: str, drop_replica: bool = False) -> None:
+        super().__init__(message)
+        self.drop_replica = drop_replica
+
+
+class PeerViolation(Exception):
+    """The coordinator sent well-formed frames that break the session flow of SPEC §8."""
+
+
+class Phase(enum.Enum):
+    HELLO_SENT = "hello sent"  #: waiting for CHALLENGE
+    AUTH_SENT = "auth sent"  #: waiting for WELCOME
+    IDLE = "idle"  #: nothing outstanding; `advance()` asks for what comes next
+    LOADING_SNAPSHOT = "loading snapshot"  #: SNAPSHOT_REQUEST sent, chunks arriving
+    CATCHING_UP = "catching up"  #: FITNESS_REQUEST sent
+    REQUESTED = "requested"  #: JOB_REQUEST sent
+    WAITING = "waiting"  #: told to WAIT until `retry_at`
+    EVALUATING = "evaluating"  #: a JOB is with the shell
+
+
+# --- commands (what the shell carries out) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """Evaluate the job with the replica; then `evaluated(job, result, seconds)`."""
+
+    job: Job
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Apply committed steps' fitness (one array of int8 per step) in order."""
+
+    fitness: list[np.ndarray]
+
+
+@dataclass(frozen=True)
+class DropReplica:
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartReplica:
+    """A fresh replica at step 0 of this run."""
+
+    config: RunConfig
+    run_id: bytes
+
+
+@dataclass(frozen=True)
+class DecodeSnapshot:
+    """Decode a downloaded blob; then `snapshot_decoded(state or error)`."""
+
+    blob: bytes
+    step: int
+
+
+@dataclass(frozen=True)
+class InstallSnapshot:
+    state: ReplicaState
+
+
+@dataclass(frozen=True)
+class ExportSnapshot:
+    """Stream the replica's current state as SNAPSHOT_CHUNKs."""
+
+    requested: int
+
+
+@dataclass(frozen=True)
+class RunValidation:
+    """Score the replica on valid.bin; then `validated(step, score, seconds)`."""
+
+    step: int
+
+
+Command = (
+    Send
+    | Evaluate
+    | Apply
+    | DropReplica
+    | StartReplica
+    | DecodeSnapshot
+    | InstallSnapshot
+    | ExportSnapshot
+    | RunValidation
+)
+
+
+class ReplicaView(Protocol):
+    """What the session reads of the replica (`worker/replica.py`); step -1: none."""
+
+    step: int
+    digest: int
+    weights_changed: int
+    run_id: bytes | None
+
+    @property
+    def config_digest(self) -> bytes | None: ...
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the worker says about itself, and what it checks a run config against."""
+
+    name: str
+    token: bytes
+    backend: str
+    device: str
+    data_digest: bytes
+    vocab_size: int
+    train_tokens: int
+    coordinator: str = "the coordinator"  # host:port, for messages
+
+
+@dataclass
+class _Download:
+    """A snapshot arriving as SNAPSHOT_CHUNKs (offsets ascending, total fixed)."""
+
+    started: float
+    step: int | None = None
+    total: int | None = None
+    received: int = 0
+    parts: list[bytes] = field(default_factory=list)
+
+
+class Session:
+    def __init__(
+        self, me: Identity, replica: ReplicaView, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.me = me
+        self.replica = replica
+        self.clock = clock
+        self.phase = Phase.HELLO_SENT
+        self.config: RunConfig | None = None
+        self.committed = 0  # steps the coordinator has committed, as far as we know
+        self.newest_step_frame = 0  # 1 + newest STEP read off the socket (maybe not handled)
+        self.retry_at: float | None = None  # WAITING: when to ask again
+        self._download: _Download | None = None
+        self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
+        self._nonce = b""
+
+    @property
+    def welcomed(self) -> bool:
+        return self.config is not None
+
+    # --- events ----------------------------------------------------------------------------
+
+    def start(self) -> list[Command]:
+        me = self.me
+        return [Send(Hello(PROTOCOL_VERSION, me.name, me.backend, me.device, me.data_digest))]
+
+    def receive(self, msg: Message) -> list[Command]:
+        """Act on one message; raises Ended, WorkerFatal or PeerViolation."""
+        if msg.TYPE is MsgType.HEARTBEAT:
+            return []  # receiving it already proved the coordinator alive
+        if isinstance(msg, Error):
+            raise self._on_error(msg)
+        handler = _TABLE[self.phase].get(msg.TYPE)
+        if handler is None:
+            raise PeerViolation(f"unexpected {msg.TYPE.name} while {self.phase.value}")
+        return handler(self, msg)
+
+    def step_frame_seen(self, step: int) -> None:
+        """A STEP was read off the socket (called before it is handled, while a chunk may
+        run): a running evaluation of that step is no longer needed."""
+        self.newest_step_frame = max(self.newest_step_frame, step + 1)
+
+    def retry_due(self) -> None:
+        """The WAIT has run out: ask again."""
+        if self.phase is Phase.WAITING:
+            self.phase, self.retry_at = Phase.IDLE, None
+
+    def advance(self) -> list[Command]:
+        """Ask for what comes next unless an answer, a snapshot or a WAIT is outstanding."""
+        if self.phase is not Phase.IDLE:
+            return []
+        replica = self.replica
+        if replica.step < self.committed:
+            if self._catchup is None:
+                self._catchup = (replica.step, self.clock())
+            self.phase = Phase.CATCHING_UP
+            return [Send(FitnessRequest(replica.step, self._fitness_batch()))]
+        if self._catchup is not None:
+            start, t0 = self._catchup
+            self._catchup = None
+            log.info(
+                "caught up",
+                from_step=start,
+                to_step=replica.step,
+                seconds=round(self.clock() - t0, 3),
+                digest=f"{replica.digest:016x}",
+            )
+        self.phase = Phase.REQUESTED
+        return [Send(JobRequest(replica.step, replica.digest, replica.weights_changed))]
+
+    # --- results of commands -----------------------------------------------------------
+
+    def evaluated(self, job: Job, result: ChunkResult, seconds: float) -> list[Command]:
+        self.phase = Phase.IDLE
+        if self.newest_step_frame > job.step:
+            # The step was committed meanwhile (another worker's copy won): nobody needs it.
+            log.info("chunk dropped", step=job.step, chunk=job.chunk, reason="step committed")
+            return []
+        assert self.config is not None
+        tokens = job.member_count * self.config.es.seq_len
+        log.info(
+            "chunk done",
+            step=job.step,
+            chunk=job.chunk,
+            members=job.member_count,
+            seconds=round(seconds, 3),
+            member_tok_s=round(tokens / max(seconds, 1e-9)),
+        )
+        replica = self.replica
+        return [
+            Send(
+                Result.from_values(
+                    step=job.step,
+                    chunk=job.chunk,
+                    loss_sum=result.loss_sum,
+                    weights_changed=replica.weights_changed,
+                    replica_digest=replica.digest,
+                    fitness=result.fitness,
+                )
+            )
+        ]
+
+    def snapshot_decoded(
+        self, step: int, state: ReplicaState | None, error: str = ""
+    ) -> list[Command]:
+        """Check a decoded snapshot against the run; a bad one is replaced by the log."""
+        assert self.config is not None
+        if state is not None:
+            if state.step != step:
+                error = f"snapshot holds step {state.step}, its chunks said {step}"
+            elif state.config.digest() != self.config.digest():
+                error = "snapshot was made with another run config"
+            elif state.step > self.committed:
+                error = f"snapshot at step {state.step} is past the run's {self.committed} steps"
+        if error or state is None:
+            # The fitness log is the run itself: replay it instead of trusting this blob.
+            log.warning("snapshot rejected; replaying the fitness log instead", reason=error)
+            return []
+        if state.step <= self.replica.step:
+            log.info("snapshot not newer than the replica", step=state.step)
+            return []
+        return [InstallSnapshot(state)]
+
+    def validated(self, step: int, v: Score, seconds: float) -> list[Command]:
+        log.info(
+            "validation",
+            step=step,
+            valid_bits=round(v.bits_per_token, 4),
+            tokens=v.tokens,
+            seconds=round(seconds, 3),
+        )
+        return [Send(Validation(step, v.tokens, v.loss_16, v.bits_per_token))]
+
+    # --- handshake -------------------------------------------------------------------------
+
+    def _on_challenge(self, msg: Challenge) -> list[Command]:
+        self.phase = Phase.AUTH_SENT
+        return [Send(Auth(auth_mac(self.me.token, msg.nonce)))]
+
+    def _on_welcome(self, msg: Welcome) -> list[Command]:
+        """Check the run config and keep, or start afresh, the replica (SPEC §8 catch-up)."""
+        config = self._check_config(msg)
+        self.config = config
+        self.committed = msg.current_step
+        out: list[Command] = []
+        replica, step = self.replica, self.replica.step
+        if replica.config_digest is not None:
+            if replica.run_id != msg.run_id or replica.config_digest != config.digest():
+                log.info("new run: the replica starts again from step 0", run=msg.run_id.hex())
+                out.append(DropReplica("new run"))
+            elif replica.step > msg.current_step:
+                # Steps the run has not committed: the replica cannot be trusted.
+                reason = f"at step {replica.step}, the run has {msg.current_step}"
+                log.warning("replica dropped", reason=reason)
+                out.append(DropReplica(reason))
+        if replica.config_digest is None or out:
+            out.append(StartReplica(config, msg.run_id))
+            step = 0
+        log.info(
+            "connected",
+            coordinator=self.me.coordinator,
+            run=msg.run_id.hex(),
+            run_step=msg.current_step,
+            replica_step=step,
+            snapshot_step=msg.snapshot_step,
+        )
+        if msg.snapshot_step > step:
+            self._catchup = (step, self.clock())
+            self._download = _Download(self.clock())
+            self.phase = Phase.LOADING_SNAPSHOT
+            out.append(Send(SnapshotRequest(LATEST_SNAPSHOT)))
+        else:
+            self.phase = Phase.IDLE
+        return out
+
+    def _check_config(self, msg: Welcome) -> RunConfig:
+        me = self.me
+        try:
+            config = from_canonical_bytes(msg.config_bytes)
+        except ConfigError as exc:
+            raise self._refuse(
+                f"the run config from {me.coordinator} is not valid for this worker version: {exc}"
+            ) from None
+        if config.pairs != msg.pairs_per_step:
+            raise self._refuse(
+                f"WELCOME says {msg.pairs_per_step} pairs per step, the run config has "
+                f"{config.pairs}"
+            )
+        if me.vocab_size != config.model.vocab_size:
+            raise self._refuse(
+                f"the run's model has a vocabulary of {config.model.vocab_size}, this "
+                f"worker's data has {me.vocab_size}: point --data-dir at the run's data"
+            )
+        if me.train_tokens <= config.es.seq_len:
+            raise self._refuse(
+                f"this worker's input.bin has {me.train_tokens} tokens, the run's "
+                f"es.seq_len={config.es.seq_len} needs more: point --data-dir at the run's data"
+            )
+        return config
+
+    def _refuse(self, message: str) -> WorkerFatal:
+        """This worker cannot run the run's config: tell the coordinator, and give up."""
+        return WorkerFatal(message, ErrorCode.CONFIG_MISMATCH, tell=True)
+
+    # --- running -----------------------------------------------------------------------------
+
+    def _on_job(self, job: Job) -> list[Command]:
+        step = self.replica.step
+        if job.step != step:
+            # Only a replica at the job's step may evaluate it. An older job answers a request
+            # that a STEP overtook (a newer request is on its way); a newer one means this
+            # replica is behind, and advance() catches up.
+            log.info("job skipped", step=job.step, chunk=job.chunk, replica_step=step)
+            if job.step > step:
+                self.committed = max(self.committed, job.step)
+                if self.phase in (Phase.REQUESTED, Phase.CATCHING_UP):
+                    self.phase = Phase.IDLE
+            return []
+        assert self.config is not None
+        population = self.config.es.population
+        if job.first_member + job.member_count > population:
+            raise PeerViolation(
+                f"JOB members [{job.first_member}, {job.first_member + job.member_count}) lie "
+                f"outside the population of {population}"
+            )
+        self.phase, self.retry_at = Phase.EVALUATING, None
+        return [Evaluate(job)]
+
+    def _skip_job(self, job: Job) -> list[Command]:
+        log.info("job skipped", step=job.step, chunk=job.chunk, reason="loading a snapshot")
+        return []
+
+    def _on_wait(self, msg: Wait) -> list[Command]:
+        self.phase = Phase.WAITING
+        self.retry_at = self.clock() + msg.retry_after_ms / 1000
+        return []
+
+    def _on_step(self, msg: Step) -> list[Command]:
+        step = self.replica.step
+        if msg.step < step:
+            return []  # already applied (from a FITNESS_RANGE)
+        self.committed = max(self.committed, msg.step + 1)
+        if msg.step > step:
+            # Behind: catch up with FITNESS_REQUEST, unless one is already out. A STEP also
+            # ends a WAIT (SPEC §8).
+            if self.phase in (Phase.REQUESTED, Phase.WAITING):
+                self.phase, self.retry_at = Phase.IDLE, None
+            return []
+        # SPEC §8: after applying a STEP the worker sends JOB_REQUEST, whatever it asked
+        # before (the coordinator may leave a request from the old step unanswered).
+        assert self.config is not None
+        if msg.pair_count != self.config.pairs:
+            raise PeerViolation(
+                f"STEP {msg.step} has {msg.pair_count} pairs, the run has {self.config.pairs}"
+            )
+        self.phase, self.retry_at = Phase.IDLE, None
+        return [Apply([unpack_ternary(msg.fitness, msg.pair_count)])]
+
+    def _note_step(self, msg: Step) -> list[Command]:
+        self.committed = max(self.committed, msg.step + 1)
+        return []
+
+    def _on_fitness_range(self, msg: FitnessRange) -> list[Command]:
+        end = self._note_range(msg)
+        step = self.replica.step
+        if msg.first_step < step and end <= step:
+            return []  # answers a request a STEP overtook: nothing new, a newer answer is due
+        if msg.first_step > step:
+            raise PeerViolation(
+                f"FITNESS_RANGE starts at step {msg.first_step}, the replica needs step {step}"
+            )
+        if self.phase in (Phase.REQUESTED, Phase.CATCHING_UP):
+            self.phase = Phase.IDLE
+        pairs = msg.pairs_per_step
+        todo = msg.split()[step - msg.first_step :]
+        return [Apply([unpack_ternary(packed, pairs) for packed in todo])] if todo else []
+
+    def _note_range(self, msg: FitnessRange) -> int:
+        assert self.config is not None
+        if msg.pairs_per_step != self.config.pairs:
+            raise PeerViolation(
+                f"FITNESS_RANGE has {msg.pairs_per_step} pairs per step, "
+                f"the run has {self.config.pairs}"
+            )
+        end = msg.first_step + msg.step_count
+        self.committed = max(self.committed, end)
+        return end
+
+    def _ignore_range(self, msg: FitnessRange) -> list[Command]:
+        self._note_range(msg)  # the snapshot comes first; the fitness is asked for after it
+        return []
+
+    def _on_snapshot_request(self, msg: SnapshotRequest) -> list[Command]:
+        # SPEC §8: a worker that has moved on sends its current state; it carries its step.
+        return [ExportSnapshot(msg.step)]
+
+    def _on_snapshot_chunk(self, chunk: SnapshotChunk) -> list[Command]:
+        d = self._download
+        assert d is not None
+        if d.step is None:
+            if chunk.offset != 0:
+                raise PeerViolation(f"first SNAPSHOT_CHUNK starts at offset {chunk.offset}")
+            d.step, d.total = chunk.step, chunk.total_bytes
+        elif (chunk.step, chunk.total_bytes, chunk.offset) != (d.step, d.total, d.received):
+            raise PeerViolation(
+                f"SNAPSHOT_CHUNK (step {chunk.step}, total {chunk.total_bytes}, offset "
+                f"{chunk.offset}) does not continue step {d.step}, total {d.total} at {d.received}"
+            )
+        d.parts.append(chunk.data)
+        d.received += len(chunk.data)
+        if not chunk.is_last:
+            return []
+        self._download, self.phase = None, Phase.IDLE
+        blob = b"".join(d.parts)
+        d.parts.clear()
+        return [DecodeSnapshot(blob, d.step)]
+
+    def _stray_chunk(self, chunk: SnapshotChunk) -> list[Command]:
+        log.info("unexpected snapshot chunk ignored", step=chunk.step, offset=chunk.offset)
+        return []
+
+    def _on_validate(self, msg: Validate) -> list[Command]:
+        """Score the replica if it is still at the asked step (SPEC §8); else no answer."""
+        return [RunValidation(msg.step)] if msg.step == self.replica.step else []
+
+    def _ignore(self, msg: Message) -> list[Command]:
+        return []
+
+    # --- errors ------------------------------------------------------------------------------
+
+    def _on_error(self, error: Error) -> Ended:
+        """Why to reconnect after an ERROR from the coordinator; raises WorkerFatal."""
+        code = error.code
+        said = f" ({error.message})" if error.message else ""
+        if code in FATAL_CODES:
+            raise WorkerFatal(self._fatal_text(code, said), code)
+        if code is ErrorCode.DIVERGED:
+            log.warning("replica dropped", reason=f"the coordinator says it diverged{said}")
+            return Ended(f"replica diverged from the run{said}; it starts again from step 0", True)
+        if code is ErrorCode.SHUTTING_DOWN:
+            return Ended("the coordinator is shutting down")
+        return Ended(f"the coordinator ended the connection with {code.name}{said}")
+
+    def _fatal_text(self, code: ErrorCode, said: str) -> str:
+        me = self.me
+        if code is ErrorCode.AUTH_FAILED:
+            return (
+                f"the coordinator at {me.coordinator} rejected this worker's token "
+                f"(AUTH_FAILED): pass the coordinator's token with --token or EGGROLL_TOKEN"
+            )
+        if code is ErrorCode.DATA_MISMATCH:
+            return (
+                f"this worker's data (sha256 {me.data_digest.hex()[:16]}...) is not the run's "
+                f"data (DATA_MISMATCH{said}): point --data-dir at the same files the run uses"
+            )
+        if code is ErrorCode.BAD_VERSION:
+            return (
+                f"the coordinator does not speak protocol version {PROTOCOL_VERSION} "
+                f"(BAD_VERSION{said}): run the same eggroll-distributed version everywhere"
+            )
+        return (
+            f"the coordinator says this worker cannot run its config (CONFIG_MISMATCH{said}): "
+            f"run the same eggroll-distributed version everywhere"
+        )
+
+    def _fitness_batch(self) -> int:
+        assert self.config is not None
+        return max(
+            1, min(FITNESS_STEPS_PER_REQUEST, FitnessRange.max_steps_per_frame(self.config.pairs))
+        )
+
+
+Handler = Callable[[Session, Message], list[Command]]
+
+# What each message does in each phase; a type missing from a row is a protocol violation.
+# HEARTBEAT and ERROR are handled the same in every phase (see `receive`). The connection's
+# state machine (protocol/connection.py) has already checked the handshake order.
+_RUNNING: dict[MsgType, Handler] = {
+    MsgType.JOB: Session._on_job,
+    MsgType.WAIT: Session._on_wait,
+    MsgType.STEP: Session._on_step,
+    MsgType.FITNESS_RANGE: Session._on_fitness_range,
+    MsgType.SNAPSHOT_REQUEST: Session._on_snapshot_request,
+    MsgType.SNAPSHOT_CHUNK: Session._stray_chunk,
+    MsgType.VALIDATE: Session._on_validate,
+}  # type: ignore[dict-item]
+_TABLE: dict[Phase, dict[MsgType, Handler]] = {
+    Phase.HELLO_SENT: {MsgType.CHALLENGE: Session._on_challenge},  # type: ignore[dict-item]
+    Phase.AUTH_SENT: {MsgType.WELCOME: Session._on_welcome},  # type: ignore[dict-item]
+    Phase.LOADING_SNAPSHOT: {
+        MsgType.SNAPSHOT_CHUNK: Session._on_snapshot_chunk,
+        MsgType.JOB: Session._skip_job,
+        MsgType.WAIT: Session._ignore,
+        MsgType.STEP: Session._note_step,
+        MsgType.FITNESS_RANGE: Session._ignore_range,
+        MsgType.SNAPSHOT_REQUEST: Session._on_snapshot_request,
+        MsgType.VALIDATE: Session._ignore,
+    },  # type: ignore[dict-item]
+    Phase.IDLE: _RUNNING,
+    Phase.CATCHING_UP: _RUNNING,
+    Phase.REQUESTED: _RUNNING,
+    Phase.WAITING: _RUNNING,
+    Phase.EVALUATING: {},  # the shell delivers nothing while a job runs
+}
