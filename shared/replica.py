@@ -1,7 +1,7 @@
 """Replica state (weights at a step), its 64-bit digest, and the checkpoint file format.
 
-The state at step s is a pure function of (run config, fitness of steps 0..s-1); the
-digest proves two replicas agree. It is BLAKE2b-64 of
+The state at step s is a pure function of (run config, fitness of steps 0..s-1): `replay`
+says so in code, and the digest proves two replicas agree. It is BLAKE2b-64 of
 
     b"eggroll-replica/1" | config digest (32 B) | step (u64 BE) |
     for each tensor in param_specs order: its int8 bytes (C order)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import numpy as np
 from .atomic_file import write_atomic
 from .config import ConfigError, RunConfig, from_canonical_bytes
 from .model import init_params, param_specs
+from .update import apply_update
 
 MAGIC = b"EGGCKPT\0"
 FORMAT_VERSION = 1
@@ -70,6 +72,16 @@ class ReplicaState:
 
     def digest_hex(self) -> str:
         return f"{self.digest():016x}"
+
+
+def replay(state: ReplicaState, fitness: Iterable[np.ndarray]) -> ReplicaState:
+    """Apply committed steps' fitness (int8 in {-1, 0, 1}, one array per step, all pairs) to
+    a state: the replica every worker reaches, whatever its backend (no data needed)."""
+    cfg, params, step = state.config, state.params, state.step
+    for values in fitness:
+        params, _ = apply_update(cfg, step, params, values)
+        step += 1
+    return ReplicaState(cfg, step, params)
 
 
 def encode_checkpoint(state: ReplicaState) -> bytes:

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, load_checkpoint
+from eggroll_dist.shared.replica import replay as replay_steps
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.train import replay, train
+from eggroll_dist.worker.train import train
 
 SMALL = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16),
@@ -37,6 +39,11 @@ seq_len = 12
 every_steps = 3
 max_tokens = 600
 """
+
+
+def replay(state: ReplicaState, packed: list[bytes]) -> ReplicaState:
+    """The replica after the logged (packed) fitness of each step."""
+    return replay_steps(state, [unpack_ternary(p, state.config.pairs) for p in packed])
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,15 @@ from eggroll_dist.protocol import (
     pack_ternary,
     verify_mac,
 )
+from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.replica import ReplicaState, decode_checkpoint, encode_checkpoint
+from eggroll_dist.shared.replica import replay as replay_steps
 from eggroll_dist.worker.backend import BackendFactory, ChunkResult, get_backend
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import WorkerClient, WorkerFatal
 from eggroll_dist.worker.prepare import prepare_data_dir
-from eggroll_dist.worker.train import replay
 
 CFG = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16), es=ESConfig(population=16, chunk_size=8, seq_len=8)
@@ -64,6 +65,11 @@ PAIRS = CFG.pairs
 RUN_ID = bytes(range(16))
 TIMEOUT_S = 5.0  # every single wait in these tests
 M = TypeVar("M", bound=Message)
+
+
+def replay(state: ReplicaState, packed: list[bytes]) -> ReplicaState:
+    """The replica after the logged (packed) fitness of each step."""
+    return replay_steps(state, [unpack_ternary(p, state.config.pairs) for p in packed])
 
 
 def fitness(step: int) -> np.ndarray:

@@ -19,12 +19,11 @@ import click
 import numpy as np
 import structlog
 
-from eggroll_dist.protocol.ternary import pack_ternary, unpack_ternary
+from eggroll_dist.protocol.ternary import pack_ternary
 from eggroll_dist.shared.config import ConfigError, RunConfig, resolve_config
 from eggroll_dist.shared.data import DataError, load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
-from eggroll_dist.shared.update import apply_update
 from eggroll_dist.worker.backend import Backend, Validation
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.log import configure_logging
@@ -96,16 +95,6 @@ def train(
     result.state = backend.state
     result.seconds = time.perf_counter() - start
     return result
-
-
-def replay(state: ReplicaState, packed_steps: list[bytes]) -> ReplicaState:
-    """Apply logged fitness to a state: the replica any worker would reach (no data needed)."""
-    cfg = state.config
-    params, step = state.params, state.step
-    for packed in packed_steps:
-        params, _ = apply_update(cfg, step, params, unpack_ternary(packed, cfg.pairs))
-        step += 1
-    return ReplicaState(cfg, step, params)
 
 
 def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
