@@ -1,0 +1,763 @@
+"""The session flow of protocol/SPEC.md §8, in memory: the coordinator's run core and worker
+sessions joined by `Connection` pairs over a fake network, with a fake clock. No sockets, no
+threads; the replicas are real NumPy backends of a tiny model, so digests must agree.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eggroll_dist.coordinator.run import (
+    Refused,
+    RunCore,
+    Send,
+    ServeSnapshot,
+    StoreSnapshot,
+)
+from eggroll_dist.coordinator.store import RunStore
+from eggroll_dist.protocol import (
+    PROTOCOL_VERSION,
+    Connection,
+    Error,
+    ErrorCode,
+    FitnessRange,
+    FitnessRequest,
+    Heartbeat,
+    Hello,
+    Job,
+    JobRequest,
+    Message,
+    Result,
+    Role,
+    SnapshotChunk,
+    SnapshotRequest,
+    Step,
+    Validate,
+    Validation,
+    Wait,
+    Welcome,
+    iter_snapshot_chunks,
+    pack_ternary,
+    unpack_ternary,
+)
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
+from eggroll_dist.shared.data import Dataset, load_data_dir
+from eggroll_dist.shared.replica import (
+    CheckpointError,
+    ReplicaState,
+    decode_checkpoint,
+    encode_checkpoint,
+    replay,
+)
+from eggroll_dist.worker import session as session_module
+from eggroll_dist.worker.backend import Backend
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.prepare import prepare_data_dir
+from eggroll_dist.worker.session import (
+    Apply,
+    Command,
+    DecodeSnapshot,
+    DropReplica,
+    Ended,
+    Evaluate,
+    ExportSnapshot,
+    Identity,
+    InstallSnapshot,
+    Phase,
+    RunValidation,
+    Session,
+    StartReplica,
+    WorkerFatal,
+)
+from eggroll_dist.worker.session import Send as WorkerSend
+
+# 16 members in 2 chunks of 8; validation only when a test asks for it.
+CFG = RunConfig(
+    model=ModelConfig(n_layer=1, d_model=16),
+    es=ESConfig(population=16, chunk_size=8, seq_len=8),
+    validation=ValidationConfig(every_steps=0, max_tokens=64),
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
+    docs = [" ".join(rng.choice(words) for _ in range(200)).encode() for _ in range(20)]
+    out = tmp_path_factory.mktemp("data")
+    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
+    return load_data_dir(out)
+
+
+# --- the harness --------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class SyncReplica:
+    """The replica façade of worker/replica.py, carried out at once on the calling thread."""
+
+    dataset: Dataset
+    backend: Backend | None = None
+    run_id: bytes | None = None
+    digest: int = 0
+    weights_changed: int = 0
+
+    @property
+    def step(self) -> int:
+        return -1 if self.backend is None else self.backend.step
+
+    @property
+    def config_digest(self) -> bytes | None:
+        return None if self.backend is None else self.backend.config.digest()
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker: its session, its end of the link, what it has received but not handled."""
+
+    net: Network
+    name: str
+    session: Session
+    replica: SyncReplica
+    conn: Connection = field(default_factory=lambda: Connection(Role.WORKER))
+    peer: int = 0
+    inbox: list[Message] = field(default_factory=list)
+    sent: list[Message] = field(default_factory=list)  # everything this worker sent
+    got: list[Message] = field(default_factory=list)  # everything it received
+    held: list[Job] = field(default_factory=list)  # jobs evaluating "slowly"
+    hold_jobs: bool = False  # hold every job, whatever its step
+    ended: str | None = None  # why the connection ended
+    fatal: WorkerFatal | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.ended is None and self.fatal is None
+
+    def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+        self.net.to_coordinator(self, self.conn.send(msg))
+
+    def deliver(self, data: bytes) -> None:
+        """Bytes arrive: decoded at once (as the read loop does), handled later."""
+        self.conn.receive_data(data)
+        while (msg := self.conn.next_event()) is not None:
+            if isinstance(msg, Step):
+                self.session.step_frame_seen(msg.step)
+            self.got.append(msg)
+            self.inbox.append(msg)
+
+    def carry_out(self, commands: list[Command]) -> None:
+        r = self.replica
+        for command in commands:
+            match command:
+                case WorkerSend(msg=msg):
+                    self.send(msg)
+                case Evaluate(job=job):
+                    if self.hold_jobs or job.step >= self.net.stop_at:
+                        self.held.append(job)
+                        return  # the shell runs nothing else until the job is done
+                    self._evaluate(job)
+                case Apply(fitness=fitness):
+                    assert r.backend is not None
+                    for values in fitness:
+                        r.weights_changed = r.backend.apply_step(values)
+                    r.digest = r.backend.digest()
+                case DropReplica():
+                    r.backend, r.run_id = None, None
+                case StartReplica(config=config, run_id=run_id):
+                    r.backend = NumpyBackend(r.dataset, ReplicaState.initial(config))
+                    r.run_id, r.digest, r.weights_changed = run_id, r.backend.digest(), 0
+                case DecodeSnapshot(blob=blob, step=step):
+                    try:
+                        state = decode_checkpoint(blob)
+                    except CheckpointError as exc:
+                        self.carry_out(self.session.snapshot_decoded(step, None, str(exc)))
+                    else:
+                        self.carry_out(self.session.snapshot_decoded(step, state))
+                case InstallSnapshot(state=state):
+                    assert r.backend is not None
+                    r.backend.load_state(state)
+                    r.digest, r.weights_changed = r.backend.digest(), 0
+                case ExportSnapshot():
+                    assert r.backend is not None
+                    state = r.backend.state
+                    for chunk in iter_snapshot_chunks(state.step, encode_checkpoint(state)):
+                        self.send(chunk)
+                case RunValidation(step=step):
+                    assert r.backend is not None
+                    self.carry_out(self.session.validated(step, r.backend.validate(), 0.001))
+
+    def _evaluate(self, job: Job) -> None:
+        assert self.replica.backend is not None
+        result = self.replica.backend.evaluate_chunk(job.step, job.first_member, job.member_count)
+        self.carry_out(self.session.evaluated(job, result, 0.001))
+
+    def finish_held(self) -> None:
+        """The slow job ends; messages that arrived meanwhile are handled next."""
+        self.hold_jobs = False
+        while self.held:
+            self._evaluate(self.held.pop(0))
+        if not self.inbox:
+            self.carry_out(self.session.advance())
+
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def handle_one(self) -> bool:
+        """Handle the next received message (then ask for more if nothing else is queued),
+        as the shell's serve loop does; False when there was nothing to do."""
+        if not self.alive or self.busy():
+            return False
+        if not self.inbox:
+            return False
+        msg = self.inbox.pop(0)
+        try:
+            self.carry_out(self.session.receive(msg))
+            if not self.inbox and not self.busy():
+                self.carry_out(self.session.advance())
+        except Ended as exc:
+            if exc.drop_replica:
+                self.replica.backend, self.replica.run_id = None, None
+            self.close(str(exc))
+        except WorkerFatal as exc:
+            if exc.tell and exc.code is not None:
+                self.net.to_coordinator(self, self.conn.send_error(exc.code, str(exc)))
+            self.fatal = exc
+            self.net.disconnect(self)
+        return True
+
+    def close(self, reason: str) -> None:
+        self.ended = reason
+        self.net.disconnect(self)
+
+
+class Network:
+    """The run core and its workers over in-memory links (h11's ConnectionPair, widened)."""
+
+    def __init__(self, store: RunStore, dataset: Dataset, **core_options: object) -> None:
+        self.clock = FakeClock()
+        self.store = store
+        self.dataset = dataset
+        self.core = RunCore(store, clock=self.clock, **core_options)  # type: ignore[arg-type]
+        self.links: dict[int, tuple[Worker, Connection]] = {}
+        self.workers: list[Worker] = []
+        self.refused: list[tuple[str, ErrorCode]] = []
+        # Jobs of this step and later are held (a worker "evaluating" them is busy) until
+        # `train` moves the mark: that is how a test lets the run settle between steps.
+        self.stop_at = 0
+
+    def join(
+        self, name: str, *, replica: SyncReplica | None = None, token: bytes = b"", **me: object
+    ) -> Worker:
+        identity = Identity(
+            name=name,
+            token=token,
+            backend="numpy",
+            device="cpu",
+            data_digest=me.pop("data_digest", self.dataset.digest),  # type: ignore[arg-type]
+            vocab_size=me.pop("vocab_size", self.dataset.meta.vocab_size),  # type: ignore[arg-type]
+            train_tokens=len(self.dataset.train),
+        )
+        replica = replica or SyncReplica(self.dataset)
+        w = Worker(self, name, Session(identity, replica, clock=self.clock), replica)
+        w.peer = self.core.connect(f"mem:{name}")
+        self.links[w.peer] = (w, Connection(Role.COORDINATOR))
+        self.workers.append(w)
+        w.carry_out(w.session.start())
+        return w
+
+    def to_coordinator(self, w: Worker, data: bytes) -> None:
+        link = self.links.get(w.peer)
+        if link is None:
+            return
+        conn = link[1]
+        conn.receive_data(data)
+        while link[0].peer in self.links and (msg := conn.next_event()) is not None:
+            try:
+                commands = self.core.receive(w.peer, msg)
+            except Refused as exc:
+                self.refused.append((w.name, exc.code))
+                w.deliver(conn.send_error(exc.code, exc.message))
+                self.drop(w)
+                return
+            self.carry_out(commands)
+
+    def carry_out(self, commands: list) -> None:
+        for command in commands:
+            w, conn = self.links[command.peer]
+            match command:
+                case Send(msg=msg):
+                    if conn.can_send(msg.TYPE):
+                        w.deliver(conn.send(msg))
+                case ServeSnapshot(step=step):
+                    blob = self.store.snapshot_path(step).read_bytes()
+                    for chunk in iter_snapshot_chunks(step, blob):
+                        w.deliver(conn.send(chunk))
+                    self.core.snapshot_served(command.peer, step, len(blob))
+                case StoreSnapshot(blob=blob):
+                    try:
+                        state = decode_checkpoint(blob)
+                    except CheckpointError as exc:
+                        self.core.snapshot_decoded(command.peer, None, str(exc))
+                        continue
+                    if self.core.snapshot_decoded(command.peer, state):
+                        self.store.save_snapshot(state.step, blob, 3)
+                        self.core.snapshot_stored(command.peer, state, len(blob))
+
+    def drop(self, w: Worker) -> None:
+        """The coordinator's end closes (after a refusal)."""
+        if self.links.pop(w.peer, None) is not None:
+            self.carry_out(self.core.peer_left(w.peer))
+
+    def disconnect(self, w: Worker) -> None:
+        self.drop(w)
+
+    def run(self, max_rounds: int = 10_000) -> None:
+        """Let every worker handle what it has received until nothing moves."""
+        for _ in range(max_rounds):
+            self.release()
+            if not any(w.handle_one() for w in list(self.workers)):
+                return
+        raise AssertionError("the flow did not settle")
+
+    def advance(self, seconds: float) -> None:
+        """Time passes: leases expire, WAITs run out."""
+        self.clock.now += seconds
+        self.carry_out(self.core.expire())
+        for w in self.workers:
+            s = w.session
+            if w.alive and s.phase is Phase.WAITING and s.retry_at <= self.clock.now:
+                s.retry_due()
+                if not w.inbox:
+                    w.carry_out(s.advance())
+        self.run()
+
+    def release(self) -> None:
+        """Evaluate the jobs held at the mark once the mark has moved past them."""
+        for w in self.workers:
+            if w.alive and w.held and not w.hold_jobs and w.held[0].step < self.stop_at:
+                w.finish_held()
+
+    def train(self, steps: int) -> None:
+        """Run until `steps` more steps are committed (workers waiting get nudged)."""
+        target = self.stop_at = self.core.step + steps
+        for _ in range(100):
+            self.release()
+            self.run()
+            if self.core.step >= target:
+                return
+            self.advance(1.0)
+        raise AssertionError(f"stuck at step {self.core.step}")
+
+
+def expected(store: RunStore, steps: int) -> int:
+    """The digest the fitness log says a replica has after `steps` steps."""
+    packed = store.fitness_log.read(0, steps)
+    fitness = [unpack_ternary(p, CFG.pairs) for p in packed]
+    return replay(ReplicaState.initial(CFG), fitness).digest()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RunStore]:
+    s = RunStore.open(tmp_path / "run", CFG)
+    yield s
+    s.close()
+
+
+def kinds(messages: list[Message]) -> list[str]:
+    return [m.TYPE.name for m in messages]
+
+
+# --- Handshake ----------------------------------------------------------------------------
+
+
+def test_handshake_welcome_then_job_request(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, token=b"s3cret")
+    w = net.join("w1", token=b"s3cret")
+    net.run()
+    assert kinds(w.sent) == ["HELLO", "AUTH", "JOB_REQUEST"]
+    welcome = w.got[1]
+    assert isinstance(welcome, Welcome)
+    assert (welcome.run_id, welcome.current_step, welcome.snapshot_step) == (store.run_id, 0, -1)
+    assert store.data_digest == dataset.digest  # the run adopts the first worker's data
+    assert kinds(w.got) == ["CHALLENGE", "WELCOME", "JOB"]
+    assert w.session.phase is Phase.EVALUATING  # the job is held by the test's mark
+
+
+@pytest.mark.parametrize(
+    ("join", "code"),
+    [
+        ({"token": b"wrong"}, ErrorCode.AUTH_FAILED),
+        ({"data_digest": b"\x01" * 32}, ErrorCode.DATA_MISMATCH),
+    ],
+)
+def test_handshake_refusals_are_permanent(
+    store: RunStore, dataset: Dataset, join: dict, code: ErrorCode
+) -> None:
+    net = Network(store, dataset, token=b"s3cret")
+    if code is ErrorCode.DATA_MISMATCH:
+        net.join("first", token=b"s3cret")  # adopts the real data digest
+        join["token"] = b"s3cret"
+    w = net.join("w", **join)
+    net.run()
+    assert (w.name, code) in net.refused
+    assert w.fatal is not None and w.fatal.code is code and not w.fatal.tell
+
+
+def test_bad_version_is_refused(store: RunStore, dataset: Dataset) -> None:
+    core = Network(store, dataset).core
+    peer = core.connect("mem:old")
+    with pytest.raises(Refused) as refused:
+        core.receive(peer, Hello(PROTOCOL_VERSION + 1, "old", "numpy", "cpu", dataset.digest))
+    assert refused.value.code is ErrorCode.BAD_VERSION
+
+
+def test_a_config_the_worker_cannot_run_is_refused_by_the_worker(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    w = net.join("w", vocab_size=dataset.meta.vocab_size + 1)
+    net.run()
+    assert w.fatal is not None and w.fatal.code is ErrorCode.CONFIG_MISMATCH
+    assert "vocabulary" in str(w.fatal)
+    assert net.core.peers == {}  # the ERROR reached the coordinator's side
+
+
+# --- Jobs, results and commit -------------------------------------------------------------
+
+
+def test_two_workers_train_and_every_replica_agrees(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    a, b = net.join("a"), net.join("b")
+    net.run()  # both through the handshake, each holding one chunk of step 0
+    net.train(3)
+    assert store.steps == 3 and store.fitness_log.steps == 3
+    want = expected(store, 3)
+    assert a.replica.digest == b.replica.digest == want
+    assert store.digests[3] == want
+    # Both evaluated chunks; each RESULT went out with the replica's digest of its step.
+    assert all(any(isinstance(m, Result) for m in w.sent) for w in (a, b))
+
+
+def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    logged_at_step = []
+    original = w.deliver
+
+    def deliver(data: bytes) -> None:
+        before = len(w.got)
+        original(data)
+        for msg in w.got[before:]:
+            if isinstance(msg, Step):
+                logged_at_step.append((msg.step, store.fitness_log.steps))
+
+    w.deliver = deliver  # type: ignore[method-assign]
+    net.train(2)
+    assert logged_at_step == [(0, 1), (1, 2)]
+    assert store.fitness_log.read(0, 1)[0] == next(m for m in w.got if isinstance(m, Step)).fitness
+
+
+def test_wait_then_retry_and_a_job_pushed_during_the_wait(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    a, b, c = net.join("a"), net.join("b"), net.join("c")
+    net.run()  # a and b lease the two chunks (and hold them); c is told to WAIT
+    assert isinstance(c.got[-1], Wait) and c.session.phase is Phase.WAITING
+    # The WAIT runs out: c asks again and waits again (no chunk, no timing for backups).
+    net.advance(WAIT_S)
+    assert kinds(c.sent).count("JOB_REQUEST") == 2 and c.session.phase is Phase.WAITING
+    # a leaves: its chunk is re-queued at once and pushed to c, unasked.
+    (lost,) = a.held
+    a.close("gone")
+    assert isinstance(c.inbox[-1], Job) and c.inbox[-1].chunk == lost.chunk
+    assert net.core.metrics.chunks_requeued.labels("disconnect")._value.get() == 1
+    net.train(1)
+    assert store.steps == 1
+    assert c.replica.digest == b.replica.digest == expected(store, 1)
+
+
+def test_stale_job_request_is_left_unanswered_or_answered_with_fitness(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(2)
+    core, peer = net.core, w.peer
+    # A JOB_REQUEST from step 1 after STEP 1 was sent to it: the STEP answers it.
+    assert core.receive(peer, JobRequest(1, store.digests[1], 0)) == []
+    # From before this connection's first STEP: the missing steps come as FITNESS_RANGE.
+    late = net.join("late")
+    net.run()
+    late_peer = late.peer
+    core.peers[late_peer].broadcast_from = 2
+    (reply,) = core.receive(late_peer, JobRequest(0, store.digests.get(0, 0), 0))
+    assert isinstance(reply.msg, FitnessRange) and reply.msg.first_step == 0
+    assert reply.msg.step_count == 2
+
+
+def test_a_replica_ahead_of_the_run_or_with_another_digest_diverged(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(1)
+    with pytest.raises(Refused) as ahead:
+        net.core.receive(w.peer, JobRequest(5, 0, 0))
+    assert ahead.value.code is ErrorCode.DIVERGED
+    with pytest.raises(Refused) as other:
+        net.core.receive(w.peer, JobRequest(1, store.digests[1] ^ 1, 0))
+    assert other.value.code is ErrorCode.DIVERGED
+    assert net.core.metrics.digest_mismatches._value.get() == 1
+
+
+def test_diverged_worker_drops_its_replica_and_rejoins_from_step_0(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(2)
+    w.replica.digest ^= 1  # a replica that no longer agrees: its RESULT says so
+    w.finish_held()
+    net.run()
+    assert (w.name, ErrorCode.DIVERGED) in net.refused
+    assert w.ended is not None and "diverged" in w.ended
+    assert w.replica.backend is None  # dropped: it starts again from step 0
+    again = net.join("w-again", replica=w.replica)
+    net.run()
+    assert again.replica.step == 2 and again.replica.digest == expected(store, 2)
+
+
+def test_results_are_dropped_for_another_step_a_bad_chunk_or_a_duplicate(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    a = net.join("a")
+    a.hold_jobs = True
+    net.run()
+    (job,) = a.held
+    backend = NumpyBackend(dataset, ReplicaState.initial(CFG))
+    r = backend.evaluate_chunk(0, job.first_member, job.member_count)
+    digest = backend.digest()
+
+    def result(step: int, chunk: int, fitness: np.ndarray) -> Result:
+        return Result.from_values(
+            step=step, chunk=chunk, loss_sum=r.loss_sum, weights_changed=0,
+            replica_digest=digest, fitness=fitness,
+        )  # fmt: skip
+
+    core, dropped = net.core, net.core.metrics.results_dropped
+    core.receive(a.peer, result(0, job.chunk, r.fitness))
+    core.receive(a.peer, result(0, job.chunk, r.fitness))  # an identical copy
+    core.receive(a.peer, result(0, job.chunk, -r.fitness))  # a copy that differs
+    core.receive(a.peer, result(0, 7, r.fitness))  # no such chunk
+    core.receive(a.peer, result(0, 1 - job.chunk, r.fitness[:2]))  # wrong pair count
+    counts = {k: dropped.labels(k)._value.get() for k in ("duplicate", "mismatch")}
+    assert counts == {"duplicate": 1, "mismatch": 1}
+    assert dropped.labels("out_of_range")._value.get() == 1
+    assert dropped.labels("bad_size")._value.get() == 1
+    assert store.steps == 0  # chunk 1 is still open
+
+
+def test_a_step_overtaking_a_running_chunk_and_a_straggler_backup(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    net.stop_at = 1
+    slow = net.join("slow")
+    slow.hold_jobs = True
+    net.run()  # slow leases chunk 0 and evaluates it for a long time
+    fast = net.join("fast")
+    net.run()  # fast does chunk 1; then nothing is queued and no backup is due yet
+    assert store.steps == 0 and fast.session.phase is Phase.WAITING
+    # Chunk times are known now: a lease this old gets a backup copy on the next ask.
+    net.advance(5.0)
+    assert store.steps == 1  # fast's copy of chunk 0 won: step committed
+    assert slow.busy() and isinstance(slow.inbox[0], Step)
+    slow.finish_held()  # the STEP was read meanwhile: the result is not sent
+    assert not any(isinstance(m, Result) for m in slow.sent)
+    net.run()
+    assert slow.replica.digest == fast.replica.digest == expected(store, 1)
+    assert isinstance(slow.sent[-1], JobRequest) and slow.sent[-1].replica_step == 1
+
+
+def test_an_expired_lease_is_leased_again_and_the_first_result_wins(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset, chunk_timeout_s=30.0)
+    slow, other = net.join("slow"), net.join("other")
+    net.run()  # each holds one chunk
+    net.advance(31.0)  # both leases pass their deadline: both chunks go back in the queue
+    assert net.core.metrics.chunks_requeued.labels("deadline")._value.get() == 2
+    assert list(net.core.jobs.queue) == [slow.held[0].chunk, other.held[0].chunk]
+    net.train(1)  # the late results still count (first valid result wins)
+    assert store.steps == 1
+    assert slow.replica.digest == other.replica.digest == expected(store, 1)
+
+
+# --- Catch-up and snapshots -----------------------------------------------------------------
+
+
+def test_catch_up_in_batches(
+    store: RunStore, dataset: Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_module, "FITNESS_STEPS_PER_REQUEST", 2)
+    rng = np.random.default_rng(1)
+    for step in range(5):
+        store.fitness_log.append(step, pack_ternary(rng.integers(-1, 2, CFG.pairs, np.int8)))
+    net = Network(store, dataset)
+    w = net.join("w")
+    w.hold_jobs = True
+    net.run()
+    requests = [m for m in w.sent if isinstance(m, FitnessRequest)]
+    assert [(r.first_step, r.max_steps) for r in requests] == [(0, 2), (2, 2), (4, 2)]
+    assert isinstance(w.sent[-1], JobRequest) and w.sent[-1].replica_step == 5
+    assert w.replica.digest == expected(store, 5) == store.digests[5]
+
+
+def test_late_join_loads_the_snapshot_then_the_log_tail(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, snapshot_every=2)
+    net.join("a")
+    net.train(3)
+    assert store.latest_snapshot == 2
+    late = net.join("late")
+    net.run()
+    assert kinds(late.sent)[:4] == ["HELLO", "AUTH", "SNAPSHOT_REQUEST", "FITNESS_REQUEST"]
+    assert late.sent[3].first_step == 2  # only the tail after the snapshot
+    assert late.replica.step == 3 and late.replica.digest == expected(store, 3)
+
+
+def test_a_corrupt_snapshot_is_replaced_by_the_fitness_log(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset, snapshot_every=2)
+    net.join("a")
+    net.train(2)
+    path = store.snapshot_path(2)
+    blob = bytearray(path.read_bytes())
+    blob[100] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    late = net.join("late")
+    net.run()
+    requests = [m for m in late.sent if isinstance(m, FitnessRequest)]
+    assert requests[0].first_step == 0  # the whole log, from the initial state
+    assert late.replica.step == 2 and late.replica.digest == expected(store, 2)
+
+
+def test_the_coordinator_keeps_only_a_snapshot_that_agrees(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(1)
+    core = net.core
+    core.snapshot_wanted = 1
+    out = core._maybe_request_snapshot(core.peers[w.peer])
+    assert out and isinstance(out[0].msg, SnapshotRequest)
+    good = encode_checkpoint(w.replica.backend.state)
+    bad = bytearray(good)
+    bad[-1] ^= 1  # CRC no longer matches
+    for chunk in iter_snapshot_chunks(1, bytes(bad)):
+        net.carry_out(core.receive(w.peer, chunk))
+    assert store.latest_snapshot is None and core.snapshot_source is None
+    # Asked again, the worker's real state is kept.
+    net.carry_out(core._maybe_request_snapshot(core.peers[w.peer]))
+    w.carry_out([ExportSnapshot(1)])
+    assert store.latest_snapshot == 1 and core.snapshot_wanted is None
+
+
+def test_a_worker_that_moved_on_sends_its_current_state(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(1)
+    net.core.snapshot_wanted = 1
+    net.carry_out(net.core._maybe_request_snapshot(net.core.peers[w.peer]))
+    net.train(1)  # the worker moves on before it answers
+    assert store.latest_snapshot in (1, 2)
+    state = decode_checkpoint(store.snapshot_path(store.latest_snapshot).read_bytes())
+    assert state.digest() == store.digests[state.step]
+
+
+def test_unexpected_snapshot_chunks(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    w = idle_worker(net)
+    with pytest.raises(Refused) as refused:
+        net.core.receive(w.peer, SnapshotChunk(0, 10, 0, b"x"))  # nobody asked
+    assert refused.value.code is ErrorCode.ILLEGAL_STATE
+    assert w.session.receive(SnapshotChunk(0, 10, 0, b"x")) == []  # ignored by the worker
+
+
+# --- Validation and liveness ---------------------------------------------------------------
+
+
+def test_validation_is_asked_of_one_worker_at_the_step(
+    store: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    cfg = RunConfig(
+        model=CFG.model, es=CFG.es, validation=ValidationConfig(every_steps=2, max_tokens=64)
+    )
+    run = RunStore.open(tmp_path / "validated", cfg)
+    try:
+        net = Network(run, dataset)
+        a, b = net.join("a"), net.join("b")
+        net.train(2)
+        net.run()
+        asked = [w for w in (a, b) if any(isinstance(m, Validate) for m in w.got)]
+        assert len(asked) == 1
+        (answer,) = [m for m in asked[0].sent if isinstance(m, Validation)]
+        assert answer.step == 2 and answer.tokens > 0
+        assert net.core.metrics.valid_step._value.get() == 2
+    finally:
+        run.close()
+
+
+def test_validate_for_a_step_the_replica_has_left_gets_no_answer(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    net.join("first")
+    net.train(1)
+    w = idle_worker(net)
+    assert w.replica.step == 1
+    assert w.session.receive(Validate(0)) == []
+    assert w.session.receive(Validate(1)) == [RunValidation(1)]
+
+
+def test_heartbeats_change_nothing_and_shutdown_is_not_permanent(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.run()
+    assert net.core.receive(w.peer, Heartbeat(0)) == []
+    assert w.session.receive(Heartbeat(0)) == []  # in any phase, even while evaluating
+    with pytest.raises(Ended, match="shutting down") as ended:
+        w.session.receive(Error(ErrorCode.SHUTTING_DOWN, "bye"))
+    assert not ended.value.drop_replica
+
+
+def idle_worker(net: Network) -> Worker:
+    """A worker told to WAIT: the open step's two chunks are held by two others."""
+    for name in ("busy-1", "busy-2", "idle"):
+        w = net.join(name)
+        net.run()
+    assert w.session.phase is Phase.WAITING
+    return w
+
+
+WAIT_S = 1.0  # the core's WAIT, in seconds
