@@ -9,9 +9,8 @@ from pathlib import Path
 
 import click
 
-from eggroll_dist.shared.config import ConfigError, resolve_config
-
 from ..protocol import DEFAULT_PORT
+from ..shared.config import ConfigError, resolve_config
 from .log import configure_logging
 from .metrics import Metrics
 from .server import Coordinator, Options

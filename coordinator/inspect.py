@@ -9,10 +9,9 @@ from typing import Any
 
 import click
 
-from eggroll_dist.shared.config import ConfigError, from_dict
-from eggroll_dist.shared.fitness_log import FitnessLog, FitnessLogError
-from eggroll_dist.shared.replica import CheckpointError, load_checkpoint
-
+from ..shared.config import ConfigError, from_dict
+from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.replica import CheckpointError, load_checkpoint
 from .store import read_digests
 
 

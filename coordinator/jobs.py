@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eggroll_dist.protocol.ternary import pack_ternary, unpack_ternary
+from ..protocol.ternary import pack_ternary, unpack_ternary
 
 Clock = Callable[[], float]
 

@@ -19,9 +19,9 @@ import secrets
 import time
 from pathlib import Path
 
-from eggroll_dist.shared.atomic_file import write_atomic
-from eggroll_dist.shared.config import ConfigError, RunConfig, from_dict
-from eggroll_dist.shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.atomic_file import write_atomic
+from ..shared.config import ConfigError, RunConfig, from_dict
+from ..shared.fitness_log import FitnessLog, FitnessLogError
 
 RUN_FORMAT = 1
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import click
 import structlog
 
-from eggroll_dist.protocol import DEFAULT_PORT
-from eggroll_dist.protocol.messages import MAX_WORKER_NAME_BYTES
-from eggroll_dist.shared.data import DataError, load_data_dir
-from eggroll_dist.worker.backend import BackendUnavailable, get_backend
-from eggroll_dist.worker.client import WorkerClient, WorkerFatal, default_worker_name
-from eggroll_dist.worker.log import configure_logging
+from ..protocol import DEFAULT_PORT
+from ..protocol.messages import MAX_WORKER_NAME_BYTES
+from ..shared.data import DataError, load_data_dir
+from .backend import BackendUnavailable, get_backend
+from .client import WorkerClient, WorkerFatal, default_worker_name
+from .log import configure_logging
 
 log = structlog.get_logger("eggroll.worker")
 

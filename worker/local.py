@@ -21,11 +21,11 @@ from pathlib import Path
 
 import click
 
-from eggroll_dist.shared.config import ConfigError, resolve_config
-from eggroll_dist.shared.data import DataError, load_data_dir
-from eggroll_dist.shared.replica import load_checkpoint
-from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.prepare import builtin_documents, builtin_source, prepare_data_dir
+from ..shared.config import ConfigError, resolve_config
+from ..shared.data import DataError, load_data_dir
+from ..shared.replica import load_checkpoint
+from .backend.numpy_backend import NumpyBackend
+from .prepare import builtin_documents, builtin_source, prepare_data_dir
 
 
 def _exe(name: str) -> str:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import click
 
-from eggroll_dist.shared.data import (
+from ..shared.data import (
     BASELINE_NAMES,
     BYTE_VOCAB_SIZE,
     DECODING_FILE,

@@ -19,14 +19,14 @@ import click
 import numpy as np
 import structlog
 
-from eggroll_dist.protocol.ternary import pack_ternary
-from eggroll_dist.shared.config import ConfigError, RunConfig, resolve_config
-from eggroll_dist.shared.data import DataError, load_data_dir
-from eggroll_dist.shared.fitness_log import FitnessLog
-from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
-from eggroll_dist.worker.backend import Backend, Validation
-from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.log import configure_logging
+from ..protocol.ternary import pack_ternary
+from ..shared.config import ConfigError, RunConfig, resolve_config
+from ..shared.data import DataError, load_data_dir
+from ..shared.fitness_log import FitnessLog
+from ..shared.replica import ReplicaState, save_checkpoint
+from .backend import Backend, Validation
+from .backend.numpy_backend import NumpyBackend
+from .log import configure_logging
 
 log = structlog.get_logger("eggroll.train")
 
