@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 
 from ..protocol import DEFAULT_PORT
+from ..shared.cli import config_options, log_format_option
 from ..shared.config import ConfigError, resolve_config
-from .log import configure_logging
+from ..shared.logs import configure_logging
 from .metrics import Metrics
 from .server import Coordinator, Options
 from .store import RunStore, StoreError
@@ -46,21 +47,7 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     type=click.IntRange(0, 65535),
     help="TCP port (0: pick a free one; the 'listening' line says which).",
 )
-@click.option(
-    "--preset",
-    "preset_name",
-    default=None,
-    envvar="EGGROLL_PRESET",
-    help="Named run config for a new run: tiny (default), egg-paper.",
-)
-@click.option(
-    "--config",
-    "config_path",
-    default=None,
-    envvar="EGGROLL_CONFIG",
-    type=click.Path(dir_okay=False),
-    help="TOML run config for a new run (overrides --preset).",
-)
+@config_options(" for a new run")
 @click.option(
     "--max-steps",
     type=click.IntRange(min=1),
@@ -90,9 +77,7 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: off).",
 )
 @click.option("--token", default="", help="Shared secret workers must present (HMAC).")
-@click.option(
-    "--log-format", type=click.Choice(["auto", "text", "json"]), default="auto", show_default=True
-)
+@log_format_option
 def main(
     save_dir: Path,
     host: str,

@@ -63,6 +63,7 @@ from ..protocol import (
     Welcome,
     verify_mac,
 )
+from ..shared.logs import STEP
 from ..shared.replica import ReplicaState
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .metrics import Metrics
@@ -406,7 +407,7 @@ class RunCore:
         loss_bits = jobs.loss_sum / 16 / tokens
         self.metrics.committed(seconds, loss_bits, tokens)
         log.info(
-            "step",
+            STEP,
             step=step + 1,
             member_tokens=tokens,
             loss_bits=round(loss_bits, 4),

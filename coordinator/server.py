@@ -28,6 +28,7 @@ from ..protocol import (
     Role,
     iter_snapshot_chunks,
 )
+from ..shared.logs import LISTENING
 from ..shared.replica import CheckpointError, decode_checkpoint
 from .metrics import Metrics
 from .run import Command, Refused, RunCore, Send, ServeSnapshot, StoreSnapshot
@@ -107,7 +108,7 @@ class Coordinator:
         )
         port = self._server.sockets[0].getsockname()[1]
         log.info(
-            "listening",
+            LISTENING,
             host=self.opt.host,
             port=port,
             step=self.step,

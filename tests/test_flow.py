@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 
 from eggroll_dist.coordinator.run import (
     Refused,
@@ -48,6 +49,7 @@ from eggroll_dist.protocol import (
 )
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
+from eggroll_dist.shared.logs import EVENT_FIELDS, SHOWN_EVENTS, STEP
 from eggroll_dist.shared.replica import (
     CheckpointError,
     ReplicaState,
@@ -761,3 +763,19 @@ def idle_worker(net: Network) -> Worker:
 
 
 WAIT_S = 1.0  # the core's WAIT, in seconds
+
+
+def test_the_log_events_eggroll_local_reads_carry_their_fields(
+    store: RunStore, dataset: Dataset
+) -> None:
+    with structlog.testing.capture_logs() as events:
+        net = Network(store, dataset, snapshot_every=1, chunk_timeout_s=30.0)
+        a = net.join("a")
+        net.join("b")
+        net.run()
+        net.advance(31.0)  # chunks requeued
+        net.train(1)  # a snapshot is stored
+        a.close("gone")  # worker left
+    steps = [e for e in events if e["event"] == STEP]
+    assert steps and all(set(EVENT_FIELDS[STEP]) <= e.keys() for e in steps)
+    assert set(SHOWN_EVENTS) <= {e["event"] for e in events}

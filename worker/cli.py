@@ -20,10 +20,11 @@ import structlog
 
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
+from ..shared.cli import log_format_option
 from ..shared.data import DataError, load_data_dir
+from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
 from .client import WorkerClient, WorkerFatal, default_worker_name
-from .log import configure_logging
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -113,15 +114,7 @@ async def _serve(client: WorkerClient) -> None:
     show_envvar=True,
     help="Shared secret, the coordinator's --token (prefer the variable: ps shows options).",
 )
-@click.option(
-    "--log-format",
-    type=click.Choice(["auto", "text", "json"]),
-    default="auto",
-    show_default=True,
-    envvar="EGGROLL_LOG_FORMAT",
-    show_envvar=True,
-    help="auto: text on a terminal, JSON lines otherwise.",
-)
+@log_format_option
 @click.option(
     "--batch-members",
     type=click.IntRange(min=2),

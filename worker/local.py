@@ -21,10 +21,12 @@ from pathlib import Path
 
 import click
 
+from ..shared.cli import config_options
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
+from ..shared.logs import LISTENING, SHOWN_EVENTS, STEP
 from ..shared.replica import load_checkpoint
-from .backend.numpy_backend import NumpyBackend
+from .backend import get_backend
 from .prepare import builtin_documents, builtin_source, prepare_data_dir
 
 
@@ -60,11 +62,11 @@ class CoordinatorProcess:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if event.get("event") == "listening":
+                if event.get("event") == LISTENING:
                     self.port, self.start_step = event["port"], event["step"]
                     self.last_step = self.start_step
                     self.ready.set()
-                elif event.get("event") == "step":
+                elif event.get("event") == STEP:
                     self.last_step = event["step"]
                     click.echo(
                         f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
@@ -72,11 +74,8 @@ class CoordinatorProcess:
                         f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
                         f"requeued {event['requeued']}"
                     )
-                elif event.get("level") in ("warning", "error") or event.get("event") in (
-                    "worker joined",
-                    "worker left",
-                    "snapshot stored",
-                    "chunks requeued",
+                elif (
+                    event.get("level") in ("warning", "error") or event.get("event") in SHOWN_EVENTS
                 ):
                     fields = {
                         k: v for k, v in event.items() if k not in ("event", "level", "timestamp")
@@ -126,14 +125,7 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     default=None,
     help="Train until this many steps are committed (default: the config's).",
 )
-@click.option("--preset", "preset_name", default=None, help="tiny (default) or egg-paper.")
-@click.option(
-    "--config",
-    "config_path",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="TOML run config (overrides --preset).",
-)
+@config_options()
 @click.option(
     "--save-dir",
     default=Path("checkpoints/local"),
@@ -278,7 +270,7 @@ def _summarise(
     if not snapshots:
         raise click.ClickException(f"no snapshot in {save_dir}/snapshots to evaluate")
     state = load_checkpoint(snapshots[-1])
-    validation = NumpyBackend(dataset, state).validate()
+    validation = get_backend("numpy").build(dataset, state).validate()
     ran = coordinator.last_step - coordinator.start_step
     base = dataset.meta.baselines
     summary = {

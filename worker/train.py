@@ -20,13 +20,13 @@ import numpy as np
 import structlog
 
 from ..protocol.ternary import pack_ternary
+from ..shared.cli import config_options, log_format_option
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
+from ..shared.logs import configure_logging
 from ..shared.replica import ReplicaState, save_checkpoint
-from .backend import Backend, Validation
-from .backend.numpy_backend import NumpyBackend
-from .log import configure_logging
+from .backend import Backend, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
@@ -122,16 +122,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory with input.bin, valid.bin, decoding.bin, meta.json.",
 )
-@click.option(
-    "--preset", "preset_name", default=None, help="Named config: tiny (default), egg-paper."
-)
-@click.option(
-    "--config",
-    "config_path",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="TOML run config (overrides --preset).",
-)
+@config_options()
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
@@ -150,9 +141,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     default=None,
     help="Keep the fitness log and the final snapshot here (a new directory).",
 )
-@click.option(
-    "--log-format", type=click.Choice(["auto", "text", "json"]), default="auto", show_default=True
-)
+@log_format_option
 def main(
     data_dir: Path,
     preset_name: str | None,
@@ -193,7 +182,7 @@ def main(
         steps=steps,
         config_digest=cfg.digest().hex()[:16],
     )
-    backend = NumpyBackend(dataset, ReplicaState.initial(cfg))
+    backend = get_backend("numpy").build(dataset, ReplicaState.initial(cfg))
     result = train(cfg, backend, steps, fitness_log)
     if save_dir is not None:
         save_checkpoint(save_dir / "snapshots" / f"step-{result.state.step:08d}.ckpt", result.state)

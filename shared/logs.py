@@ -1,4 +1,9 @@
-"""structlog set-up for the coordinator: a human line on a TTY, JSON lines otherwise."""
+"""Logging of every command: structlog set up once, and the coordinator's log-event contract.
+
+A human line on a terminal, JSON lines otherwise. `eggroll-local` runs the coordinator as a
+subprocess and reads its JSON lines: the events it reads, and the fields each must carry,
+are named here (`EVENT_FIELDS`) and checked against the coordinator in the tests.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,17 @@ class _Stderr:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
+
+
+# The coordinator's events that eggroll-local (worker/local.py) acts on, with their fields.
+LISTENING = "listening"  # the server is up: the port it bound, the open step
+STEP = "step"  # a step was committed
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    LISTENING: ("port", "step"),
+    STEP: ("step", "loss_bits", "step_s", "member_tok_s", "workers", "requeued"),
+}
+# Further events eggroll-local shows as they come (with every warning and error).
+SHOWN_EVENTS = ("worker joined", "worker left", "snapshot stored", "chunks requeued")
 
 
 def configure_logging(log_format: str = "auto") -> None:
