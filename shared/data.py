@@ -1,4 +1,4 @@
-"""Data-file formats shared by every replica (d-eggs compatible), and held-out baselines.
+"""Data-file formats shared by every replica (d-eggs compatible).
 
 A data directory holds four files:
 
@@ -15,10 +15,8 @@ Every writer here replaces its file atomically (temporary file in the same direc
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import math
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -35,9 +33,6 @@ INPUT_FILE = "input.bin"
 VALID_FILE = "valid.bin"
 DECODING_FILE = "decoding.bin"
 META_FILE = "meta.json"
-BASELINE_NAMES = ("unigram", "bigram", "gzip9")
-# Interpolation weights tried for the bigram baseline (see bigram_bits).
-BIGRAM_LAMBDAS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
 _MAX_VOCAB_SIZE = 2**32
 _HASH_BLOCK_BYTES = 1 << 20
 _REBUILD = "rebuild the data directory with `eggroll-data prepare`"
@@ -344,120 +339,12 @@ def load_data_dir(path: Path | str, verify: bool = True) -> Dataset:
     return Dataset(train=train, valid=valid, decoding=decoding, meta=meta, digest=digest)
 
 
-# --- baselines -----------------------------------------------------------------------
-
-
-def _counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)
-
-
-def _unigram_probs(train: np.ndarray, vocab_size: int) -> np.ndarray:
-    # Add-one (Laplace) smoothing: every id has probability > 0, so held-out bits are finite.
-    return (_counts(train, vocab_size) + 1.0) / (len(train) + vocab_size)
-
-
-def unigram_bits(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> float:
-    """Held-out cross-entropy (bits/token) on `valid` of an add-one unigram fitted on `train`."""
-    p = _unigram_probs(train, vocab_size)
-    return float(-np.log2(p[np.asarray(valid, dtype=np.int64)]).mean())
-
-
-def _pair_codes(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    # uint64: a * V + b fits for every V <= 2**32.
-    t = np.asarray(tokens, dtype=np.uint64)
-    return t[:-1] * np.uint64(vocab_size) + t[1:]
-
-
-def _pair_counts(train_codes: np.ndarray, codes: np.ndarray, vocab_size: int) -> np.ndarray:
-    """How often each pair code in `codes` occurs in `train_codes`."""
-    if vocab_size * vocab_size <= 1 << 24:  # byte vocabularies: one dense V*V table
-        table = np.bincount(train_codes.astype(np.int64), minlength=vocab_size * vocab_size)
-        return table[codes.astype(np.int64)]
-    # Large vocabularies: sorted unique pairs instead of a V*V table.
-    uniq, counts = np.unique(train_codes, return_counts=True)
-    if uniq.size == 0:
-        return np.zeros(codes.shape, dtype=np.int64)
-    idx = np.minimum(np.searchsorted(uniq, codes), uniq.size - 1)
-    return np.where(uniq[idx] == codes, counts[idx], 0)
-
-
-def _bigram_terms(
-    train: np.ndarray, valid: np.ndarray, vocab_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per predicted valid token: (ML bigram prob or 0, whether its context was seen, unigram)."""
-    uni = _unigram_probs(train, vocab_size)
-    train_codes = _pair_codes(train, vocab_size)
-    valid_codes = _pair_codes(valid, vocab_size)
-    ctx = np.asarray(valid[:-1], dtype=np.int64)
-    nxt = np.asarray(valid[1:], dtype=np.int64)
-    # Context counts: how often each id is followed by anything in train.
-    ctx_counts = _counts(np.asarray(train[:-1]), vocab_size)
-    pair_counts = _pair_counts(train_codes, valid_codes, vocab_size)
-    c = ctx_counts[ctx]
-    seen = c > 0
-    ml = np.where(seen, pair_counts / np.maximum(c, 1), 0.0)
-    return ml, seen, uni[nxt]
-
-
-def bigram_bits(
-    train: np.ndarray, valid: np.ndarray, vocab_size: int, lam: float | None = None
-) -> float:
-    """Held-out cross-entropy (bits/token) on `valid` of an interpolated bigram fitted on `train`.
-
-    ``p(b | a) = lam * count(a, b) / count(a) + (1 - lam) * unigram(b)`` with the add-one
-    unigram; a context never seen in train uses the unigram alone, and so does the first
-    valid token (no context). Every probability is > 0, so the result is finite.
-
-    With ``lam=None`` the weight is chosen from BIGRAM_LAMBDAS by fitting counts on the first
-    90% of `train` and scoring the last 10% (train only; valid is never looked at), then the
-    counts are refitted on all of `train`.
-    """
-    if lam is None:
-        lam = choose_bigram_lambda(train, vocab_size)
-    ml, seen, uni = _bigram_terms(train, valid, vocab_size)
-    p = np.where(seen, lam * ml + (1.0 - lam) * uni, uni)
-    first = _unigram_probs(train, vocab_size)[int(valid[0])]
-    total = -np.log2(p).sum() - math.log2(first)
-    return float(total / len(valid))
-
-
-def choose_bigram_lambda(train: np.ndarray, vocab_size: int) -> float:
-    """Interpolation weight from BIGRAM_LAMBDAS that scores best on a train-only held-out tail."""
-    cut = len(train) * 9 // 10
-    if cut < 2 or len(train) - cut < 2:
-        return 0.9
-    fit, held = train[:cut], train[cut:]
-    ml, seen, uni = _bigram_terms(fit, held, vocab_size)
-    best, best_bits = 0.9, math.inf
-    for lam in BIGRAM_LAMBDAS:
-        bits = -np.log2(np.where(seen, lam * ml + (1.0 - lam) * uni, uni)).sum()
-        if bits < best_bits:
-            best, best_bits = lam, bits
-    return best
-
-
-def gzip_bits(valid: np.ndarray, vocab_size: int) -> float:
-    """Bits per token of ``gzip -9`` on the valid.bin bytes (mtime 0 for repeatability)."""
-    data = np.ascontiguousarray(np.asarray(valid).astype(token_dtype(vocab_size), copy=False))
-    return 8.0 * len(gzip.compress(data.tobytes(), compresslevel=9, mtime=0)) / len(valid)
-
-
-def baselines(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> dict[str, float]:
-    """All baselines on `valid`, fitted on `train`, in bits per token (keys BASELINE_NAMES)."""
-    return {
-        "unigram": unigram_bits(train, valid, vocab_size),
-        "bigram": bigram_bits(train, valid, vocab_size),
-        "gzip9": gzip_bits(valid, vocab_size),
-    }
-
-
 def concat_documents(documents: Iterable[bytes]) -> np.ndarray:
     """Byte-vocabulary token stream: each document becomes byte 0 (separator) + its bytes."""
     return np.frombuffer(b"".join(b"\x00" + d for d in documents), dtype=np.uint8).copy()
 
 
 __all__ = [
-    "BASELINE_NAMES",
     "BYTE_VOCAB_SIZE",
     "DECODING_FILE",
     "FORMAT_VERSION",
@@ -467,20 +354,15 @@ __all__ = [
     "DataError",
     "DataMeta",
     "Dataset",
-    "baselines",
-    "bigram_bits",
     "byte_pieces",
-    "choose_bigram_lambda",
     "concat_documents",
     "data_digest",
-    "gzip_bits",
     "load_data_dir",
     "read_decoding",
     "read_meta",
     "read_tokens",
     "token_dtype",
     "tokens_digest",
-    "unigram_bits",
     "write_decoding",
     "write_meta",
     "write_tokens",

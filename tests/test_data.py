@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eggroll_dist.shared.data import (
-    BIGRAM_LAMBDAS,
     DECODING_FILE,
     FORMAT_VERSION,
     INPUT_FILE,
@@ -23,23 +22,26 @@ from eggroll_dist.shared.data import (
     VALID_FILE,
     DataError,
     DataMeta,
-    baselines,
-    bigram_bits,
     byte_pieces,
-    choose_bigram_lambda,
     concat_documents,
     data_digest,
-    gzip_bits,
     load_data_dir,
     read_decoding,
     read_meta,
     read_tokens,
     token_dtype,
     tokens_digest,
-    unigram_bits,
     write_decoding,
     write_meta,
     write_tokens,
+)
+from eggroll_dist.worker.baselines import (
+    BIGRAM_LAMBDAS,
+    baselines,
+    bigram_bits,
+    choose_bigram_lambda,
+    gzip_bits,
+    unigram_bits,
 )
 
 # --- token files ---------------------------------------------------------------------

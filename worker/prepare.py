@@ -39,7 +39,6 @@ from pathlib import Path
 import click
 
 from ..shared.data import (
-    BASELINE_NAMES,
     BYTE_VOCAB_SIZE,
     DECODING_FILE,
     FORMAT_VERSION,
@@ -48,7 +47,6 @@ from ..shared.data import (
     VALID_FILE,
     DataError,
     DataMeta,
-    baselines,
     byte_pieces,
     concat_documents,
     load_data_dir,
@@ -57,6 +55,7 @@ from ..shared.data import (
     write_meta,
     write_tokens,
 )
+from .baselines import BASELINE_NAMES, baselines
 
 SPLIT_ABOVE_BYTES = 64 * 1024
 DOC_TARGET_BYTES = 16 * 1024
