@@ -4,7 +4,7 @@ A step's population is split into `chunks` chunks of `chunk_members` members. Ch
 leased to the first worker that asks; a lease past its deadline, or whose worker left, puts
 the chunk back in the queue; once the queue is empty, idle workers get backup copies of the
 longest-running chunks. The first valid result of a chunk wins; a later copy must be
-byte-identical (the fitness is a pure function of the replica, DESIGN.md §2).
+byte-identical (the fitness is a pure function of the replica at the step).
 """
 
 from __future__ import annotations

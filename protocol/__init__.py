@@ -1,4 +1,11 @@
-"""Sans-I/O wire protocol: frames, ternary fitness packing, messages, connection states."""
+"""The sans-I/O wire protocol (SPEC.md): frames, ternary fitness packing, messages and the
+connection state machine.
+
+Bytes in, messages out, and the reverse; it says what is legal in each connection state,
+never what a peer should do next (that is the session flow of SPEC §8, in
+`coordinator/run.py` and `worker/session.py`). No sockets, no asyncio, nothing of ours
+outside this folder.
+"""
 
 from .connection import TRANSITIONS, Connection, Direction, Role, State
 from .errors import (

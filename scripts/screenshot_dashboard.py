@@ -4,7 +4,7 @@ With no --prometheus, it runs a short demo first: a coordinator and workers on l
 (built-in corpus, a small config), a Prometheus server with deploy/prometheus/prometheus.yml
 pointed at them, all in a temporary directory and all stopped at the end:
 
-    python scripts/screenshot_dashboard.py                 # 90 s run -> docs/dashboard.png
+    python scripts/screenshot_dashboard.py   # 90 s run -> deploy/prometheus/dashboard.png
     python scripts/screenshot_dashboard.py --seconds 30 --out /tmp/page.png
     python scripts/screenshot_dashboard.py --prometheus http://localhost:9090   # a live one
 
@@ -223,7 +223,9 @@ def demo(args: argparse.Namespace, tmp: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "deploy" / "prometheus" / "dashboard.png"
+    )
     parser.add_argument(
         "--prometheus", metavar="URL", help="screenshot this Prometheus instead of a demo run"
     )

@@ -1,1 +1,8 @@
-"""What every replica must agree on: run config, noise, model, fitness, update, file formats."""
+"""What every replica agrees on, bit for bit: the run config, the counter-based noise, the
+model, fitness shaping, the update, the data and fitness-log formats, replica state and
+checkpoints (`replay` in `replica.py` states that the fitness log is the run), plus the
+command-line and logging conventions every command shares (`cli.py`, `logs.py`).
+
+Pure and deterministic: no sockets, no asyncio, nothing of `protocol/`, `coordinator/`
+or `worker/`. Not the place for anything only one side uses.
+"""

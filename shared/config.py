@@ -1,8 +1,8 @@
 """The run config: everything a replica's state depends on, with canonical bytes and a digest.
 
 Two replicas agree bit for bit when their configs have the same digest and they applied
-the same fitness log (DESIGN.md §2). Configs come from a named preset or a TOML file whose
-tables mirror the dataclasses below:
+the same fitness log (`replay` in shared/replica.py). Configs come from a named preset or
+a TOML file whose tables mirror the dataclasses below:
 
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300

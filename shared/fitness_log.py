@@ -1,6 +1,6 @@
 """The fitness log: the training run itself, one record per committed step, append-only.
 
-Replaying the log from step 0 reproduces the replica bit for bit (DESIGN.md §2). The
+Replaying the log from step 0 reproduces the replica bit for bit (`shared.replica.replay`). The
 payload of a record is the step's ternary-packed fitness, opaque here. Layout, big-endian:
 
     header (52 bytes): magic b"EGGFLOG\\0" | format u32 (1) | pairs per step u32 |

@@ -3,7 +3,7 @@
 `np.matmul` on integer dtypes skips BLAS (about 100x slower) and `int8 @ int8` wraps
 silently. float32 represents every integer up to 2**24 exactly, and BLAS only ever adds
 partial sums that are bounded by the full sum of absolute products, so a float32 GEMM of
-integer-valued operands is exact while K * max|a| * max|b| <= 2**24 (DESIGN.md §8).
+integer-valued operands is exact while K * max|a| * max|b| <= 2**24.
 Beyond that bound the K dimension is split into blocks that each stay within it, and the
 blocks are summed in int64.
 """

@@ -1,1 +1,7 @@
-"""Worker: holds a model replica, evaluates chunks, applies every committed step."""
+"""The worker side: a replica that evaluates chunks and applies every committed step, and
+the one-machine commands built on it (eggroll-data, eggroll-train, eggroll-local).
+
+The session flow is pure code (`session.py`); `client.py` is the asyncio shell that
+reconnects, reads frames and carries out the session's commands; `replica.py` runs the
+compute backend (`backend/`) on its own thread. It never imports `coordinator/`.
+"""
