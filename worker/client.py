@@ -33,27 +33,10 @@ from ..protocol import (
 )
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.data import Dataset
-from ..shared.replica import CheckpointError
+from . import session as flow
 from .backend import Backend, BackendFactory, get_backend
 from .replica import Replica
-from .session import (
-    Apply,
-    Command,
-    DecodeSnapshot,
-    DropReplica,
-    Ended,
-    Evaluate,
-    ExportSnapshot,
-    Identity,
-    InstallSnapshot,
-    PeerViolation,
-    Phase,
-    RunValidation,
-    Send,
-    Session,
-    StartReplica,
-    WorkerFatal,
-)
+from .session import Ended, PeerViolation, Phase, WorkerFatal
 
 __all__ = ["WorkerClient", "WorkerFatal", "default_worker_name"]
 
@@ -114,21 +97,7 @@ class WorkerClient:
         self.dataset = dataset
         factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
-        if len(self.name.encode("utf-8")) > MAX_WORKER_NAME_BYTES:
-            raise ValueError(
-                f"worker name is {len(self.name.encode('utf-8'))} bytes of UTF-8; "
-                f"the limit is {MAX_WORKER_NAME_BYTES}"
-            )
-        self.identity = Identity(
-            name=self.name,
-            token=token.encode("utf-8") if isinstance(token, str) else bytes(token),
-            backend=factory.name,
-            device=factory.device,
-            data_digest=dataset.digest,
-            vocab_size=dataset.meta.vocab_size,
-            train_tokens=len(dataset.train),
-            coordinator=f"{host}:{port}",
-        )
+        self.identity = flow.Identity.of(self.name, token, factory, dataset, f"{host}:{port}")
         self.replica = Replica(dataset, factory)
         self.max_retry_s = max_retry_s
         self.heartbeat_s = heartbeat_s
@@ -210,7 +179,7 @@ class _Link:
         self.reader = reader
         self.writer = writer
         self.conn = Connection(Role.WORKER)
-        self.session = Session(client.identity, client.replica)
+        self.session = flow.Session(client.identity, client.replica)
         self.inbox: asyncio.Queue[Message | Ended] = asyncio.Queue()
         self.ready_at: float | None = None  # when WELCOME arrived
         self.last_sent = time.monotonic()
@@ -281,43 +250,33 @@ class _Link:
             raise item
         return item
 
-    async def _carry_out(self, commands: list[Command]) -> None:
+    async def _carry_out(self, commands: list[flow.Command]) -> None:
         session, replica = self.session, self.replica
         for command in commands:
             t0 = time.monotonic()
             match command:
-                case Send(msg=msg):
+                case flow.Send(msg=msg):
                     await self._send(msg)
-                case Evaluate(job=job):
+                case flow.Evaluate(job=job):
                     result = await replica.evaluate(job.step, job.first_member, job.member_count)
                     await self._carry_out(session.evaluated(job, result, time.monotonic() - t0))
-                case Apply(fitness=fitness):
+                case flow.Apply(fitness=fitness):
                     await replica.apply(fitness)
-                case DropReplica():
+                case flow.DropReplica():
                     replica.drop()
-                case StartReplica(config=config, run_id=run_id):
+                case flow.StartReplica(config=config, run_id=run_id):
                     await replica.start(config, run_id)
-                case DecodeSnapshot(blob=blob, step=step):
-                    try:
-                        state = await replica.decode(blob)
-                    except CheckpointError as exc:
-                        await self._carry_out(session.snapshot_decoded(step, None, str(exc)))
-                    else:
-                        await self._carry_out(session.snapshot_decoded(step, state))
-                case InstallSnapshot(state=state):
+                case flow.DecodeSnapshot(blob=blob, step=step):
+                    state, error = await replica.decode(blob)
+                    await self._carry_out(session.snapshot_decoded(step, state, error))
+                case flow.InstallSnapshot(state=state):
                     await replica.load(state)
-                    log.info(
-                        "snapshot loaded",
-                        step=state.step,
-                        seconds=round(time.monotonic() - t0, 3),
-                        digest=f"{replica.digest:016x}",
-                    )
-                case ExportSnapshot(requested=requested):
+                case flow.ExportSnapshot(requested=requested):
                     step, blob = await replica.encode()
                     for chunk in iter_snapshot_chunks(step, blob):
                         await self._send(chunk)
                     log.info("snapshot sent", step=step, requested=requested, bytes=len(blob))
-                case RunValidation(step=step):
+                case flow.RunValidation(step=step):
                     score = await replica.validate()
                     await self._carry_out(session.validated(step, score, time.monotonic() - t0))
 

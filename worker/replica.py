@@ -23,7 +23,7 @@ import structlog
 
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
-from ..shared.replica import ReplicaState, decode_checkpoint, encode_checkpoint
+from ..shared.replica import CheckpointError, ReplicaState, decode_checkpoint, encode_checkpoint
 from .backend import Backend, BackendFactory, ChunkResult, Validation
 
 __all__ = ["Replica"]
@@ -154,15 +154,25 @@ class Replica:
         state = self._backend().state
         return state.step, await self._call(encode_checkpoint, state)
 
-    async def decode(self, blob: bytes) -> ReplicaState:
-        """Raises CheckpointError for a blob that is not a valid checkpoint."""
-        return await self._call(decode_checkpoint, blob)
+    async def decode(self, blob: bytes) -> tuple[ReplicaState | None, str]:
+        """The state in a checkpoint blob, or None and why it is not a valid one."""
+        try:
+            return await self._call(decode_checkpoint, blob), ""
+        except CheckpointError as exc:
+            return None, str(exc)
 
     async def load(self, state: ReplicaState) -> None:
         backend = self._backend()
+        t0 = time.monotonic()
         await self._call(backend.load_state, state)
         self.weights_changed = 0  # unknown after a snapshot; 0 as at step 0
         self.digest = await self._call(backend.digest)
+        log.info(
+            "snapshot loaded",
+            step=state.step,
+            seconds=round(time.monotonic() - t0, 3),
+            digest=f"{self.digest:016x}",
+        )
 
     async def validate(self) -> Validation:
         return await self._call(self._backend().validate)

@@ -69,9 +69,11 @@ from ..protocol import (
     auth_mac,
     unpack_ternary,
 )
+from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
+from ..shared.data import Dataset
 from ..shared.replica import ReplicaState
-from .backend import ChunkResult
+from .backend import BackendFactory, ChunkResult
 from .backend import Validation as Score
 
 __all__ = [
@@ -245,6 +247,29 @@ class Identity:
     vocab_size: int
     train_tokens: int
     coordinator: str = "the coordinator"  # host:port, for messages
+
+    def __post_init__(self) -> None:
+        size = len(self.name.encode("utf-8"))
+        if size > MAX_WORKER_NAME_BYTES:
+            raise ValueError(
+                f"worker name is {size} bytes of UTF-8; the limit is {MAX_WORKER_NAME_BYTES}"
+            )
+
+    @classmethod
+    def of(
+        cls, name: str, token: bytes | str, factory: BackendFactory, data: Dataset, where: str
+    ) -> Identity:
+        """A worker's identity from its name, token, backend and data."""
+        return cls(
+            name=name,
+            token=token.encode("utf-8") if isinstance(token, str) else bytes(token),
+            backend=factory.name,
+            device=factory.device,
+            data_digest=data.digest,
+            vocab_size=data.meta.vocab_size,
+            train_tokens=len(data.train),
+            coordinator=where,
+        )
 
 
 @dataclass
