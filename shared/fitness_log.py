@@ -24,6 +24,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from .atomic_file import fsync_dir
+
 MAGIC = b"EGGFLOG\0"
 SECTOR = 512
 _VERIFY_RECORDS = 4096  # records read per block while verifying at open
@@ -61,7 +63,7 @@ class FitnessLog:
             f.write(head + struct.pack(">I", zlib.crc32(head)))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(path.parent)  # the new name survives a crash too
+        fsync_dir(path.parent)  # the new name survives a crash too
         return cls(path, pairs, config_digest, 0, 0)
 
     @classmethod
@@ -167,11 +169,3 @@ def _has_zero_sector(record: bytes, offset: int) -> bool:
     file is all zero: what a write that reached the disk by halves leaves."""
     cuts = [0, *range(SECTOR - offset % SECTOR, len(record), SECTOR), len(record)]
     return any(not any(record[a:b]) for a, b in itertools.pairwise(cuts) if b > a)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
