@@ -608,3 +608,42 @@ def test_e11_an_impostor_cannot_crash_or_swell_a_worker(words_data: Path, token_
     done = _worker_against(nested.port, words_data)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "RecursionError" not in done.stderr
+
+
+# ------------------------------------------------------------------------------ H6: TLS
+
+
+def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
+    spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env,
+    tls_certs,
+) -> None:  # fmt: skip
+    ca, other = tls_certs["ca"], tls_certs["other"]
+    coord, port = start_coordinator(
+        spawn, tmp_path / "run", config_file, "--tls-cert", ca["srv.pem"], "--tls-key",
+        ca["srv.key"], "--tls-client-ca", ca["ca.pem"],
+    )  # fmt: skip
+
+    def worker(trust: dict[str, Path], mine: dict[str, Path]) -> list[str]:
+        return [
+            command("eggroll-worker"), f"127.0.0.1:{port}", "--data-dir", str(words_data),
+            "--tls-ca", str(trust["ca.pem"]), "--tls-cert", str(mine["cli.pem"]),
+            "--tls-key", str(mine["cli.key"]), "--log-format", "json", "--max-retry-s", "1",
+        ]  # fmt: skip
+
+    # The worker does not trust the coordinator's CA: it refuses it, one line, exit 2.
+    wrong = subprocess.run(worker(other, ca), capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "certificate" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+    # The coordinator does not trust the worker's certificate: refused as well.
+    stranger = subprocess.run(worker(ca, other), capture_output=True, text=True, timeout=60)
+    assert stranger.returncode != 0 and "Traceback" not in stranger.stderr
+    # Plain TCP to a TLS coordinator gets nothing.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(Connection(Role.WORKER).send(Hello(1, "plain", "numpy", "cpu", bytes(32))))
+        sock.settimeout(10)
+        try:
+            assert MAGIC not in sock.recv(1 << 16)
+        except (ConnectionResetError, TimeoutError):
+            pass
+    spawn("eggroll-worker", *worker(ca, ca)[1:])
+    finishes_undisturbed(coord, tmp_path / "run", undisturbed)

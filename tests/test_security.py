@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shlex
 import ssl
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,31 +54,8 @@ def test_loopback_peers() -> None:
         assert not is_loopback(host), host
 
 
-def make_ca_and_certs(out: Path, name: str = "ca") -> dict[str, Path]:
-    """A CA and a server and a client certificate signed by it (openssl, 5 commands)."""
-    out.mkdir(parents=True, exist_ok=True)
-    p = {k: out / f"{name}-{k}" for k in ("ca.key", "ca.pem", "srv.key", "srv.pem", "cli.key")}
-    p["cli.pem"] = out / f"{name}-cli.pem"
-    ext = out / f"{name}-san.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-
-    def run(args: str) -> None:
-        subprocess.run(["openssl", *shlex.split(args)], check=True, capture_output=True)
-
-    key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes"
-    run(f"req -x509 {key} -keyout {p['ca.key']} -out {p['ca.pem']} -days 2 -subj /CN={name}")
-    for who in ("srv", "cli"):
-        csr = out / f"{name}-{who}.csr"
-        run(f"req {key} -keyout {p[who + '.key']} -out {csr} -subj /CN={who}")
-        run(
-            f"x509 -req -in {csr} -CA {p['ca.pem']} -CAkey {p['ca.key']} -CAcreateserial "
-            f"-out {p[who + '.pem']} -days 2 -extfile {ext}"
-        )
-    return p
-
-
-def test_tls_contexts_load_certificates(tmp_path: Path) -> None:
-    certs = make_ca_and_certs(tmp_path)
+def test_tls_contexts_load_certificates(tls_certs: dict[str, dict[str, Path]]) -> None:
+    certs = tls_certs["ca"]
     server = server_tls_context(certs["srv.pem"], certs["srv.key"], certs["ca.pem"])
     assert server.verify_mode is ssl.CERT_REQUIRED  # mutual TLS with a client CA
     assert server_tls_context(certs["srv.pem"], certs["srv.key"]).verify_mode is ssl.CERT_NONE
