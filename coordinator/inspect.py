@@ -12,7 +12,7 @@ import click
 from ..shared.config import ConfigError, from_dict
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.replica import CheckpointError, load_checkpoint
-from .store import read_digests
+from .store import StoreError, read_digests
 
 
 def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
@@ -32,7 +32,11 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
             log_ok, log_error = False, "fitness.log belongs to another run config"
     except FitnessLogError as exc:
         log_ok, log_error = False, str(exc)
-    digests = {s: f"{d:016x}" for s, d in read_digests(save_dir / "digests.log").items()}
+    try:
+        agreed, _ = read_digests(save_dir / "digests.log")
+    except StoreError as exc:
+        agreed, log_ok, log_error = {}, False, str(exc)
+    digests = {s: f"{d:016x}" for s, d in agreed.items()}
     snapshots = []
     for path in sorted((save_dir / "snapshots").glob("step-*.ckpt")):
         entry: dict[str, Any] = {"file": str(path), "bytes": path.stat().st_size}

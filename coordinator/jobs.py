@@ -5,6 +5,10 @@ leased to the first worker that asks; a lease past its deadline, or whose worker
 the chunk back in the queue; once the queue is empty, idle workers get backup copies of the
 longest-running chunks. The first valid result of a chunk wins; a later copy must be
 byte-identical (the fitness is a pure function of the replica at the step).
+
+A result counts only from a worker that was leased that chunk of this step, and only with
+a loss sum the chunk could produce; a worker holds at most `max_leases` live leases, so no
+one can hoard a step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class Outcome(enum.Enum):
     STALE = "stale"  # for another step
     OUT_OF_RANGE = "out_of_range"  # no such chunk
     BAD_SIZE = "bad_size"  # wrong number of fitness values for the chunk
+    UNLEASED = "unleased"  # the sender was never leased this chunk
+    BAD_LOSS = "bad_loss"  # a loss sum no chunk of this run can produce
 
 
 @dataclass
@@ -71,7 +77,15 @@ class StepJobs:
     """Chunks of one step: queued, leased, done."""
 
     def __init__(
-        self, step: int, chunks: int, chunk_members: int, clock: Clock, timer: ChunkTimer
+        self,
+        step: int,
+        chunks: int,
+        chunk_members: int,
+        clock: Clock,
+        timer: ChunkTimer,
+        *,
+        loss_range: tuple[int, int] | None = None,
+        max_leases: int = 4,
     ) -> None:
         self.step = step
         self.chunks = chunks
@@ -80,6 +94,9 @@ class StepJobs:
         self.timer = timer
         self.queue: deque[int] = deque(range(chunks))
         self.leases: dict[int, list[Lease]] = {}
+        self.holders: dict[int, set[Hashable]] = {}  # chunk -> every worker ever leased it
+        self.loss_range = loss_range  # inclusive bounds of one chunk's loss sum
+        self.max_leases = max_leases
         self.results: dict[int, bytes] = {}  # chunk -> packed fitness of the first result
         self.loss_sum = 0
         self.requeued = {"disconnect": 0, "deadline": 0}
@@ -94,8 +111,12 @@ class StepJobs:
         return chunk * self.chunk_members, self.chunk_members
 
     def lease(self, worker: Hashable) -> int | None:
-        """The chunk `worker` should evaluate next, or None when there is nothing to do."""
+        """The chunk `worker` should evaluate next, or None when there is nothing to do
+        (or the worker already holds `max_leases` live leases)."""
         now = self.clock()
+        live = sum(1 for held in self.leases.values() for x in held if x.worker == worker)
+        if live >= self.max_leases:
+            return None
         while self.queue:
             chunk = self.queue.popleft()
             if chunk not in self.results:
@@ -117,6 +138,7 @@ class StepJobs:
             self.first_lease = now
         deadline = now + self.timer.timeout_s()
         self.leases.setdefault(chunk, []).append(Lease(chunk, worker, now, deadline))
+        self.holders.setdefault(chunk, set()).add(worker)
         return chunk
 
     def complete_chunk(
@@ -135,6 +157,12 @@ class StepJobs:
             return Outcome.OUT_OF_RANGE
         if pair_count != self.chunk_members // 2:
             return Outcome.BAD_SIZE
+        if worker not in self.holders.get(chunk, ()):
+            return Outcome.UNLEASED
+        if self.loss_range is not None and not (
+            self.loss_range[0] <= loss_sum <= self.loss_range[1]
+        ):
+            return Outcome.BAD_LOSS
         if chunk in self.results:
             return Outcome.DUPLICATE if self.results[chunk] == fitness else Outcome.MISMATCH
         mine = [lease for lease in self.leases.pop(chunk, []) if lease.worker == worker]

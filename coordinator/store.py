@@ -15,29 +15,45 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import secrets
 import time
 from pathlib import Path
 
-from ..shared.atomic_file import write_atomic
+from ..shared.atomic_file import fsync_dir, write_atomic
 from ..shared.config import ConfigError, RunConfig, from_dict
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 
 RUN_FORMAT = 1
 
 
-def read_digests(path: Path) -> dict[int, int]:
-    """Agreed digests from a digests.log ("step digest-hex" lines; a torn last line is
-    skipped)."""
-    digests: dict[int, int] = {}
+_DIGEST_LINE = re.compile(rb"(0|[1-9][0-9]{0,18}) ([0-9a-f]{16})")
+_STALE_TMP = ".*.tmp"  # write_atomic's temporary files, left by a crash
+
+
+def read_digests(path: Path) -> tuple[dict[int, int], int]:
+    """Agreed digests from digests.log ("step digest-hex" lines) and the byte length of its
+    good lines. A malformed or unterminated last line is a torn append and is left out; a
+    malformed line before it is StoreError."""
     try:
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 2:
-                digests[int(parts[0])] = int(parts[1], 16)
+        data = path.read_bytes()
     except FileNotFoundError:
-        pass
-    return digests
+        return {}, 0
+    digests: dict[int, int] = {}
+    good = 0
+    lines = data.split(b"\n")  # the last item is b"" when the file ends in a newline
+    for number, line in enumerate(lines[:-1], 1):
+        match = _DIGEST_LINE.fullmatch(line)
+        if match is None:
+            if number == len(lines) - 1 and not lines[-1]:
+                break  # the last line, torn
+            raise StoreError(
+                f"{path} line {number} is malformed; the file is a check that workers "
+                "rebuild, so delete it (or that line) and start again"
+            )
+        digests[int(match[1])] = int(match[2], 16)
+        good += len(line) + 1
+    return digests, good
 
 
 class StoreError(Exception):
@@ -51,7 +67,7 @@ class RunStore:
         self.fitness_log = log
         self.config = config
         self._lock_fd = lock_fd
-        self.digests = read_digests(path / "digests.log")
+        self.digests = self._load_digests()
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -60,15 +76,18 @@ class RunStore:
         path = Path(path)
         try:
             (path / "snapshots").mkdir(parents=True, exist_ok=True)
+            fsync_dir(path)
+            lock_fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise StoreError(f"cannot use --save-dir {path}: {exc.strerror}") from None
-        lock_fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(lock_fd)
             raise StoreError(f"another coordinator is running on {path}") from None
         try:
+            for stale in [*path.glob(_STALE_TMP), *(path / "snapshots").glob(_STALE_TMP)]:
+                stale.unlink(missing_ok=True)  # we hold the lock: no writer is alive
             run, stored = cls._load_or_create_run(path, config)
             log_path = path / "fitness.log"
             if log_path.exists():
@@ -80,7 +99,14 @@ class RunStore:
         except (FitnessLogError, StoreError) as exc:
             os.close(lock_fd)
             raise StoreError(str(exc)) from None
-        return cls(path, run, log, stored, lock_fd)
+        except OSError as exc:
+            os.close(lock_fd)
+            raise StoreError(f"cannot use --save-dir {path}: {exc}") from None
+        try:
+            return cls(path, run, log, stored, lock_fd)
+        except (StoreError, OSError) as exc:
+            os.close(lock_fd)
+            raise StoreError(str(exc)) from None
 
     @staticmethod
     def _load_or_create_run(path: Path, config: RunConfig | None) -> tuple[dict, RunConfig]:
@@ -137,12 +163,26 @@ class RunStore:
 
     # ------------------------------------------------------------------------ digests
 
+    def _load_digests(self) -> dict[int, int]:
+        path = self.path / "digests.log"
+        digests, good = read_digests(path)
+        if path.exists() and path.stat().st_size != good:
+            with open(path, "r+b") as f:  # cut a torn last line before appending more
+                f.truncate(good)
+                os.fsync(f.fileno())
+        return digests
+
     def record_digest(self, step: int, digest: int) -> None:
-        """Remember the agreed digest of the replica state at `step` (not fsync'd: it is
-        a check, recomputable by replaying the log)."""
+        """Durably remember the agreed digest of the replica state at `step`."""
         self.digests[step] = digest
-        with open(self.path / "digests.log", "a") as f:
-            f.write(f"{step} {digest:016x}\n")
+        path = self.path / "digests.log"
+        new = not path.exists()
+        with open(path, "ab") as f:
+            f.write(b"%d %016x\n" % (step, digest))
+            f.flush()
+            os.fsync(f.fileno())
+        if new:
+            fsync_dir(self.path)
 
     # ---------------------------------------------------------------------- snapshots
 

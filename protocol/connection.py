@@ -3,6 +3,12 @@
 Feed received bytes with `receive_data`, take messages with `next_event`, and turn
 outgoing messages into bytes with `send`. Which message may go which way in which state
 is written down once, in `TRANSITIONS`.
+
+A frame is judged by its header, before its payload is buffered: an unknown type, a type
+illegal in the current state, or a length over the state's limit ends the connection. Until
+the handshake is done only a few KiB are allowed (`HANDSHAKE_MAX_PAYLOAD_BYTES`; WELCOME,
+which carries the run config, `WELCOME_MAX_PAYLOAD_BYTES`), so a peer without the token can
+make a coordinator buffer almost nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +27,20 @@ from .messages import (
     message_class,
 )
 
-__all__ = ["TRANSITIONS", "Connection", "Direction", "Role", "State"]
+__all__ = [
+    "HANDSHAKE_MAX_PAYLOAD_BYTES",
+    "TRANSITIONS",
+    "WELCOME_MAX_PAYLOAD_BYTES",
+    "Connection",
+    "Direction",
+    "Role",
+    "State",
+]
+
+# HELLO is at most 461 bytes, CHALLENGE and AUTH 32; ERROR fits as well.
+HANDSHAKE_MAX_PAYLOAD_BYTES = 4096
+# The canonical run config is about 1 KiB; a larger WELCOME is an impostor's.
+WELCOME_MAX_PAYLOAD_BYTES = 64 * 1024
 
 
 class Role(Enum):
@@ -93,15 +112,8 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
     for t in coordinator_to_worker:
         table[C, S.READY, SEND, t] = S.READY
         table[W, S.READY, RECV, t] = S.READY
-    # HEARTBEAT keeps a slow handshake alive once HELLO has gone out.
-    after_hello = {
-        W: (S.HELLO_SENT, S.CHALLENGED, S.AUTH_SENT),
-        C: (S.HELLO_RECEIVED, S.CHALLENGE_SENT, S.AUTHENTICATED),
-    }
-    for role, states in after_hello.items():
-        for state in states:
-            for direction in Direction:
-                table[role, state, direction, T.HEARTBEAT] = state
+    # No HEARTBEAT before the handshake is done: it must not extend an unauthenticated
+    # peer's stay.
     # ERROR ends the connection from any open state, either way.
     for role in Role:
         for state in State:
@@ -133,7 +145,7 @@ class Connection:
         self.role = role
         self.max_payload_bytes = max_payload_bytes
         self._state = State.START
-        self._decoder = FrameDecoder(max_payload_bytes)
+        self._decoder = FrameDecoder(max_payload_bytes, check_header=self._check_header)
         self._remote_error: RemoteProtocolError | None = None
         # Whole frames (header included) per message type, for metrics.
         self.bytes_sent: Counter[MsgType] = Counter()
@@ -170,22 +182,35 @@ class Connection:
             self._state = State.CLOSED
             raise
 
-    def _next_event(self) -> Message | None:
-        frame = self._decoder.next_frame()
-        if frame is None:
-            return None
-        cls = message_class(frame.msg_type)
-        if frame.flags != 0:
+    def _check_header(self, msg_type: int, flags: int, length: int) -> None:
+        """Refuse a frame from its header alone, before its payload is buffered."""
+        cls = message_class(msg_type)
+        if flags != 0:
             raise RemoteProtocolError(
-                ErrorCode.MALFORMED, f"flags {frame.flags:#06x} set; version 1 defines none"
+                ErrorCode.MALFORMED, f"flags {flags:#06x} set; version 1 defines none"
             )
-        # Legality before decoding: no need to parse a payload we refuse anyway.
-        next_state = TRANSITIONS.get((self.role, self._state, Direction.RECEIVE, cls.TYPE))
-        if next_state is None:
+        if (self.role, self._state, Direction.RECEIVE, cls.TYPE) not in TRANSITIONS:
             raise RemoteProtocolError(
                 ErrorCode.ILLEGAL_STATE,
                 f"{cls.TYPE.name} may not reach a {self.role.value} in state {self._state.name}",
             )
+        limit = self.max_payload_bytes
+        if self._state is not State.READY:
+            handshake = HANDSHAKE_MAX_PAYLOAD_BYTES
+            limit = WELCOME_MAX_PAYLOAD_BYTES if cls.TYPE is MsgType.WELCOME else handshake
+        if length > limit:
+            raise RemoteProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"{cls.TYPE.name} payload of {length} bytes exceeds the limit of {limit} "
+                f"in state {self._state.name}",
+            )
+
+    def _next_event(self) -> Message | None:
+        frame = self._decoder.next_frame()  # its header passed _check_header
+        if frame is None:
+            return None
+        cls = message_class(frame.msg_type)
+        next_state = TRANSITIONS[self.role, self._state, Direction.RECEIVE, cls.TYPE]
         message = cls.decode(frame.payload)
         self.bytes_received[cls.TYPE] += HEADER_SIZE + len(frame.payload)
         self.messages_received[cls.TYPE] += 1

@@ -2,15 +2,16 @@
 
 Header (big-endian): magic b"EGGR", version u8, message type u8, flags u16, payload
 length u32, CRC-32 of the payload u32. The decoder validates magic, version and length
-as soon as the header is complete, before any payload is buffered, and the CRC once the
-payload is in.
+as soon as the header is complete, before any payload is buffered (and hands type, flags
+and length to an optional `check_header`, which may refuse the frame too), and the CRC once
+the payload is in.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
@@ -68,10 +69,17 @@ class FrameDecoder:
     later `feed` or `next_frame` raises the same error again.
     """
 
-    def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    def __init__(
+        self,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        check_header: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         if not 0 <= max_payload_bytes <= 0xFFFFFFFF:
             raise ValueError("max_payload_bytes must fit in a u32")
         self.max_payload_bytes = max_payload_bytes
+        # (type, flags, length) -> None, or raises RemoteProtocolError; called once per frame
+        # as soon as its header is in.
+        self.check_header = check_header
         self._buf = bytearray()
         self._pos = 0  # start of unconsumed data in _buf
         self._header: tuple[int, int, int, int] | None = None  # type, flags, length, crc
@@ -131,6 +139,8 @@ class FrameDecoder:
                     ErrorCode.FRAME_TOO_LARGE,
                     f"payload of {length} bytes exceeds the limit of {self.max_payload_bytes}",
                 )
+            if self.check_header is not None:
+                self.check_header(msg_type, flags, length)
             self._header = (msg_type, flags, length, crc)
         msg_type, flags, length, crc = self._header
         end = pos + HEADER_SIZE + length

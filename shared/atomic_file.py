@@ -1,4 +1,5 @@
-"""Crash-safe file replacement: a crash leaves the old version or the new one, never a mix."""
+"""Crash-safe file replacement: a crash leaves the old version or the new one, never a mix.
+Also the directory fsync that makes a new name durable."""
 
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ def write_atomic(path: str | Path, data: bytes | memoryview) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the directory's entries (a created, renamed or removed name) survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)

@@ -213,12 +213,20 @@ def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
     return dataclasses.replace(base, **changes)
 
 
+# A canonical config is about 1 KiB; anything far larger did not come from a coordinator.
+MAX_CANONICAL_BYTES = 64 * 1024
+
+
 def from_canonical_bytes(raw: bytes) -> RunConfig:
     """Inverse of `RunConfig.canonical_bytes` (what a worker receives in WELCOME)."""
+    if len(raw) > MAX_CANONICAL_BYTES:
+        raise ConfigError(f"run config is {len(raw)} bytes; the limit is {MAX_CANONICAL_BYTES}")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"run config bytes are not valid JSON: {exc}") from None
+    except RecursionError:  # deeply nested arrays: never a config, maybe a hostile peer
+        raise ConfigError("run config bytes nest too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError("run config bytes are not a JSON object")
     return from_dict(data)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import FitnessConfig
+from .config import FitnessConfig, RunConfig
+from .model import token_loss
 
 
 def _iroot(x: int, n: int) -> int:
@@ -41,3 +42,21 @@ def pair_fitness(member_loss: np.ndarray, cfg: FitnessConfig) -> np.ndarray:
         total_abs = int(np.abs(diff).sum())
         fit[10 * n * np.abs(diff) < total_abs] = 0
     return fit
+
+
+def chunk_loss_range(cfg: RunConfig) -> tuple[int, int]:
+    """Inclusive bounds of one chunk's loss sum, for checking what a worker reports.
+
+    A token's integer loss only falls as its target logit rises and only rises as the
+    others do, so it lies between the loss of a row with the target at the top and every
+    other logit at the bottom, and the reverse.
+    """
+    v = cfg.model.vocab_size
+    best = np.full((1, v), -128, dtype=np.int32)
+    best[0, 0] = 127
+    worst = np.full((1, v), 127, dtype=np.int32)
+    worst[0, 0] = -128
+    target = np.zeros(1, dtype=np.int64)
+    lo, hi = int(token_loss(best, target)[0]), int(token_loss(worst, target)[0])
+    tokens = cfg.es.chunk_size * cfg.es.seq_len
+    return tokens * lo, tokens * hi

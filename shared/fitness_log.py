@@ -8,19 +8,27 @@ payload of a record is the step's ternary-packed fitness, opaque here. Layout, b
     record k:          step u64 (== k) | length u32 | payload | CRC-32 of step..payload
 
 Every record has the same size, so step k is at a fixed offset. `append` fsyncs before it
-returns: a step is committed once its record is on disk. A torn last record (a crash in the
-middle of an append, never acknowledged) is cut off when the log is opened; a bad record
-anywhere else is corruption and an error.
+returns: a step is committed once its record is on disk, and an append that fails leaves the
+log refusing further appends (the caller must stop: the file's tail is unknown). A torn last
+record (a crash in the middle of an append, never acknowledged) is cut off when the log is
+opened: a partial record, or a full-size last record that fails its check and holds an
+all-zero 512-byte sector (a file whose size reached the disk before its data, as etcd's WAL
+also assumes). A bad record anywhere else is corruption and an error that says what to do.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import zlib
 from pathlib import Path
 
+from .atomic_file import fsync_dir
+
 MAGIC = b"EGGFLOG\0"
+SECTOR = 512
+_VERIFY_RECORDS = 4096  # records read per block while verifying at open
 FORMAT_VERSION = 1
 HEADER = struct.Struct(">8sII32s")
 HEADER_SIZE = HEADER.size + 4
@@ -45,6 +53,7 @@ class FitnessLog:
         self.record_size = RECORD_HEAD.size + packed_size(pairs) + 4
         self.steps = steps  # records on disk = steps committed
         self.repaired_bytes = repaired  # bytes of a torn last record cut off at open
+        self.failed = False  # an append failed: the tail is unknown until reopened
 
     @classmethod
     def create(cls, path: str | Path, pairs: int, config_digest: bytes) -> FitnessLog:
@@ -54,29 +63,45 @@ class FitnessLog:
             f.write(head + struct.pack(">I", zlib.crc32(head)))
             f.flush()
             os.fsync(f.fileno())
+        fsync_dir(path.parent)  # the new name survives a crash too
         return cls(path, pairs, config_digest, 0, 0)
 
     @classmethod
     def open(cls, path: str | Path, repair: bool = True) -> FitnessLog:
-        """Open and verify a log; with `repair`, cut off a torn last record."""
+        """Open and verify a log, reading it in blocks; with `repair`, cut off a torn last
+        record (see the module docstring)."""
         path = Path(path)
         try:
-            data = path.read_bytes()
+            f = open(path, "rb")
         except FileNotFoundError:
             raise FitnessLogError(f"fitness log {path} does not exist") from None
-        if len(data) < HEADER_SIZE:
-            raise FitnessLogError(f"fitness log {path} is too short to hold a header")
-        magic, version, pairs, digest = HEADER.unpack_from(data)
-        (crc,) = struct.unpack_from(">I", data, HEADER.size)
-        if magic != MAGIC or zlib.crc32(data[: HEADER.size]) != crc:
-            raise FitnessLogError(f"{path} is not a fitness log (bad magic or header CRC)")
-        if version != FORMAT_VERSION:
-            raise FitnessLogError(f"fitness log {path} has format {version}, expected 1")
-        log = cls(path, pairs, digest, 0, 0)
-        body = len(data) - HEADER_SIZE
-        whole, torn = divmod(body, log.record_size)
-        for k in range(whole):
-            log._parse_record(data, HEADER_SIZE + k * log.record_size, k)
+        with f:
+            head = f.read(HEADER_SIZE)
+            if len(head) < HEADER_SIZE:
+                raise FitnessLogError(f"fitness log {path} is too short to hold a header")
+            magic, version, pairs, digest = HEADER.unpack_from(head)
+            (crc,) = struct.unpack_from(">I", head, HEADER.size)
+            if magic != MAGIC or zlib.crc32(head[: HEADER.size]) != crc:
+                raise FitnessLogError(f"{path} is not a fitness log (bad magic or header CRC)")
+            if version != FORMAT_VERSION:
+                raise FitnessLogError(f"fitness log {path} has format {version}, expected 1")
+            log = cls(path, pairs, digest, 0, 0)
+            size = os.fstat(f.fileno()).st_size
+            whole, torn = divmod(size - HEADER_SIZE, log.record_size)
+            for first in range(0, whole, _VERIFY_RECORDS):
+                count = min(_VERIFY_RECORDS, whole - first)
+                block = f.read(count * log.record_size)
+                for k in range(count):
+                    at = k * log.record_size
+                    try:
+                        log._parse_record(block, at, first + k)
+                    except FitnessLogError:
+                        last = first + k == whole - 1
+                        offset = HEADER_SIZE + (first + k) * log.record_size
+                        record = block[at : at + log.record_size]
+                        if not (last and _has_zero_sector(record, offset)):
+                            raise FitnessLogError(log._corrupt(first + k)) from None
+                        whole, torn = whole - 1, torn + log.record_size
         if torn:
             if not repair:
                 raise FitnessLogError(f"fitness log {path} ends in a torn record")
@@ -85,6 +110,14 @@ class FitnessLog:
                 os.fsync(f.fileno())
         log.steps, log.repaired_bytes = whole, torn
         return log
+
+    def _corrupt(self, step: int) -> str:
+        keep = HEADER_SIZE + step * self.record_size
+        return (
+            f"fitness log {self.path}: record {step} is corrupt (bad step, length or CRC). "
+            f"Restore it from a backup, or keep the first {step} steps and lose the rest "
+            f"with `truncate -s {keep} {self.path}` (workers then resync by replaying)"
+        )
 
     def _parse_record(self, data: bytes, at: int, step: int) -> bytes:
         """Verify the record at offset `at` of `data` is step `step`; return its payload."""
@@ -105,11 +138,20 @@ class FitnessLog:
             raise FitnessLogError(
                 f"step {step} fitness is {len(packed)} bytes, expected {packed_size(self.pairs)}"
             )
+        if self.failed:
+            raise FitnessLogError(f"fitness log {self.path}: an earlier append failed")
         record = RECORD_HEAD.pack(step, len(packed)) + packed
-        with open(self.path, "ab") as f:
-            f.write(record + struct.pack(">I", zlib.crc32(record)))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "ab") as f:
+                f.write(record + struct.pack(">I", zlib.crc32(record)))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            # What reached the disk is unknown and may not be retried: a failed fsync can
+            # drop the dirty pages and report success next time (PostgreSQL's "fsyncgate").
+            # Only reopening (which repairs the tail) makes the log usable again.
+            self.failed = True
+            raise
         self.steps += 1
 
     def read(self, first: int, count: int) -> list[bytes]:
@@ -120,3 +162,10 @@ class FitnessLog:
             f.seek(HEADER_SIZE + first * self.record_size)
             data = f.read(count * self.record_size)
         return [self._parse_record(data, k * self.record_size, first + k) for k in range(count)]
+
+
+def _has_zero_sector(record: bytes, offset: int) -> bool:
+    """Whether the part of `record` (at file `offset`) inside any one 512-byte sector of the
+    file is all zero: what a write that reached the disk by halves leaves."""
+    cuts = [0, *range(SECTOR - offset % SECTOR, len(record), SECTOR), len(record)]
+    return any(not any(record[a:b]) for a, b in itertools.pairwise(cuts) if b > a)

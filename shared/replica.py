@@ -109,6 +109,16 @@ def encode_checkpoint(state: ReplicaState) -> bytes:
     return body + struct.pack(">I", zlib.crc32(body))
 
 
+def checkpoint_bytes(config: RunConfig) -> int:
+    """The exact size of every checkpoint of this run: what a peer may send or ask us to
+    hold for a snapshot, and not a byte more."""
+    size = len(MAGIC) + 8 + len(config.canonical_bytes()) + 12
+    for spec in param_specs(config.model):
+        n = int(np.prod(spec.shape, dtype=np.int64))
+        size += 2 + len(spec.name.encode()) + 1 + 4 * len(spec.shape) + 9 + n
+    return size + 8 + 4
+
+
 class _Reader:
     def __init__(self, data: bytes):
         self.data, self.pos = data, 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -116,3 +117,34 @@ def spawn() -> Iterator[Callable[..., Proc]]:
     yield start
     for p in reversed(procs):
         p.stop()
+
+
+def make_ca_and_certs(out: Path, name: str) -> dict[str, Path]:
+    """A CA, and a server certificate (for 127.0.0.1 and localhost) and a client certificate
+    signed by it: the five openssl commands the README shows."""
+    out.mkdir(parents=True, exist_ok=True)
+    p = {k: out / f"{name}-{k}" for k in ("ca.key", "ca.pem", "srv.key", "srv.pem", "cli.key")}
+    p["cli.pem"] = out / f"{name}-cli.pem"
+    ext = out / f"{name}-san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(args: str) -> None:
+        subprocess.run(["openssl", *shlex.split(args)], check=True, capture_output=True)
+
+    key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes"
+    run(f"req -x509 {key} -keyout {p['ca.key']} -out {p['ca.pem']} -days 2 -subj /CN={name}")
+    for who in ("srv", "cli"):
+        csr = out / f"{name}-{who}.csr"
+        run(f"req {key} -keyout {p[who + '.key']} -out {csr} -subj /CN={who}")
+        run(
+            f"x509 -req -in {csr} -CA {p['ca.pem']} -CAkey {p['ca.key']} -CAcreateserial "
+            f"-out {p[who + '.pem']} -days 2 -extfile {ext}"
+        )
+    return p
+
+
+@pytest.fixture(scope="session")
+def tls_certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """Two unrelated CAs ("ca" and "other"), each with a server and a client certificate."""
+    out = tmp_path_factory.mktemp("tls")
+    return {name: make_ca_and_certs(out, name) for name in ("ca", "other")}

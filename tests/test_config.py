@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from eggroll_dist.shared.config import (
+    MAX_CANONICAL_BYTES,
     PRESETS,
     ConfigError,
     ESConfig,
@@ -79,3 +80,10 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_invalid_values_rejected_in_code_too() -> None:
     with pytest.raises(ConfigError, match=r"es\.population=10 is not divisible"):
         RunConfig(es=ESConfig(population=10, chunk_size=4))
+
+
+def test_canonical_bytes_from_a_peer_are_bounded() -> None:
+    with pytest.raises(ConfigError, match="nest too deeply"):
+        from_canonical_bytes(b"[" * 60000)
+    with pytest.raises(ConfigError, match="the limit is"):
+        from_canonical_bytes(b" " * (MAX_CANONICAL_BYTES + 1))

@@ -5,14 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eggroll_dist.protocol.connection import TRANSITIONS, Connection, Direction, Role, State
+from eggroll_dist.protocol.connection import (
+    TRANSITIONS,
+    WELCOME_MAX_PAYLOAD_BYTES,
+    Connection,
+    Direction,
+    Role,
+    State,
+)
 from eggroll_dist.protocol.errors import (
     ErrorCode,
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
 )
-from eggroll_dist.protocol.frames import HEADER_SIZE, encode_frame
+from eggroll_dist.protocol.frames import HEADER, HEADER_SIZE, MAGIC, PROTOCOL_VERSION, encode_frame
 from eggroll_dist.protocol.messages import (
     LATEST_SNAPSHOT,
     Auth,
@@ -124,17 +131,49 @@ def test_catch_up_snapshot_log_and_heartbeat_traffic() -> None:
     assert deliver(coordinator.send(Heartbeat(6)), worker) == Heartbeat(6)
 
 
-def test_heartbeat_allowed_during_handshake_after_hello() -> None:
+def test_heartbeat_is_illegal_until_the_handshake_is_done() -> None:
+    # An unauthenticated peer must not be able to keep its connection alive.
     worker, coordinator = Connection(Role.WORKER), Connection(Role.COORDINATOR)
-    with pytest.raises(LocalProtocolError):
-        worker.send(Heartbeat(0))
     deliver(worker.send(HELLO), coordinator)
-    assert deliver(worker.send(Heartbeat(1)), coordinator) == Heartbeat(1)
-    assert deliver(coordinator.send(Heartbeat(2)), worker) == Heartbeat(2)
-    assert (worker.state, coordinator.state) == (State.HELLO_SENT, State.HELLO_RECEIVED)
-    deliver(coordinator.send(Challenge(NONCE)), worker)
-    assert deliver(worker.send(Heartbeat(3)), coordinator) == Heartbeat(3)
-    assert worker.state is State.CHALLENGED
+    with pytest.raises(LocalProtocolError):
+        worker.send(Heartbeat(1))
+    coordinator.receive_data(encode_message(Heartbeat(1)))
+    with pytest.raises(RemoteProtocolError) as info:
+        coordinator.next_event()
+    assert info.value.error_code == ErrorCode.ILLEGAL_STATE
+
+
+def test_frames_are_refused_by_header_before_the_payload_is_buffered() -> None:
+    # A pre-auth HELLO header announcing 16 MiB: refused at the header, nothing buffered.
+    coordinator = Connection(Role.COORDINATOR)
+    coordinator.receive_data(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.HELLO, 0, 2**24, 0))
+    with pytest.raises(RemoteProtocolError) as info:
+        coordinator.next_event()
+    assert info.value.error_code == ErrorCode.FRAME_TOO_LARGE
+    assert "HELLO" in info.value.message and "4096" in info.value.message
+    # A type that is illegal in this state: refused at the header as well.
+    coordinator = Connection(Role.COORDINATOR)
+    coordinator.receive_data(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.RESULT, 0, 10**6, 0))
+    with pytest.raises(RemoteProtocolError) as info:
+        coordinator.next_event()
+    assert info.value.error_code == ErrorCode.ILLEGAL_STATE
+    # After the handshake the protocol maximum applies.
+    worker, coordinator = handshake()
+    big = SnapshotChunk(2, 3 * 2**20, 0, bytes(2**20))
+    assert deliver(worker.send(big), coordinator) == big
+
+
+def test_welcome_is_bounded_on_the_worker_side() -> None:
+    worker = Connection(Role.WORKER)
+    worker.send(HELLO)
+    worker.receive_data(encode_message(Challenge(NONCE)))
+    worker.next_event()
+    worker.send(Auth(bytes(32)))
+    too_big = WELCOME_MAX_PAYLOAD_BYTES + 1
+    worker.receive_data(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.WELCOME, 0, too_big, 0))
+    with pytest.raises(RemoteProtocolError) as info:
+        worker.next_event()
+    assert info.value.error_code == ErrorCode.FRAME_TOO_LARGE
 
 
 def test_heartbeat_before_hello_is_illegal_on_receive() -> None:

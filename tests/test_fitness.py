@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from eggroll_dist.shared.config import FitnessConfig
-from eggroll_dist.shared.fitness import pair_fitness
+from eggroll_dist.shared.config import FitnessConfig, preset
+from eggroll_dist.shared.fitness import chunk_loss_range, pair_fitness
+from eggroll_dist.shared.model import token_loss
 
 
 def test_sign_of_loss_difference() -> None:
@@ -35,3 +36,18 @@ def test_filters_are_deterministic_integers() -> None:
     a, b = pair_fitness(loss, cfg), pair_fitness(loss.copy(), cfg)
     assert a.dtype == np.int8 and a.tobytes() == b.tobytes()
     assert set(np.unique(a).tolist()) <= {-1, 0, 1}
+
+
+def test_chunk_loss_range_bounds_every_possible_token_loss() -> None:
+    cfg = preset("tiny")
+    lo, hi = chunk_loss_range(cfg)
+    tokens = cfg.es.chunk_size * cfg.es.seq_len
+    assert lo % tokens == 0 and hi % tokens == 0
+    rng = np.random.default_rng(0)
+    logits = rng.integers(-127, 128, size=(4000, 256)).astype(np.int32)
+    logits[:1000] = np.where(rng.random((1000, 256)) < 0.5, -127, 127)  # extremes too
+    targets = rng.integers(0, 256, size=4000)
+    loss = token_loss(logits, targets)
+    assert lo // tokens <= loss.min() and loss.max() <= hi // tokens
+    # The bounds are tight: a row at each extreme reaches them.
+    assert hi // tokens == int(token_loss(np.array([[-128] + [127] * 255]), np.array([0]))[0])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from eggroll_dist.shared.fitness_log import FitnessLog, FitnessLogError, packed_size
+from eggroll_dist.shared.fitness_log import SECTOR, FitnessLog, FitnessLogError, packed_size
 
 DIGEST = bytes(range(32))
 
@@ -63,3 +66,63 @@ def test_not_a_log(tmp_path: Path) -> None:
     path.write_bytes(b"hello world" * 10)
     with pytest.raises(FitnessLogError, match="not a fitness log"):
         FitnessLog.open(path)
+
+
+@pytest.mark.parametrize("zeros", ["whole", "tail"])
+def test_zero_filled_last_record_is_torn(tmp_path: Path, zeros: str) -> None:
+    # A crash where the file's new size reached the disk but (part of) the data did not.
+    log, records = _log(tmp_path, 3, pairs=5000)  # 1016-byte records: span sectors
+    log.append(3, records[0])
+    data = bytearray(log.path.read_bytes())
+    last = len(data) - log.record_size
+    cut = last if zeros == "whole" else (last // SECTOR + 1) * SECTOR
+    data[cut:] = bytes(len(data) - cut)
+    log.path.write_bytes(bytes(data))
+    again = FitnessLog.open(log.path)
+    assert again.steps == 3 and again.repaired_bytes == log.record_size
+    assert again.read(0, 3) == records
+    assert log.path.stat().st_size == last
+
+
+def test_other_corruption_of_the_last_record_says_what_to_do(tmp_path: Path) -> None:
+    log, _ = _log(tmp_path, 3)
+    data = bytearray(log.path.read_bytes())
+    data[-3] ^= 0x40  # bit rot, no zero sector: not a torn write
+    log.path.write_bytes(bytes(data))
+    keep = len(data) - log.record_size
+    with pytest.raises(FitnessLogError, match=f"record 2 is corrupt.*truncate -s {keep} "):
+        FitnessLog.open(log.path)
+    assert log.path.stat().st_size == len(data)  # nothing cut without the operator
+
+
+def test_a_failed_append_refuses_more_appends(tmp_path: Path) -> None:
+    log, records = _log(tmp_path, 2, pairs=5000)
+    script = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from eggroll_dist.shared.fitness_log import FitnessLog\n"
+        "path = Path(sys.argv[1])\n"
+        "log = FitnessLog.open(path)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 100,) * 2)\n"
+        "try:\n"
+        "    log.append(2, bytes(log.record_size - 16))\n"
+        "except OSError as exc:\n"
+        "    print('append failed', exc.errno)\n"
+        "try:\n"
+        "    log.append(2, bytes(log.record_size - 16))\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(log.path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "append failed 27" in out.stdout  # EFBIG
+    assert "an earlier append failed" in out.stdout
+    again = FitnessLog.open(log.path)  # the torn 100 bytes are cut off at the next open
+    assert again.steps == 2 and again.repaired_bytes == 100
+    assert again.read(0, 2) == records

@@ -37,8 +37,8 @@ def test_first_result_wins_and_duplicates_are_compared() -> None:
     jobs.lease("a")
     jobs.lease("b")
     assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 10) is Outcome.ACCEPTED
-    assert jobs.complete_chunk("b", 7, 0, _fit(1), 5, 10) is Outcome.DUPLICATE
-    assert jobs.complete_chunk("b", 7, 0, _fit(2), 5, 10) is Outcome.MISMATCH
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 10) is Outcome.DUPLICATE
+    assert jobs.complete_chunk("a", 7, 0, _fit(2), 5, 10) is Outcome.MISMATCH
     assert jobs.complete_chunk("b", 6, 1, _fit(1), 5, 10) is Outcome.STALE
     assert jobs.complete_chunk("b", 7, 9, _fit(1), 5, 10) is Outcome.OUT_OF_RANGE
     assert jobs.complete_chunk("b", 7, 1, _fit(1, 4), 4, 10) is Outcome.BAD_SIZE
@@ -101,8 +101,36 @@ def test_step_fitness_concatenates_chunks_in_order() -> None:
         pairs = members // 2
         jobs, _ = _jobs(chunks=3, members=members)
         values = np.random.default_rng(members).integers(-1, 2, size=3 * pairs)
+        assert [jobs.lease("w") for _ in range(3)] == [0, 1, 2]
         for c in (2, 0, 1):
-            jobs.lease(c)
             part = pack_ternary(values[c * pairs : (c + 1) * pairs])
-            assert jobs.complete_chunk(c, 7, c, part, pairs, 0) is Outcome.ACCEPTED
+            assert jobs.complete_chunk("w", 7, c, part, pairs, 0) is Outcome.ACCEPTED
         assert np.array_equal(unpack_ternary(jobs.step_fitness(), 3 * pairs), values)
+
+
+def test_results_count_only_from_lease_holders_with_a_possible_loss() -> None:
+    jobs, clock = _jobs(chunks=3)
+    jobs.loss_range = (0, 100)
+    assert jobs.lease("a") == 0
+    assert jobs.complete_chunk("x", 7, 0, _fit(1), 5, 10) is Outcome.UNLEASED
+    assert jobs.complete_chunk("x", 7, 1, _fit(1), 5, 10) is Outcome.UNLEASED  # queued chunk
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 101) is Outcome.BAD_LOSS
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, -1) is Outcome.BAD_LOSS
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 100) is Outcome.ACCEPTED
+    assert jobs.complete_chunk("x", 7, 0, _fit(1), 5, 100) is Outcome.UNLEASED  # not a backup
+    assert jobs.results == {0: _fit(1)} and jobs.loss_sum == 100
+    # An expired lease still lets its holder's late result count (first valid result wins).
+    assert jobs.lease("b") == 1
+    clock.now += 31.0
+    assert jobs.expire() == [1]
+    assert jobs.complete_chunk("b", 7, 1, _fit(2), 5, 7) is Outcome.ACCEPTED
+
+
+def test_no_worker_holds_more_than_max_leases() -> None:
+    jobs, _ = _jobs(chunks=6)
+    jobs.max_leases = 2
+    assert [jobs.lease("a") for _ in range(3)] == [0, 1, None]
+    assert jobs.lease("b") == 2
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 1) is Outcome.ACCEPTED
+    assert jobs.lease("a") == 3  # one lease done: room for the next
+    assert jobs.release_worker("a") == [1, 3]

@@ -11,6 +11,7 @@ from eggroll_dist.shared.config import preset
 from eggroll_dist.shared.replica import (
     CheckpointError,
     ReplicaState,
+    checkpoint_bytes,
     decode_checkpoint,
     encode_checkpoint,
     load_checkpoint,
@@ -53,3 +54,9 @@ def test_corrupt_checkpoints_are_rejected(tmp_path: Path) -> None:
         decode_checkpoint(bytes(blob[:-100]))
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_checkpoint_bytes_is_the_exact_size() -> None:
+    for name in ("tiny", "egg-paper"):
+        state = ReplicaState.initial(preset(name))
+        assert checkpoint_bytes(state.config) == len(encode_checkpoint(state))

@@ -57,3 +57,39 @@ def test_snapshots_keep_the_newest(tmp_path: Path) -> None:
         "step-00000004.ckpt",
     ]
     store.close()
+
+
+def test_digests_log_is_strict_and_a_torn_last_line_is_cut(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "run", preset("tiny"))
+    store.record_digest(1, 0xABC)
+    store.record_digest(2, 0xDEF)
+    store.close()
+    path = tmp_path / "run" / "digests.log"
+    good = path.read_bytes()
+    for torn in (b"3 000000000", b"3 000000000\n", b"3 0000\0\0\0\0\n", b"3 00000000000000zz\n"):
+        path.write_bytes(good + torn)
+        again = RunStore.open(tmp_path / "run", None)
+        assert again.digests == {1: 0xABC, 2: 0xDEF}
+        assert path.read_bytes() == good  # cut, so the next append starts a fresh line
+        again.close()
+    path.write_bytes(b"1 0000000000000abc\nnot a digest\n" + good)
+    with pytest.raises(StoreError, match=r"line 2 is malformed.*delete it"):
+        RunStore.open(tmp_path / "run", None)
+
+
+def test_stale_temporary_files_are_removed(tmp_path: Path) -> None:
+    RunStore.open(tmp_path / "run", preset("tiny")).close()
+    stale = [tmp_path / "run" / ".run.json.9.ab.tmp", tmp_path / "run/snapshots/.x.1.cd.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a snapshot")
+    RunStore.open(tmp_path / "run", None).close()
+    assert not any(p.exists() for p in stale)
+
+
+def test_unusable_save_dir_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StoreError, match="cannot use --save-dir"):
+        RunStore.open(tmp_path / "file" / "run", preset("tiny"))
+    (tmp_path / "run" / ".lock").mkdir(parents=True)  # the lock cannot be opened
+    with pytest.raises(StoreError, match="cannot use --save-dir"):
+        RunStore.open(tmp_path / "run", preset("tiny"))
