@@ -12,16 +12,26 @@ worker hears of it. Snapshot bytes are read, decoded and written by the shell, o
 
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
-- Handshake: HELLO's protocol version, then the AUTH MAC, then the data digest (the run
-  adopts the first worker's); WELCOME carries the run id, config, open step S, snapshot step.
+- Handshake: HELLO's protocol version, then the AUTH MAC, then the data digest: the one the
+  operator gave (--data-dir, --data-digest), else the one two workers agree on (until then
+  every worker is admitted and none can settle it alone); WELCOME carries the run id,
+  config, open step S, snapshot step.
+- Digests (quorum): a step's replica digest is agreed when two distinct workers report it;
+  only agreed digests are stored. A report that differs from the agreed digest is that
+  worker's divergence (DIVERGED), never the run's. With one worker in the run, its report
+  is agreed by the snapshot it uploads, whose digest the coordinator recomputes.
 - Jobs: a JOB_REQUEST at s > S, or with a digest that differs from the agreed one, is
   refused with DIVERGED. At s < S it is answered with FITNESS_RANGE unless every STEP from s
   on has already been sent (those answer it). At s == S it gets a JOB, or WAIT; a worker
   told to WAIT gets a JOB pushed when a chunk is re-queued.
-- Results: the first valid result of a chunk wins; the rest are dropped and counted. When
-  the last chunk is in, the step is committed: log append + fsync, then STEP to everyone.
+- Results: only for a chunk leased to that worker, with a loss sum the chunk can produce
+  (else the worker is refused); the first valid result of a chunk wins; the rest are
+  dropped and counted. When the last chunk is in, the step is committed: log append +
+  fsync, then STEP to everyone. An append that fails raises `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a "want" (a step) served by the first worker that asks
-  for a job at that step; one snapshot transfer at a time.
+  for a job at that step; one snapshot transfer at a time, only for a step whose digest is
+  agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
+  held-out score counts only from the worker asked, for the step asked.
 - Liveness: a departed worker's leases are re-queued at once, expired ones by `expire()`.
 
 To add a request/reply pair (as VALIDATE/VALIDATION): a want on the core, a
@@ -63,8 +73,9 @@ from ..protocol import (
     Welcome,
     verify_mac,
 )
+from ..shared.fitness import chunk_loss_range
 from ..shared.logs import STEP
-from ..shared.replica import ReplicaState
+from ..shared.replica import ReplicaState, checkpoint_bytes
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .metrics import Metrics
 from .store import RunStore
@@ -73,6 +84,7 @@ __all__ = [
     "CATCHUP_STEPS",
     "WAIT_MS",
     "Command",
+    "Fatal",
     "Peer",
     "Refused",
     "RunCore",
@@ -85,6 +97,11 @@ log = structlog.get_logger("eggroll.coordinator")
 
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
+
+
+class Fatal(Exception):
+    """The run cannot go on safely (a failed fitness-log append): stop the coordinator.
+    str() is one line that says what happened and what to do."""
 
 
 class Refused(Exception):
@@ -135,6 +152,8 @@ class Peer:
     broadcast_from: int = 0  # every STEP from this step on has been sent to this worker
     waiting: bool = False  # told to WAIT; gets a JOB pushed when one frees up
     snapshot: bytearray | None = None  # a snapshot being received from this worker
+    snapshot_total: int = 0  # its size, fixed by the first chunk
+    reported: dict[int, int] = field(default_factory=dict)  # step -> digest, not yet agreed
     job_started: dict[int, float] = field(default_factory=dict)  # chunk -> lease time
 
 
@@ -144,6 +163,7 @@ class RunCore:
         store: RunStore,
         *,
         token: bytes = b"",
+        data_digest: bytes | None = None,
         max_steps: int | None = None,
         snapshot_every: int = 100,
         chunk_timeout_s: float | None = None,
@@ -155,6 +175,18 @@ class RunCore:
         self.config_bytes = self.cfg.canonical_bytes()
         self.token = token
         self.max_steps = max_steps
+        self.loss_range = chunk_loss_range(self.cfg)
+        self.checkpoint_size = checkpoint_bytes(self.cfg)
+        if data_digest is not None:
+            if store.data_digest not in (None, data_digest):
+                raise Fatal(
+                    f"{store.path}/run.json holds data digest {store.data_digest.hex()[:16]}, "
+                    f"the operator gave {data_digest.hex()[:16]}: give the run's data"
+                )
+            if store.data_digest is None:
+                store.set_data_digest(data_digest)
+        self.data_votes: dict[bytes, set[int]] = {}  # unsettled data digest -> workers
+        self.disagreed_step = -1  # last step whose digest disagreement was logged
         self.snapshot_every = snapshot_every
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=chunk_timeout_s)
@@ -163,7 +195,9 @@ class RunCore:
         self.jobs = self._open_step(store.steps)
         self.snapshot_wanted: int | None = None  # step whose state should be snapshotted
         self.snapshot_source: int | None = None  # the peer sending one
+        self.snapshot_requested: int | None = None  # the step it was asked for
         self.validation_wanted: int | None = None  # step whose held-out score is wanted
+        self.validation_asked: tuple[int, int] | None = None  # (peer, step) asked for it
         self.finished = False  # --max-steps reached: no more leases
         self.weights_changed: int | None = None  # reported by the last worker at the open step
         self.net_in = self.net_out = 0  # bytes, counted by the shell
@@ -202,7 +236,7 @@ class RunCore:
             log.info("worker left", worker=peer.name, workers=self.ready_count())
             self.metrics.worker_left(peer.name)
         if self.snapshot_source == peer_id:
-            self.snapshot_source = None
+            self.snapshot_source = self.snapshot_requested = None
         requeued = self.jobs.release_worker(peer_id)
         if not requeued:
             return []
@@ -257,17 +291,7 @@ class RunCore:
             raise self.refuse(
                 peer, ErrorCode.AUTH_FAILED, "wrong token: give the coordinator's --token"
             )
-        run_digest = self.store.data_digest
-        if run_digest is None:
-            self.store.set_data_digest(peer.data_digest)
-            log.info("data digest adopted", digest=peer.data_digest.hex()[:16], worker=peer.name)
-        elif run_digest != peer.data_digest:
-            raise self.refuse(
-                peer,
-                ErrorCode.DATA_MISMATCH,
-                f"worker data digest {peer.data_digest.hex()[:16]} differs from the run's "
-                f"{run_digest.hex()[:16]}: give the worker the run's data directory",
-            )
+        self._check_data_digest(peer)
         snapshot = self.store.latest_snapshot
         welcome = Welcome(
             self.store.run_id,
@@ -281,21 +305,68 @@ class RunCore:
         log.info("worker joined", worker=peer.name, peer=peer.address, workers=self.ready_count())
         return [Send(peer.id, welcome)]
 
-    # ------------------------------------------------------------------ jobs
+    def _check_data_digest(self, peer: Peer) -> None:
+        """The operator's digest, or the one two workers agree on, is the run's."""
+        run_digest, mine = self.store.data_digest, peer.data_digest
+        if run_digest is not None:
+            if run_digest != mine:
+                raise self.refuse(
+                    peer,
+                    ErrorCode.DATA_MISMATCH,
+                    f"worker data digest {mine.hex()[:16]} differs from the run's "
+                    f"{run_digest.hex()[:16]}: give the worker the run's data directory",
+                )
+            return
+        voters = self.data_votes.setdefault(mine, set())
+        voters.add(peer.id)
+        if len(voters) >= 2:
+            self.store.set_data_digest(mine)
+            self.data_votes.clear()
+            log.info("data digest agreed", digest=mine.hex()[:16], workers=len(voters))
+
+    # ------------------------------------------------------------------ digests
 
     def _check_digest(self, peer: Peer, step: int, digest: int) -> None:
-        """The first digest reported for a step is the agreed one; others are DIVERGED."""
+        """Tally a report; DIVERGED when it differs from the step's agreed digest."""
         agreed = self.store.digests.get(step)
-        if agreed is None:
-            self.store.record_digest(step, digest)
-        elif agreed != digest:
+        if agreed is not None:
+            if agreed != digest:
+                self.metrics.digest_mismatches.inc()
+                raise self.refuse(
+                    peer,
+                    ErrorCode.DIVERGED,
+                    f"replica digest at step {step} differs from the run's agreed one: resync",
+                )
+            return
+        peer.reported[step] = digest
+        for old in [s for s in peer.reported if s < step - 2]:
+            del peer.reported[old]  # only recent steps can still be agreed
+        votes = [p.id for p in self.peers.values() if p.reported.get(step) == digest]
+        if len(votes) >= 2:
+            self._agree(step, digest, f"{len(votes)} workers")
+            return
+        rivals = {p.reported[step] for p in self.peers.values() if step in p.reported}
+        if len(rivals) > 1 and step > self.disagreed_step:
+            self.disagreed_step = step
             self.metrics.digest_mismatches.inc()
-            raise self.refuse(
-                peer,
-                ErrorCode.DIVERGED,
-                f"replica digest at step {step} is {digest:016x}, "
-                f"the run agreed on {agreed:016x}: resync",
+            log.warning(
+                "digests disagree",
+                step=step,
+                digests=len(rivals),
+                hint="no two workers agree on the replica: a backend or version differs",
             )
+
+    def _agree(self, step: int, digest: int, by: str) -> None:
+        self.store.record_digest(step, digest)
+        for p in self.peers.values():
+            p.reported.pop(step, None)
+        log.debug("digest agreed", step=step, by=by)
+
+    def _provisional(self, peer: Peer, step: int) -> bool:
+        """Whether `peer` is the run's only worker and has reported a digest for `step`."""
+        return step in peer.reported and self.ready_count() == 1
+
+    # ------------------------------------------------------------------ jobs
 
     def _on_job_request(self, peer: Peer, msg: JobRequest) -> list[Command]:
         step = msg.replica_step
@@ -353,6 +424,22 @@ class RunCore:
         outcome = self.jobs.complete_chunk(
             peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum
         )
+        if outcome is Outcome.UNLEASED:
+            self.metrics.results_dropped.labels(outcome.value).inc()
+            raise self.refuse(
+                peer,
+                ErrorCode.ILLEGAL_STATE,
+                f"RESULT for chunk {msg.chunk} of step {msg.step}, which was not leased to "
+                "this worker",
+            )
+        if outcome is Outcome.BAD_LOSS:
+            self.metrics.results_dropped.labels(outcome.value).inc()
+            raise self.refuse(
+                peer,
+                ErrorCode.MALFORMED,
+                f"RESULT loss sum {msg.loss_sum} is impossible for a chunk of this run "
+                f"(range {self.loss_range[0]}..{self.loss_range[1]})",
+            )
         if outcome is not Outcome.ACCEPTED:
             self.metrics.results_dropped.labels(outcome.value).inc()
             level = log.error if outcome is Outcome.MISMATCH else log.info
@@ -371,7 +458,15 @@ class RunCore:
         """Make the open step durable, then broadcast it and open the next one."""
         step, jobs = self.step, self.jobs
         packed = jobs.step_fitness()
-        self.store.fitness_log.append(step, packed)  # fsync'd: committed from here on
+        try:
+            self.store.fitness_log.append(step, packed)  # fsync'd: committed from here on
+        except OSError as exc:
+            # What reached the disk is unknown: stop, and let a restart repair the tail.
+            raise Fatal(
+                f"cannot commit step {step} to {self.store.fitness_log.path}: "
+                f"{exc.strerror or exc}; the coordinator stops (restart it once the disk is "
+                "fixed: it repairs the log's tail and resumes)"
+            ) from None
         message = Step(step, self.cfg.pairs, packed)
         out: list[Command] = []
         for peer in self.peers.values():
@@ -397,7 +492,14 @@ class RunCore:
             self.snapshot_wanted = self.step
 
     def _open_step(self, step: int) -> StepJobs:
-        return StepJobs(step, self.cfg.chunks, self.cfg.es.chunk_size, self.clock, self.timer)
+        return StepJobs(
+            step,
+            self.cfg.chunks,
+            self.cfg.es.chunk_size,
+            self.clock,
+            self.timer,
+            loss_range=self.loss_range,
+        )
 
     def _log_step(self, step: int, jobs: StepJobs) -> None:
         net_in0, net_out0 = self._net_marks
@@ -450,10 +552,10 @@ class RunCore:
         wanted = self.snapshot_wanted
         if wanted is None or self.snapshot_source is not None or peer.replica_step != wanted:
             return []
-        if self.store.digests.get(wanted) is None:
-            return []
-        self.snapshot_source = peer.id
-        peer.snapshot = bytearray()
+        if self.store.digests.get(wanted) is None and not self._provisional(peer, wanted):
+            return []  # only a state the run agrees on is worth keeping
+        self.snapshot_source, self.snapshot_requested = peer.id, wanted
+        peer.snapshot, peer.snapshot_total = bytearray(), 0
         return [Send(peer.id, SnapshotRequest(wanted))]
 
     def _on_snapshot_request(self, peer: Peer, msg: SnapshotRequest) -> list[Command]:
@@ -475,7 +577,16 @@ class RunCore:
     def _on_snapshot_chunk(self, peer: Peer, msg: SnapshotChunk) -> list[Command]:
         if peer.snapshot is None or msg.offset != len(peer.snapshot):
             raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "unexpected snapshot chunk")
+        if msg.step != self.snapshot_requested or msg.total_bytes != self.checkpoint_size:
+            raise self.refuse(
+                peer,
+                ErrorCode.ILLEGAL_STATE,
+                f"snapshot of step {msg.step}, {msg.total_bytes} bytes: step "
+                f"{self.snapshot_requested} was asked for, {self.checkpoint_size} bytes",
+            )
         peer.snapshot += msg.data
+        if len(peer.snapshot) > msg.total_bytes:
+            raise self.refuse(peer, ErrorCode.MALFORMED, "snapshot longer than announced")
         if len(peer.snapshot) < msg.total_bytes:
             return []
         blob, peer.snapshot = bytes(peer.snapshot), None
@@ -484,16 +595,23 @@ class RunCore:
     def snapshot_decoded(self, peer_id: int, state: ReplicaState | None, error: str = "") -> bool:
         """Whether a received snapshot may be stored (SPEC §8: committed, digest agrees).
         On False the transfer is over; on True, `snapshot_stored` follows the write."""
-        name = self.peers[peer_id].name if peer_id in self.peers else "?"
+        peer = self.peers.get(peer_id)
+        name = peer.name if peer is not None else "?"
         reason = error
         if state is not None:
-            agreed = self.store.digests.get(state.step)
+            step = state.step
+            agreed = self.store.digests.get(step)
+            if agreed is None and peer is not None and self._provisional(peer, step):
+                agreed = peer.reported[step]  # the sole worker's report, checked by its state
             if (
                 state.config.digest() != self.cfg.digest()
-                or state.step > self.step
-                or (agreed is not None and agreed != state.digest())
+                or step != self.snapshot_requested
+                or agreed is None
+                or agreed != state.digest()
             ):
                 reason = "config, step or digest does not match the run"
+            elif step not in self.store.digests:
+                self._agree(step, agreed, "the sole worker and its snapshot")
         if reason:
             log.warning("snapshot rejected", worker=name, reason=reason)
             self._release_snapshot_source(peer_id)
@@ -517,7 +635,7 @@ class RunCore:
     def _release_snapshot_source(self, peer_id: int) -> None:
         # Only now may another worker be asked: one snapshot at a time.
         if self.snapshot_source == peer_id:
-            self.snapshot_source = None
+            self.snapshot_source = self.snapshot_requested = None
 
     # ------------------------------------------------------------------ validation
 
@@ -526,11 +644,13 @@ class RunCore:
         if self.validation_wanted is None or peer.replica_step != self.validation_wanted:
             return []
         step, self.validation_wanted = self.validation_wanted, None
+        self.validation_asked = (peer.id, step)
         return [Send(peer.id, Validate(step))]
 
     def _on_validation(self, peer: Peer, msg: Validation) -> list[Command]:
-        if msg.step > self.step or self.store.digests.get(msg.step) is None:
-            return []
+        if self.validation_asked != (peer.id, msg.step):
+            return []  # only the worker asked sets the run's held-out score
+        self.validation_asked = None
         self.metrics.validated(msg.step, msg.bits_per_token)
         log.info(
             "validation",

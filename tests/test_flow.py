@@ -395,7 +395,7 @@ def test_handshake_welcome_then_job_request(store: RunStore, dataset: Dataset) -
     welcome = w.got[1]
     assert isinstance(welcome, Welcome)
     assert (welcome.run_id, welcome.current_step, welcome.snapshot_step) == (store.run_id, 0, -1)
-    assert store.data_digest == dataset.digest  # the run adopts the first worker's data
+    assert store.data_digest is None  # one worker alone settles nothing (see below)
     assert kinds(w.got) == ["CHALLENGE", "WELCOME", "JOB"]
     assert w.session.phase is Phase.EVALUATING  # the job is held by the test's mark
 
@@ -410,10 +410,9 @@ def test_handshake_welcome_then_job_request(store: RunStore, dataset: Dataset) -
 def test_handshake_refusals_are_permanent(
     store: RunStore, dataset: Dataset, join: dict, code: ErrorCode
 ) -> None:
-    net = Network(store, dataset, token=b"s3cret")
     if code is ErrorCode.DATA_MISMATCH:
-        net.join("first", token=b"s3cret")  # adopts the real data digest
         join["token"] = b"s3cret"
+    net = Network(store, dataset, token=b"s3cret", data_digest=dataset.digest)  # the operator's
     w = net.join("w", **join)
     net.run()
     assert (w.name, code) in net.refused
@@ -502,13 +501,13 @@ def test_stale_job_request_is_left_unanswered_or_answered_with_fitness(
     net.train(2)
     core, peer = net.core, w.peer
     # A JOB_REQUEST from step 1 after STEP 1 was sent to it: the STEP answers it.
-    assert core.receive(peer, JobRequest(1, store.digests[1], 0)) == []
+    assert core.receive(peer, JobRequest(1, expected(store, 1), 0)) == []
     # From before this connection's first STEP: the missing steps come as FITNESS_RANGE.
     late = net.join("late")
     net.run()
     late_peer = late.peer
     core.peers[late_peer].broadcast_from = 2
-    (reply,) = core.receive(late_peer, JobRequest(0, store.digests.get(0, 0), 0))
+    (reply,) = core.receive(late_peer, JobRequest(0, expected(store, 0), 0))
     assert isinstance(reply.msg, FitnessRange) and reply.msg.first_step == 0
     assert reply.msg.step_count == 2
 
@@ -517,7 +516,7 @@ def test_a_replica_ahead_of_the_run_or_with_another_digest_diverged(
     store: RunStore, dataset: Dataset
 ) -> None:
     net = Network(store, dataset)
-    w = net.join("w")
+    w, _ = net.join("w"), net.join("v")  # two workers: step 1's digest is agreed
     net.train(1)
     with pytest.raises(Refused) as ahead:
         net.core.receive(w.peer, JobRequest(5, 0, 0))
@@ -532,7 +531,7 @@ def test_diverged_worker_drops_its_replica_and_rejoins_from_step_0(
     store: RunStore, dataset: Dataset
 ) -> None:
     net = Network(store, dataset)
-    w = net.join("w")
+    w, _ = net.join("w"), net.join("v")
     net.train(2)
     w.replica.digest ^= 1  # a replica that no longer agrees: its RESULT says so
     w.finish_held()
@@ -629,7 +628,7 @@ def test_catch_up_in_batches(
     requests = [m for m in w.sent if isinstance(m, FitnessRequest)]
     assert [(r.first_step, r.max_steps) for r in requests] == [(0, 2), (2, 2), (4, 2)]
     assert isinstance(w.sent[-1], JobRequest) and w.sent[-1].replica_step == 5
-    assert w.replica.digest == expected(store, 5) == store.digests[5]
+    assert w.replica.digest == expected(store, 5)
 
 
 def test_late_join_loads_the_snapshot_then_the_log_tail(store: RunStore, dataset: Dataset) -> None:
@@ -779,3 +778,121 @@ def test_the_log_events_eggroll_local_reads_carry_their_fields(
     steps = [e for e in events if e["event"] == STEP]
     assert steps and all(set(EVENT_FIELDS[STEP]) <= e.keys() for e in steps)
     assert set(SHOWN_EVENTS) <= {e["event"] for e in events}
+
+
+# --- Trust: quorum digests, leases, data digest, snapshot and validation ties -------------
+
+
+def test_a_digest_needs_two_reporters_and_a_lone_false_report_changes_nothing(
+    store: RunStore, dataset: Dataset
+) -> None:
+    core = Network(store, dataset).core
+    liar, one, two = (core.connect(f"mem:{n}") for n in ("liar", "one", "two"))
+    for peer in (liar, one, two):
+        core.peers[peer].ready = True
+    truth = expected(store, 0)
+    core.receive(liar, JobRequest(0, truth ^ 0xDEAD, 0))  # first, and alone: not agreed
+    assert 0 not in store.digests
+    core.receive(one, JobRequest(0, truth, 0))
+    assert 0 not in store.digests  # one against one
+    core.receive(two, JobRequest(0, truth, 0))
+    assert store.digests[0] == truth  # two reporters agree
+    with pytest.raises(Refused) as lie:
+        core.receive(liar, JobRequest(0, truth ^ 0xDEAD, 0))
+    assert lie.value.code is ErrorCode.DIVERGED  # the minority is the liar's divergence
+    assert "dead" not in lie.value.message  # and the agreed digest is not revealed
+
+
+def test_rival_digests_without_a_majority_are_reported_not_agreed(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    core = net.core
+    one, two = core.connect("mem:one"), core.connect("mem:two")
+    for peer in (one, two):
+        core.peers[peer].ready = True
+    with structlog.testing.capture_logs() as events:
+        core.receive(one, JobRequest(0, 111, 0))
+        core.receive(two, JobRequest(0, 222, 0))
+    assert 0 not in store.digests
+    assert [e["event"] for e in events if e["log_level"] == "warning"] == ["digests disagree"]
+    assert core.metrics.digest_mismatches._value.get() == 1
+
+
+def test_the_sole_worker_is_agreed_by_the_snapshot_it_uploads(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset, snapshot_every=2)
+    w = net.join("w")
+    net.train(3)
+    assert store.latest_snapshot == 2 and store.digests[2] == expected(store, 2)
+    assert 3 not in store.digests  # reported by one worker, no snapshot: not agreed
+    assert w.replica.digest == expected(store, 3)
+
+
+def test_results_only_for_a_lease_and_with_a_possible_loss(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    a = net.join("a")
+    a.hold_jobs = True
+    net.run()
+    (job,) = a.held
+    core = net.core
+    other = 1 - job.chunk
+
+    def result(chunk: int, loss_sum: int) -> Result:
+        return Result.from_values(
+            step=0, chunk=chunk, loss_sum=loss_sum, weights_changed=0,
+            replica_digest=expected(store, 0), fitness=np.ones(CFG.es.chunk_size // 2, np.int8),
+        )  # fmt: skip
+
+    with pytest.raises(Refused, match="not leased") as unleased:
+        core.receive(a.peer, result(other, 0))
+    assert unleased.value.code is ErrorCode.ILLEGAL_STATE
+    with pytest.raises(Refused, match="impossible") as impossible:
+        core.receive(a.peer, result(job.chunk, core.loss_range[1] + 1))
+    assert impossible.value.code is ErrorCode.MALFORMED
+    assert store.steps == 0 and not core.jobs.results
+
+
+def test_the_data_digest_is_the_operators_or_two_workers_agree(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    net.join("odd", data_digest=b"\x42" * 32)
+    net.join("a")
+    net.run()
+    assert store.data_digest is None  # one vote each: nothing settled, nobody bricked
+    late = net.join("b")
+    net.run()
+    assert store.data_digest == dataset.digest and late.fatal is None
+    wrong = net.join("wrong", data_digest=b"\x42" * 32)
+    net.run()
+    assert wrong.fatal is not None and wrong.fatal.code is ErrorCode.DATA_MISMATCH
+    assert "4242424242424242" in str(wrong.fatal)
+
+
+def test_a_snapshot_must_be_the_requested_step_and_size(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(1)
+    core = net.core
+    core.snapshot_wanted = 1
+    (ask,) = core._maybe_request_snapshot(core.peers[w.peer])
+    assert ask.msg == SnapshotRequest(1)
+    with pytest.raises(Refused, match="step 1 was asked for"):
+        core.receive(w.peer, SnapshotChunk(1, 2**40, 0, b"x" * 64))
+    core.snapshot_source = None
+    core._maybe_request_snapshot(core.peers[w.peer])
+    with pytest.raises(Refused, match="step 1 was asked for"):
+        core.receive(w.peer, SnapshotChunk(0, core.checkpoint_size, 0, b"x" * 64))
+
+
+def test_only_the_worker_asked_sets_the_held_out_score(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    w = net.join("w")
+    net.train(1)
+    core = net.core
+    core.receive(w.peer, Validation(1, 100, 30.0, 1.5))  # nobody asked
+    assert core.metrics.valid_step._value.get() != 1
