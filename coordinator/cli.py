@@ -10,12 +10,53 @@ from pathlib import Path
 import click
 
 from ..protocol import DEFAULT_PORT
+from ..protocol.security import (
+    TOKEN_ENV,
+    TokenError,
+    load_token,
+    new_token,
+    server_tls_context,
+)
 from ..shared.cli import config_options, log_format_option
 from ..shared.config import ConfigError, resolve_config
+from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .metrics import Metrics
+from .run import Fatal
 from .server import Coordinator, Options
 from .store import RunStore, StoreError
+
+
+class _Refused(click.ClickException):
+    """A setting that can never work as given: one line, exit 2 (like a usage error)."""
+
+    exit_code = 2
+
+
+def _data_digest(data_dir: Path | None, hex_digest: str | None) -> bytes | None:
+    if data_dir is not None and hex_digest is not None:
+        raise ValueError("give --data-dir or --data-digest, not both")
+    if data_dir is not None:
+        return load_data_dir(data_dir).digest
+    if hex_digest is not None:
+        digest = bytes.fromhex(hex_digest)
+        if len(digest) != 32:
+            raise ValueError("--data-digest is 64 hex digits (sha256, `eggroll-data info`)")
+        return digest
+    return None
+
+
+def _print_join(host: str, port: int, tls: bool) -> None:
+    token = new_token()
+    where = host if host not in ("0.0.0.0", "::") else "COORDINATOR_HOST"
+    tls_flag = " --tls-ca ca.pem" if tls else ""
+    click.echo(
+        f"{token}\n\n"
+        "# on the coordinator and on every worker host, keep it in a file only you can read:\n"
+        f"(umask 077 && echo {token} > eggroll.token)\n"
+        "eggroll-coordinator --save-dir ./checkpoints/run1 --token-file eggroll.token\n"
+        f"eggroll-worker {where}:{port} --token-file eggroll.token{tls_flag}"
+    )
 
 
 def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
@@ -35,11 +76,16 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
 )
 @click.option(
     "--save-dir",
-    required=True,
+    default=None,
     type=click.Path(file_okay=False, path_type=Path),
     help="Run directory: created for a new run, resumed when it holds one.",
 )
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--host",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address to listen on. Without a token only 127.0.0.1 is used (protected mode).",
+)
 @click.option(
     "--port",
     default=DEFAULT_PORT,
@@ -74,12 +120,77 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     default=12346,
     show_default=True,
     type=click.IntRange(0, 65535),
-    help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: off).",
+    help="Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off).",
 )
-@click.option("--token", default="", help="Shared secret workers must present (HMAC).")
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address of the metrics endpoint (it has no token: open it to a trusted network only).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"File holding the shared secret workers must present (mode 600; or ${TOKEN_ENV}). "
+    "Without one, only this machine may connect.",
+)
+@click.option(
+    "--new-token",
+    is_flag=True,
+    help="Print a fresh token and the commands that use it, then exit.",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Serve TLS with this certificate (PEM; with --tls-key).",
+)
+@click.option(
+    "--tls-key", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None
+)
+@click.option(
+    "--tls-client-ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Require worker certificates signed by this CA (mutual TLS).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="The run's data directory, if this host has it: workers must hold the same data.",
+)
+@click.option(
+    "--data-digest",
+    default=None,
+    help="The run's data digest (hex, `eggroll-data info`), instead of --data-dir. Without "
+    "either, the digest two workers agree on.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Connections served at once (32 per address at most).",
+)
+@click.option(
+    "--handshake-timeout-s",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="A connection must authenticate within this.",
+)
+@click.option(
+    "--write-timeout-s",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="A worker that does not read what it is sent for this long is dropped.",
+)
 @log_format_option
 def main(
-    save_dir: Path,
+    save_dir: Path | None,
     host: str,
     port: int,
     preset_name: str | None,
@@ -89,14 +200,40 @@ def main(
     keep_snapshots: int,
     chunk_timeout: float | None,
     metrics_port: int,
-    token: str,
+    metrics_host: str,
+    token_file: Path | None,
+    new_token: bool,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_client_ca: Path | None,
+    data_dir: Path | None,
+    data_digest: str | None,
+    max_connections: int,
+    handshake_timeout_s: float,
+    write_timeout_s: float,
     log_format: str,
 ) -> None:
     """Coordinate an EGGROLL run: lease chunks to workers, commit each step durably.
 
-    Every flag can also be set as EGGROLL_<FLAG> (e.g. EGGROLL_SAVE_DIR, EGGROLL_TOKEN).
+    Every flag can also be set as EGGROLL_<FLAG> (e.g. EGGROLL_SAVE_DIR); the token comes
+    from --token-file or EGGROLL_TOKEN, never from a command line.
     """
+    if new_token:
+        _print_join(host, port, tls_cert is not None)
+        return
+    if save_dir is None:
+        raise click.UsageError("Missing option '--save-dir'.")
     configure_logging(log_format)
+    try:
+        token = load_token(token_file)
+        tls = None
+        if tls_cert is not None or tls_key is not None:
+            if tls_cert is None or tls_key is None:
+                raise click.UsageError("--tls-cert and --tls-key go together")
+            tls = server_tls_context(tls_cert, tls_key, tls_client_ca)
+        digest = _data_digest(data_dir, data_digest)
+    except (TokenError, OSError, ValueError, DataError) as exc:
+        raise _Refused(str(exc)) from None
     try:
         given = resolve_config(preset_name, config_path) if preset_name or config_path else None
         if given is None and not (save_dir / "run.json").exists():
@@ -107,7 +244,12 @@ def main(
     options = Options(
         host=host,
         port=port,
-        token=token.encode(),
+        token=token,
+        tls=tls,
+        data_digest=digest,
+        max_connections=max_connections,
+        handshake_timeout_s=handshake_timeout_s,
+        write_timeout_s=write_timeout_s,
         max_steps=max_steps,
         snapshot_every=snapshot_every,
         keep_snapshots=keep_snapshots,
@@ -116,15 +258,17 @@ def main(
     metrics = Metrics()
     if metrics_port:
         try:
-            metrics.serve(metrics_port, host)
+            metrics.serve(metrics_port, metrics_host)
         except OSError as exc:
             store.close()
             raise click.ClickException(
-                f"cannot serve metrics on {host}:{metrics_port} ({exc.strerror}): pass another "
-                "--metrics-port, or 0 to turn metrics off"
+                f"cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror}): pass "
+                "another --metrics-port, or 0 to turn metrics off"
             ) from None
     try:
         _run(store, options, metrics)
+    except Fatal as exc:
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise click.ClickException(

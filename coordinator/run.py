@@ -289,7 +289,9 @@ class RunCore:
     def _on_auth(self, peer: Peer, msg: Auth) -> list[Command]:
         if not verify_mac(self.token, peer.nonce, msg.mac):
             raise self.refuse(
-                peer, ErrorCode.AUTH_FAILED, "wrong token: give the coordinator's --token"
+                peer,
+                ErrorCode.AUTH_FAILED,
+                "wrong token: give the coordinator's token (--token-file or EGGROLL_TOKEN)",
             )
         self._check_data_digest(peer)
         snapshot = self.store.latest_snapshot

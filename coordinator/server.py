@@ -5,14 +5,21 @@ read task per worker connection (bytes -> `Connection` -> `RunCore.receive` -> w
 returns), reads and writes snapshot files off the event loop, and shuts down in order: stop
 accepting, ask for a last snapshot, tell every worker, wait a bounded time, cancel the rest.
 All run state is touched from the event loop only, so no locks are needed.
+
+Every peer is bounded: a cap on connections (in all and per address), a deadline for the
+handshake, and writes that must drain within `write_timeout_s` once more than
+`WRITE_HIGH_BYTES` are queued (a peer that does not read is dropped). A failed commit
+(`Fatal`) stops the coordinator at once: nothing after it is trusted to reach the disk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
+import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,24 +33,29 @@ from ..protocol import (
     Message,
     ProtocolError,
     Role,
-    iter_snapshot_chunks,
+    SnapshotChunk,
 )
+from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
+from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING
 from ..shared.replica import CheckpointError, decode_checkpoint
 from .metrics import Metrics
-from .run import Command, Refused, RunCore, Send, ServeSnapshot, StoreSnapshot
+from .run import Command, Fatal, Refused, RunCore, Send, ServeSnapshot, StoreSnapshot
 from .store import RunStore
 
 log = structlog.get_logger("eggroll.coordinator")
 
 READ_BYTES = 1 << 16
+WRITE_HIGH_BYTES = 1 << 20  # queued for one peer beyond this, wait for it to read
 
 
 @dataclass
 class Options:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    token: bytes = b""
+    token: bytes = b""  # none: protected mode, loopback peers only
+    tls: ssl.SSLContext | None = None
+    data_digest: bytes | None = None  # from the operator (--data-dir, --data-digest)
     max_steps: int | None = None
     snapshot_every: int = 100  # 0: only the final snapshot
     keep_snapshots: int = 3
@@ -51,6 +63,10 @@ class Options:
     final_snapshot_timeout_s: float = 120.0
     drain_timeout_s: float = 5.0
     idle_timeout_s: float = 60.0  # a connection silent this long is dropped
+    handshake_timeout_s: float = 10.0  # from accept to WELCOME
+    write_timeout_s: float = 30.0  # a peer must read what it is sent within this
+    max_connections: int = 256
+    max_connections_per_address: int = 32
 
 
 @dataclass(eq=False)
@@ -78,6 +94,7 @@ class Coordinator:
         self.core = RunCore(
             store,
             token=options.token,
+            data_digest=options.data_digest,
             max_steps=options.max_steps,
             snapshot_every=options.snapshot_every,
             chunk_timeout_s=options.chunk_timeout_s,
@@ -91,6 +108,7 @@ class Coordinator:
         self._finish_timer: asyncio.TimerHandle | None = None
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task] = set()
+        self.fatal: Fatal | None = None  # set when a commit failed: the run must stop
 
     @property
     def step(self) -> int:
@@ -99,17 +117,29 @@ class Coordinator:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
-        """Serve until stopped by a signal or by reaching --max-steps, then shut down."""
+        """Serve until stopped by a signal or by reaching --max-steps, then shut down.
+        Raises Fatal after a failed commit."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
+        host = self.opt.host
+        if not self.opt.token and not is_loopback(host):
+            log.warning(
+                "protected mode: no token, so only this machine may connect",
+                listening_on="127.0.0.1",
+                asked_for=host,
+                hint="to serve the network, give a token with --token-file FILE or "
+                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
+            )
+            host = "127.0.0.1"
         self._server = await asyncio.start_server(
-            self._handle, self.opt.host, self.opt.port, reuse_address=True
+            self._handle, host, self.opt.port, reuse_address=True, ssl=self.opt.tls
         )
         port = self._server.sockets[0].getsockname()[1]
         log.info(
             LISTENING,
-            host=self.opt.host,
+            host=host,
+            tls=self.opt.tls is not None,
             port=port,
             step=self.step,
             run_id=self.store.run_id.hex(),
@@ -125,6 +155,8 @@ class Coordinator:
             if self._finish_timer is not None:
                 self._finish_timer.cancel()
             await self._shutdown()
+        if self.fatal is not None:
+            raise self.fatal
 
     def request_stop(self) -> None:
         if not self.stopping.is_set():
@@ -144,6 +176,10 @@ class Coordinator:
         """Stop accepting, get a last snapshot if cheap, tell workers, drain, cancel."""
         assert self._server is not None
         self._server.close()
+        if self.fatal is not None:  # nothing more may be written: drop every peer
+            for link in list(self.links.values()):
+                link.writer.transport.abort()
+            return
         if not self.core.finished and self.store.latest_snapshot != self.step:
             await self._final_snapshot(timeout_s=10.0)
         message = "run complete" if self.core.finished else "coordinator shutting down"
@@ -198,10 +234,22 @@ class Coordinator:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
         address = f"{peer[0]}:{peer[1]}" if peer else "?"
+        busy = self._over_cap(peer[0] if peer else "?")
+        if busy:
+            self.metrics.protocol_errors.labels("BUSY").inc()
+            with contextlib.suppress(Exception):
+                writer.write(Connection(Role.COORDINATOR).send_error(ErrorCode.BUSY, busy))
+                writer.close()
+            self._handlers.discard(task)
+            return
         link = _Link(self.core.connect(address), address, writer)
         self.links[link.peer] = link
         try:
             await self._serve(link, reader)
+        except Fatal as exc:
+            self.fatal = exc
+            log.critical("commit failed", error=str(exc))
+            self.request_stop()
         except Refused as exc:
             self._write_error(link, exc.code, exc.message)
         except ProtocolError as exc:
@@ -228,11 +276,26 @@ class Coordinator:
                 await writer.wait_closed()
             self._handlers.discard(task)
 
+    def _over_cap(self, host: str) -> str:
+        """Why a new connection from `host` is turned away ("" if it is not)."""
+        if len(self.links) >= self.opt.max_connections:
+            return f"the coordinator serves at most {self.opt.max_connections} connections"
+        same = sum(1 for link in self.links.values() if link.address.rsplit(":", 1)[0] == host)
+        if same >= self.opt.max_connections_per_address:
+            return f"at most {self.opt.max_connections_per_address} connections per address"
+        return ""
+
     async def _serve(self, link: _Link, reader: asyncio.StreamReader) -> None:
+        loop = asyncio.get_running_loop()
+        handshake_end = loop.time() + self.opt.handshake_timeout_s
         while not link.conn.closed:
+            ready = self.core.peers[link.peer].ready
+            timeout = self.opt.idle_timeout_s if ready else handshake_end - loop.time()
             try:
-                data = await asyncio.wait_for(reader.read(READ_BYTES), self.opt.idle_timeout_s)
+                data = await asyncio.wait_for(reader.read(READ_BYTES), max(timeout, 0.0))
             except TimeoutError:  # workers heartbeat every few seconds: this one is gone
+                if not ready:
+                    raise Refused(ErrorCode.AUTH_FAILED, "handshake not done in time") from None
                 log.warning(
                     "worker silent, dropping it",
                     worker=self._name(link),
@@ -246,7 +309,24 @@ class Coordinator:
             while not link.conn.closed and (msg := link.conn.next_event()) is not None:
                 self._count_in(link)
                 await self._carry_out(self.core.receive(link.peer, msg))
-            await link.writer.drain()
+                # One reply at a time for a peer that does not read (e.g. a flood of
+                # FITNESS_REQUESTs): memory stays bounded, and it is dropped if it stalls.
+                if link.writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
+                    await self._drain(link)
+            await self._drain(link)
+
+    async def _drain(self, link: _Link) -> None:
+        try:
+            await asyncio.wait_for(link.writer.drain(), self.opt.write_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "worker not reading, dropping it",
+                worker=self._name(link),
+                queued_bytes=link.writer.transport.get_write_buffer_size(),
+                seconds=self.opt.write_timeout_s,
+            )
+            link.writer.transport.abort()
+            raise ConnectionResetError("peer not reading") from None
 
     def _name(self, link: _Link) -> str:
         peer = self.core.peers.get(link.peer)
@@ -293,14 +373,24 @@ class Coordinator:
         self._check_finish()
 
     async def _serve_snapshot(self, link: _Link, step: int) -> None:
+        """Stream the file a piece at a time: one peer never pins a whole snapshot."""
         try:
-            blob = await asyncio.to_thread(self.store.snapshot_path(step).read_bytes)
+            f = await asyncio.to_thread(open, self.store.snapshot_path(step), "rb")
         except OSError:  # pruned just now by a newer snapshot: the worker asks again
             raise self.core.snapshot_gone(link.peer, step) from None
-        for chunk in iter_snapshot_chunks(step, blob):
-            self._write(link, chunk)
-            await link.writer.drain()
-        self.core.snapshot_served(link.peer, step, len(blob))
+        with f:
+            size = await asyncio.to_thread(lambda: os.fstat(f.fileno()).st_size)
+            offset = 0
+            while True:
+                piece = await asyncio.to_thread(f.read, SNAPSHOT_CHUNK_BYTES)
+                if not piece and offset:
+                    break
+                self._write(link, SnapshotChunk(step, size, offset, piece))
+                offset += len(piece)
+                await self._drain(link)
+                if offset >= size:
+                    break
+        self.core.snapshot_served(link.peer, step, size)
 
     async def _store_snapshot(self, link: _Link, blob: bytes) -> None:
         try:

@@ -35,6 +35,7 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 12
     INTERNAL = 13
     DIVERGED = 14  # the replica's digest differs from the agreed one: drop it and resync
+    BUSY = 15  # the coordinator serves no more connections (from this address): retry later
 
 
 class ProtocolError(Exception):

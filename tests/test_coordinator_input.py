@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from eggroll_dist.protocol import (
     Auth,
@@ -21,6 +24,7 @@ from eggroll_dist.protocol import (
     encode_frame,
 )
 
+TOKEN = "input-tests-token-0123456789"
 CONFIG = """
 [model]
 n_layer = 1
@@ -66,8 +70,9 @@ def _handshake_with_token(port: int, token: bytes) -> Error | None:
 
 
 def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
-    spawn, words_data: Path, tmp_path: Path
+    spawn, words_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("EGGROLL_TOKEN", TOKEN)  # inherited by every process started here
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)
     coord = spawn(
@@ -82,8 +87,6 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
         "0",
         "--metrics-port",
         "0",
-        "--token",
-        "s3cret",
         "--max-steps",
         "3",
         "--log-format",
@@ -110,11 +113,10 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
             f"127.0.0.1:{port}",
             "--data-dir",
             str(words_data),
-            "--token",
-            "guess",
             "--log-format",
             "json",
         ],
+        env={**os.environ, "EGGROLL_TOKEN": "a-wrong-guess-of-the-token"},
         capture_output=True,
         text=True,
         timeout=60,
@@ -127,8 +129,6 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
         f"127.0.0.1:{port}",
         "--data-dir",
         words_data,
-        "--token",
-        "s3cret",
         "--log-format",
         "json",
     )

@@ -276,12 +276,14 @@ def test_one_worker_per_gpu_joins_and_stops_on_sigterm(
 
 def test_dry_run_prints_one_command_per_gpu(tmp_path: Path, bin_dir: Path, wrapper: Path) -> None:
     env = script_env([bin_dir], EGGROLL_WORKER_BIN=str(wrapper))
-    done = run_script("10.0.0.5:4000", "--backend", "numpy", "--dry-run", "--token", "a b", env=env)
+    done = run_script(
+        "10.0.0.5:4000", "--backend", "numpy", "--dry-run", "--data-dir", "a b", env=env
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines == [
         f"CUDA_VISIBLE_DEVICES={i} {wrapper} --name {SHORT_HOST}-gpu{i} "
-        "10.0.0.5:4000 --backend numpy --token a\\ b"
+        "10.0.0.5:4000 --backend numpy --data-dir a\\ b"
         for i in range(3)
     ]
     assert not (tmp_path / "calls").exists()  # nothing ran

@@ -20,6 +20,7 @@ import structlog
 
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
+from ..protocol.security import TokenError, client_tls_context, load_token
 from ..shared.cli import log_format_option
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
@@ -108,11 +109,35 @@ async def _serve(client: WorkerClient) -> None:
     help="Name in the coordinator's logs and metrics [default: HOSTNAME-PID].",
 )
 @click.option(
-    "--token",
-    default="",
-    envvar="EGGROLL_TOKEN",
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    envvar="EGGROLL_TOKEN_FILE",
     show_envvar=True,
-    help="Shared secret, the coordinator's --token (prefer the variable: ps shows options).",
+    help="File holding the coordinator's token (mode 600; or the EGGROLL_TOKEN variable).",
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    envvar="EGGROLL_TLS_CA",
+    show_envvar=True,
+    help="Connect with TLS, trusting this CA for the coordinator's certificate.",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    envvar="EGGROLL_TLS_CERT",
+    show_envvar=True,
+    help="This worker's certificate, for a coordinator that requires one (with --tls-key).",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    envvar="EGGROLL_TLS_KEY",
+    show_envvar=True,
 )
 @log_format_option
 @click.option(
@@ -139,7 +164,10 @@ def main(
     data_dir: Path,
     backend: str,
     name: str | None,
-    token: str,
+    token_file: Path | None,
+    tls_ca: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
     log_format: str,
     batch_members: int,
     max_retry_s: float,
@@ -161,6 +189,15 @@ def main(
             param_hint="--name",
         )
     try:
+        token = load_token(token_file)
+        tls = None
+        if tls_ca is not None:
+            tls = client_tls_context(tls_ca, tls_cert, tls_key)
+        elif tls_cert is not None or tls_key is not None:
+            raise TokenError("--tls-cert and --tls-key need --tls-ca (the coordinator's CA)")
+    except (TokenError, OSError, ValueError) as exc:
+        raise RefusedError(str(exc)) from None
+    try:
         factory = get_backend(backend, batch_members)
         dataset = load_data_dir(data_dir)
     except (BackendUnavailable, DataError) as exc:
@@ -172,6 +209,7 @@ def main(
         backend=factory,
         name=name,
         token=token,
+        tls=tls,
         max_retry_s=max_retry_s,
     )
     log.info(

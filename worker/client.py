@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import socket
+import ssl
 import time
 
 import structlog
@@ -87,6 +88,7 @@ class WorkerClient:
         backend: BackendFactory | None = None,
         name: str | None = None,
         token: bytes | str = b"",
+        tls: ssl.SSLContext | None = None,
         max_retry_s: float = 30.0,
         heartbeat_s: float = 5.0,
         reply_timeout_s: float = 60.0,
@@ -94,6 +96,7 @@ class WorkerClient:
     ) -> None:
         self.host = host
         self.port = port
+        self.tls = tls
         self.dataset = dataset
         factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
@@ -152,8 +155,15 @@ class WorkerClient:
         """One connection; returns why it ended and how long it was up after WELCOME."""
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), self.connect_timeout_s
+                asyncio.open_connection(self.host, self.port, ssl=self.tls),
+                self.connect_timeout_s,
             )
+        except ssl.SSLCertVerificationError as exc:
+            # The coordinator is not who the CA vouches for: retrying will not change that.
+            raise WorkerFatal(
+                f"TLS: the certificate of {self.host}:{self.port} is not trusted "
+                f"({exc.verify_message}): check --tls-ca and the host name"
+            ) from None
         except (OSError, TimeoutError) as exc:
             return f"cannot connect to {self.host}:{self.port}: {_describe(exc)}", 0.0
         sock = writer.get_extra_info("socket")

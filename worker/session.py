@@ -631,7 +631,7 @@ class Session:
         if code is ErrorCode.AUTH_FAILED:
             return (
                 f"the coordinator at {me.coordinator} rejected this worker's token "
-                f"(AUTH_FAILED): pass the coordinator's token with --token or EGGROLL_TOKEN"
+                f"(AUTH_FAILED): pass the coordinator's token with --token-file or EGGROLL_TOKEN"
             )
         if code is ErrorCode.DATA_MISMATCH:
             return (
