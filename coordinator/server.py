@@ -122,6 +122,13 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
+        if self.store.fitness_log.repaired_bytes:
+            log.warning(
+                "fitness log tail repaired",
+                bytes_cut=self.store.fitness_log.repaired_bytes,
+                steps=self.step,
+                hint="a step that was being written when the coordinator stopped is redone",
+            )
         host = self.opt.host
         if not self.opt.token and not is_loopback(host):
             log.warning(

@@ -42,11 +42,23 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 SHOWN_EVENTS = ("worker joined", "worker left", "snapshot stored", "chunks requeued")
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def _escape_controls(logger: object, method: str, event: dict) -> dict:
+    """Escape C0/C1 control characters in every string value (text output only)."""
+    for key, value in event.items():
+        if isinstance(value, str) and not value.isprintable():
+            event[key] = value.translate(_CONTROLS)
+    return event
+
+
 def configure_logging(log_format: str = "auto") -> None:
     """`auto` picks text on a terminal and JSON lines otherwise; NO_COLOR is respected.
 
-    Worker log text is printed through structlog's renderers, which escape control
-    characters, so a worker cannot inject terminal escapes (d-eggs W-S3).
+    Text that came from a peer (worker names, log lines) can hold control characters: the
+    text renderer gets them escaped (`\\x1b`), so nobody can write terminal escapes into an
+    operator's terminal; JSON escapes them by itself.
     """
     if log_format == "auto":
         log_format = "text" if sys.stderr.isatty() else "json"
@@ -61,6 +73,7 @@ def configure_logging(log_format: str = "auto") -> None:
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *([] if log_format == "json" else [_escape_controls]),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eggroll_dist.protocol import (
+    LATEST_SNAPSHOT,
     Auth,
     Challenge,
     Connection,
@@ -30,6 +31,7 @@ from eggroll_dist.protocol import (
     Result,
     Role,
     SnapshotChunk,
+    SnapshotRequest,
     Step,
     Welcome,
     auth_mac,
@@ -128,7 +130,7 @@ def final_digest(save_dir: Path) -> str:
     )
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
-    assert info["steps"] == STEPS
+    assert info["step"] == STEPS
     return info["digests"][str(STEPS)]
 
 
@@ -358,7 +360,9 @@ def test_e4_without_the_operator_two_workers_must_agree(
         honest_worker(spawn, port, words_data, f"honest{i}")
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert run["data_digest"] == data_digest(words_data).hex()
+    # The run may end before the second worker joins: then nothing is settled, and never
+    # the first comer's digest.
+    assert run["data_digest"] in (None, data_digest(words_data).hex())
 
 
 # -------------------------------------------------------------------------- E5 (H3, M2)
@@ -398,18 +402,20 @@ def test_e5_unauthenticated_peers_get_no_memory_and_no_time(
 def test_e6_a_peer_that_never_reads_is_dropped(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file, "--write-timeout-s", "2")
-    worker = honest_worker(spawn, port, words_data)
-    coord.wait_for(lambda e: e.get("event") == "step" and e.get("step", 0) >= 2, 60)
+    coord, port = start_coordinator(
+        spawn, tmp_path / "run", config_file, "--write-timeout-s", "2", "--snapshot-every", "2"
+    )
+    honest_worker(spawn, port, words_data)
+    coord.wait_for(lambda e: e.get("event") == "snapshot stored", 60)
     flooder = Peer(port)
     peers.append(flooder)
-    flooder.join(token_env, data_digest(words_data))
     flooder.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    flooder.sock.sendall(b"".join(flooder.conn.send(FitnessRequest(0, 4096)) for _ in range(2000)))
-    dropped = coord.wait_for(lambda e: "intruder" in json.dumps(e) and "drop" in json.dumps(e), 30)
-    assert dropped is not None
+    flooder.join(token_env, data_digest(words_data))
+    # 2,000 requests in one write, and never a read: each asks for a whole snapshot.
+    asks = [FitnessRequest(0, 4096), SnapshotRequest(LATEST_SNAPSHOT)] * 1000
+    flooder.sock.sendall(b"".join(flooder.conn.send(m) for m in asks))
+    coord.wait_for(lambda e: e.get("worker") == "intruder" and "not reading" in e["event"], 30)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
-    assert worker.wait(60) == 0
 
 
 # --------------------------------------------------------------------------- E7 (H1, M1)
@@ -498,7 +504,7 @@ def _spawn_limited(save: Path, config: Path, fsize: int) -> subprocess.Popen:
             "json",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         preexec_fn=limit,
     )
@@ -522,10 +528,11 @@ def test_e9_append_failure_is_fail_stop(
             break
     assert port is not None
     worker = honest_worker(spawn, port, words_data)
-    _, err = limited.communicate(timeout=60)
+    out, _ = limited.communicate(timeout=60)
     assert limited.returncode not in (0, None)
-    lines = [ln for ln in err.strip().splitlines() if ln]
-    assert len(lines) == 1 and "fitness.log" in lines[0] and "Traceback" not in err
+    last = out.strip().splitlines()[-1]  # the one line a person (or systemd's log) sees
+    assert last.startswith("Error: cannot commit step 3") and "fitness.log" in last
+    assert "Traceback" not in out
     # systemd would restart it: the torn tail is cut and the run goes on to the end.
     again, port = start_coordinator(spawn, save, config_file)
     again.wait_for(lambda e: e.get("event") == "listening")

@@ -48,6 +48,7 @@ INITIAL_RETRY_S = 0.2
 # that accepts and then fails at once) keeps growing it.
 STABLE_CONNECTION_S = 10.0
 _READ_BYTES = 1 << 16
+TLS_REFUSALS = 3  # TLS connections closed before any frame, in a row, before giving up
 _CLOSE_TIMEOUT_S = 2.0
 
 
@@ -97,6 +98,7 @@ class WorkerClient:
         self.host = host
         self.port = port
         self.tls = tls
+        self.tls_refusals = 0  # TLS connections closed in a row before any frame
         self.dataset = dataset
         factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
@@ -190,7 +192,7 @@ class _Link:
         self.writer = writer
         self.conn = Connection(Role.WORKER)
         self.session = flow.Session(client.identity, client.replica)
-        self.inbox: asyncio.Queue[Message | Ended] = asyncio.Queue()
+        self.inbox: asyncio.Queue[Message | Ended | WorkerFatal] = asyncio.Queue()
         self.ready_at: float | None = None  # when WELCOME arrived
         self.last_sent = time.monotonic()
         self._reader_task: asyncio.Task[None] | None = None
@@ -255,8 +257,8 @@ class _Link:
             return None
         return self._unwrap(item)
 
-    def _unwrap(self, item: Message | Ended) -> Message:
-        if isinstance(item, Ended):
+    def _unwrap(self, item: Message | Ended | WorkerFatal) -> Message:
+        if isinstance(item, Ended | WorkerFatal):
             raise item
         return item
 
@@ -297,8 +299,9 @@ class _Link:
             while True:
                 data = await self.reader.read(_READ_BYTES)
                 if not data:
-                    self.inbox.put_nowait(Ended("the coordinator closed the connection"))
+                    self.inbox.put_nowait(self._closed())
                     return
+                self.client.tls_refusals = 0
                 self.conn.receive_data(data)
                 while (msg := self.conn.next_event()) is not None:
                     if isinstance(msg, Step):
@@ -311,8 +314,33 @@ class _Link:
             with contextlib.suppress(OSError, RuntimeError):
                 self.writer.write(self.conn.error_frame(exc))
             self.inbox.put_nowait(Ended(f"protocol error from the coordinator: {exc}"))
+        except ssl.SSLError as exc:
+            if "ALERT" in (exc.reason or ""):  # the coordinator refused our certificate
+                self.inbox.put_nowait(
+                    WorkerFatal(
+                        f"TLS: the coordinator refused this worker ({exc.reason}): give "
+                        "--tls-cert/--tls-key signed by the CA it trusts"
+                    )
+                )
+            else:
+                self.inbox.put_nowait(Ended(f"connection lost: {_describe(exc)}"))
         except OSError as exc:
             self.inbox.put_nowait(Ended(f"connection lost: {_describe(exc)}"))
+
+    def _closed(self) -> Ended | WorkerFatal:
+        """Why the coordinator closed the connection. Over TLS, a close before any frame is
+        how it refuses this worker's certificate: after a few in a row, give up."""
+        client = self.client
+        if client.tls is None or self.conn.messages_received:
+            return Ended("the coordinator closed the connection")
+        client.tls_refusals += 1
+        if client.tls_refusals >= TLS_REFUSALS:
+            return WorkerFatal(
+                f"TLS: the coordinator closed {client.tls_refusals} connections in a row before "
+                "saying anything: it does not accept this worker's certificate (give "
+                "--tls-cert/--tls-key signed by the CA it trusts)"
+            )
+        return Ended("the coordinator closed the TLS connection before the handshake")
 
     async def _send(self, msg: Message) -> None:
         if self.conn.closed:
