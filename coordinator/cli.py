@@ -172,7 +172,14 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     type=click.IntRange(min=1),
     default=256,
     show_default=True,
-    help="Connections served at once (32 per address at most).",
+    help="Connections served at once.",
+)
+@click.option(
+    "--max-connections-per-address",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Connections served at once from one IP address.",
 )
 @click.option(
     "--handshake-timeout-s",
@@ -209,6 +216,7 @@ def main(
     data_dir: Path | None,
     data_digest: str | None,
     max_connections: int,
+    max_connections_per_address: int,
     handshake_timeout_s: float,
     write_timeout_s: float,
     log_format: str,
@@ -248,6 +256,7 @@ def main(
         tls=tls,
         data_digest=digest,
         max_connections=max_connections,
+        max_connections_per_address=max_connections_per_address,
         handshake_timeout_s=handshake_timeout_s,
         write_timeout_s=write_timeout_s,
         max_steps=max_steps,

@@ -125,6 +125,8 @@ async def bench_one(workers: int, population: int, chunk: int, steps: int) -> di
             "0",
             "--snapshot-every",
             "0",
+            "--max-connections-per-address",
+            "1024",
             "--log-format",
             "json",
         ],
