@@ -210,9 +210,10 @@ class Coordinator:
             return
         await self._carry_out(commands)
         with contextlib.suppress(TimeoutError):
-            while self.store.latest_snapshot != self.step:
-                await asyncio.wait_for(self._snapshot_stored.wait(), timeout_s)
-                self._snapshot_stored.clear()
+            async with asyncio.timeout(timeout_s):
+                while self.store.latest_snapshot != self.step:
+                    await self._snapshot_stored.wait()
+                    self._snapshot_stored.clear()
         if self.store.latest_snapshot != self.step:
             log.warning(
                 "no final snapshot",

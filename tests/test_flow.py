@@ -567,11 +567,13 @@ def test_results_are_dropped_for_another_step_a_bad_chunk_or_a_duplicate(
     core.receive(a.peer, result(0, job.chunk, r.fitness))  # an identical copy
     core.receive(a.peer, result(0, job.chunk, -r.fitness))  # a copy that differs
     core.receive(a.peer, result(0, 7, r.fitness))  # no such chunk
+    core.receive(a.peer, result(3, 1 - job.chunk, r.fitness))  # for another step
     core.receive(a.peer, result(0, 1 - job.chunk, r.fitness[:2]))  # wrong pair count
     counts = {k: dropped.labels(k)._value.get() for k in ("duplicate", "mismatch")}
     assert counts == {"duplicate": 1, "mismatch": 1}
     assert dropped.labels("out_of_range")._value.get() == 1
     assert dropped.labels("bad_size")._value.get() == 1
+    assert dropped.labels("stale")._value.get() == 1
     assert store.steps == 0  # chunk 1 is still open
 
 

@@ -240,24 +240,23 @@ class _Link:
 
     async def _next(self) -> Message | None:
         """Next message; None when a WAIT has run out (time to ask again)."""
-        if not self.inbox.empty():
-            return self._unwrap(self.inbox.get_nowait())
         session = self.session
-        if session.phase is Phase.WAITING and session.retry_at is not None:
-            timeout, on_timeout = max(0.0, session.retry_at - time.monotonic()), None
+        waiting = session.phase is Phase.WAITING and session.retry_at is not None
+        timeout = (
+            max(0.0, session.retry_at - time.monotonic())  # type: ignore[operator]
+            if waiting
+            else self.client.reply_timeout_s
+        )
+        if not self.inbox.empty():
+            item = self.inbox.get_nowait()
         else:
-            timeout = self.client.reply_timeout_s
-            on_timeout = Ended(f"no answer from the coordinator for {timeout:g} s")
-        try:
-            item = await asyncio.wait_for(self.inbox.get(), timeout)
-        except TimeoutError:
-            if on_timeout is not None:
-                raise on_timeout from None
-            session.retry_due()
-            return None
-        return self._unwrap(item)
-
-    def _unwrap(self, item: Message | Ended | WorkerFatal) -> Message:
+            try:
+                item = await asyncio.wait_for(self.inbox.get(), timeout)
+            except TimeoutError:
+                if not waiting:
+                    raise Ended(f"no answer from the coordinator for {timeout:g} s") from None
+                session.retry_due()
+                return None
         if isinstance(item, Ended | WorkerFatal):
             raise item
         return item
