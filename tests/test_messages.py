@@ -310,7 +310,7 @@ def test_decode_rejects_invalid_fields() -> None:
     assert_malformed(MsgType.SNAPSHOT_CHUNK, struct.pack(">QQQ", 0, 2, 1) + b"ab")
     assert_malformed(MsgType.LOG, b"\x04\x00\x00")
     assert_malformed(MsgType.ERROR, b"\x00\x00\x00\x00")
-    assert_malformed(MsgType.ERROR, b"\x00\x0f\x00\x00")
+    assert_malformed(MsgType.ERROR, b"\x00\x10\x00\x00")
 
 
 def test_integer_fields_normalized_to_int() -> None:
@@ -407,7 +407,7 @@ def test_exception_hierarchy() -> None:
     assert exc.error_code is ErrorCode.ILLEGAL_STATE and exc.message == "nope"
     assert "ILLEGAL_STATE" in str(exc)
     assert issubclass(RemoteProtocolError, ProtocolError)
-    assert [int(c) for c in ErrorCode] == list(range(1, 15))
+    assert [int(c) for c in ErrorCode] == list(range(1, 16))
 
 
 def test_frame_of_message_has_type_in_header() -> None:
