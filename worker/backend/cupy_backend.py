@@ -483,7 +483,7 @@ class CupyBackend:
         return NumpyBackend(self.dataset, self._state).validate()
 
 
-def _cupy_module(code: str, names: tuple[str, ...]) -> Any:
+def cupy_module(code: str, names: tuple[str, ...]) -> Any:
     import cupy
 
     return cupy.RawModule(code=code, options=("--std=c++14",), name_expressions=names)
@@ -517,7 +517,7 @@ def factory(batch_members: int = 32768) -> BackendFactory:
             dataset,
             state,
             xp=cupy,
-            module_factory=_cupy_module,
+            module_factory=cupy_module,
             device=device,
             stream=cupy.cuda.Stream(non_blocking=True),
             batch_members=max(batch_members, 2),
