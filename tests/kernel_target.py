@@ -8,6 +8,8 @@ sanitizer. On the CPU build every test runs under three thread orders.
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +22,12 @@ import cudaemu
 from eggroll_dist.worker.backend.cupy_backend import Kernels
 
 ON_GPU = os.environ.get("EGGROLL_KERNEL_TARGET") == "cupy"
+# The CPU build needs g++ and the emulation layer's x86-64 context switch.
+CPU_BUILD_MISSING = (
+    None
+    if ON_GPU or (shutil.which("g++") and platform.machine() in ("x86_64", "AMD64"))
+    else "the CPU build of the kernels needs g++ on x86-64"
+)
 SANITIZE = os.environ.get("EGGROLL_CUDAEMU_SANITIZE") == "1"
 # ascending, descending and seeded random thread order between barriers
 VARIANTS = ("gpu",) if ON_GPU else ("ascending", "descending", "random")

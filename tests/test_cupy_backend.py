@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_target import ON_GPU, VARIANTS, array_module, module_factory
+from kernel_target import CPU_BUILD_MISSING, ON_GPU, VARIANTS, array_module, module_factory
 
 from eggroll_dist.shared.config import (
     ESConfig,
@@ -29,6 +29,8 @@ from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
 from eggroll_dist.worker.backend.cupy_backend import CupyBackend
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+
+pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
 
 CONFIGS = {
     # 1 layer, width 32, 16 members in 2 chunks, 4 tokens per member

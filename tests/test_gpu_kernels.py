@@ -18,7 +18,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_target import ON_GPU, SANITIZE, VARIANTS, array_module, kernels, to_host
+from kernel_target import (
+    CPU_BUILD_MISSING,
+    ON_GPU,
+    SANITIZE,
+    VARIANTS,
+    array_module,
+    kernels,
+    to_host,
+)
 
 from eggroll_dist.shared import model as egg
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
@@ -30,6 +38,7 @@ from eggroll_dist.worker.backend.cupy_backend import (
     Kernels,
 )
 
+pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
 xp = array_module()
 i32, u32, u64 = np.int32, np.uint32, np.uint64
 GEMM_SUFFIXES = ("_tc", "_dp4a")  # the tensor-core kernels and their __dp4a twins

@@ -88,6 +88,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "ztest_apply": (I32, I64, "int32", I8, U64),
 }
 TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc")
+# Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
+# compile check adds the same). Integer-only code: no float flags matter.
+NVRTC_OPTIONS: tuple[str, ...] = ()
 
 ModuleFactory = Callable[[str, tuple[str, ...]], Any]
 
@@ -486,7 +489,7 @@ class CupyBackend:
 def cupy_module(code: str, names: tuple[str, ...]) -> Any:
     import cupy
 
-    return cupy.RawModule(code=code, options=("--std=c++14",), name_expressions=names)
+    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=names)
 
 
 def describe_device() -> str:
