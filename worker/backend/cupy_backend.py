@@ -514,6 +514,7 @@ def factory(batch_members: int = 32768) -> BackendFactory:
     import cupy
 
     device = describe_device()
+    major = cupy.cuda.Device().compute_capability[0]
 
     def build(dataset: Dataset, state: ReplicaState) -> CupyBackend:
         return CupyBackend(
@@ -523,6 +524,7 @@ def factory(batch_members: int = 32768) -> BackendFactory:
             module_factory=cupy_module,
             device=device,
             stream=cupy.cuda.Stream(non_blocking=True),
+            tensor_cores=int(major) >= 8,  # int8 mma.sync m16n8k32 needs sm_80
             batch_members=max(batch_members, 2),
         )
 
