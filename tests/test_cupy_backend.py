@@ -33,11 +33,12 @@ from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
 
 CONFIGS = {
-    # 1 layer, width 32, 16 members in 2 chunks, 4 tokens per member
+    # 1 layer, width 32, 16 members in 2 chunks, 4 tokens per member; the z-test threshold
+    # changes every step (the captured update must read it from device memory)
     "uniform": RunConfig(
         model=ModelConfig(n_layer=1, d_model=32, vocab_size=64),
         es=ESConfig(population=16, chunk_size=8, seq_len=4),
-        update=UpdateConfig(alpha=0.5),
+        update=UpdateConfig(alpha=4.0, alpha_decay_steps=1),
     ),
     # 2 layers, width 36 (a partial K stage), gaussian noise, both fitness filters
     "gaussian": RunConfig(

@@ -240,8 +240,9 @@ class CupyBackend:
         return self.stream if self.stream is not None else contextlib.nullcontext()
 
     def load_state(self, state: ReplicaState) -> None:
-        if self._layout and set(state.params) != set(self._layout):
-            raise ValueError("state does not match this backend's model")
+        shapes = {name: np.shape(p) for name, p in state.params.items()}
+        if shapes != {name: shape for name, (_, shape) in self._layout.items()}:
+            raise ValueError("the state's tensors do not match this backend's model")
         host = np.zeros(self._changed_at + 8, dtype=np.int8)
         for name, (o, shape) in self._layout.items():
             host[o : o + int(np.prod(shape))] = np.asarray(state.params[name]).reshape(-1)
