@@ -365,10 +365,12 @@ def test_launch_checks_dtypes_and_contiguity(k: Kernels) -> None:
 
 @pytest.mark.skipif(ON_GPU or SANITIZE, reason="runs the sanitizer build of the CPU kernels")
 def test_kernels_under_the_undefined_behaviour_sanitizer() -> None:
-    """The same tests, kernels built with -fsanitize=undefined (any report aborts)."""
+    """These tests and the whole-backend ones, kernels built with -fsanitize=undefined (any
+    report aborts the run)."""
     env = {**os.environ, "EGGROLL_CUDAEMU_SANITIZE": "1"}
+    tests = [__file__, str(Path(__file__).with_name("test_cupy_backend.py"))]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
         env=env,
         capture_output=True,
         text=True,
