@@ -53,7 +53,7 @@ from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.replica import ReplicaState, decode_checkpoint, encode_checkpoint
 from eggroll_dist.shared.replica import replay as replay_steps
-from eggroll_dist.worker.backend import BackendFactory, ChunkResult, get_backend
+from eggroll_dist.worker.backend import BackendFactory, ChunkResult, cuda_usable, get_backend
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import WorkerClient, WorkerFatal
 from eggroll_dist.worker.prepare import prepare_data_dir
@@ -552,12 +552,13 @@ async def test_cli_missing_data_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "eggroll-data" in lines[0]
 
 
-async def test_cli_cupy_backend_is_not_there_yet(data_dir: Path) -> None:
+async def test_cli_cupy_backend_without_gpu_is_one_line_exit_2(data_dir: Path) -> None:
+    if cuda_usable():
+        pytest.skip("this host has a usable CUDA GPU")
     rc, output = await run_cli("127.0.0.1", "--data-dir", str(data_dir), "--backend", "cupy")
-    assert rc == 1
-    assert output.strip() == (
-        "Error: the CuPy backend is not available in this version: use --backend numpy"
-    )
+    assert rc == 2
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: --backend cupy needs CuPy")
 
 
 async def test_cli_refused_worker_exits_2_with_one_line(

@@ -99,7 +99,7 @@ async def _serve(client: WorkerClient) -> None:
     show_default=True,
     envvar="EGGROLL_BACKEND",
     show_envvar=True,
-    help="Compute backend; auto is numpy in this version (the CuPy backend is not there yet).",
+    help="Compute backend; auto is cupy when CuPy sees a CUDA GPU, else numpy.",
 )
 @click.option(
     "--name",
@@ -201,7 +201,9 @@ def main(
         factory = get_backend(backend, batch_members)
         dataset = load_data_dir(data_dir)
     except (BackendUnavailable, DataError) as exc:
-        raise click.ClickException(str(exc)) from None
+        error = click.ClickException(str(exc))
+        error.exit_code = 2 if isinstance(exc, BackendUnavailable) else 1
+        raise error from None
     client = WorkerClient(
         host,
         port,

@@ -93,6 +93,7 @@ class BackendFactory:
 # hosts never import CuPy.
 _REGISTRY = {
     "numpy": "numpy_backend:factory",
+    "cupy": "cupy_backend:factory",
 }
 
 

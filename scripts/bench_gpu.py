@@ -1,0 +1,166 @@
+"""Benchmark the CuPy backend against this GPU's best int8 GEMM rate, measured in the same run.
+
+Prints, for `egg-paper` (6 layers, width 256, T = 100) at each population: member-tokens/s
+of a whole-population evaluation (all chunks in one pass), the update time per step (the
+captured graph plus the one copy of the weights back), and the useful int8 MACs per second
+(12 D^2 per layer + V D per member-token) as a fraction of the int8 ceiling: the best of
+cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when torch is installed)
+on 8192^3.
+
+    python scripts/bench_gpu.py [--populations 32768 262144] [--seq-len 100] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from eggroll_dist.shared.config import ESConfig, preset
+from eggroll_dist.shared.data import DataMeta, Dataset
+from eggroll_dist.shared.replica import ReplicaState
+
+GEMM_SIZE = 8192
+
+
+def synthetic_dataset(vocab: int, tokens: int = 1 << 22) -> Dataset:
+    rng = np.random.default_rng(0)
+    train = rng.integers(1, vocab, size=tokens).astype(np.uint8)
+    valid = rng.integers(1, vocab, size=4096).astype(np.uint8)
+    meta = DataMeta(1, vocab, len(train), len(valid), "0" * 64, "bench", 1, 1, {})
+    return Dataset(train, valid, [bytes([i]) for i in range(vocab)], meta, bytes(32))
+
+
+def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall time of fn() with the device drained before and after (after one warm-up)."""
+    import cupy
+
+    fn()
+    cupy.cuda.Device().synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        cupy.cuda.Device().synchronize()
+        t = time.perf_counter()
+        fn()
+        cupy.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cublas_int8_rate(repeats: int) -> float:
+    """int8 MAC/s of cuBLAS gemmEx at 8192^3 (A^T B layout, int32 accumulate)."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    n = GEMM_SIZE
+    a = cupy.random.randint(-127, 128, size=(n, n), dtype=cupy.int8)
+    b = cupy.random.randint(-127, 128, size=(n, n), dtype=cupy.int8)
+    c = cupy.empty((n, n), dtype=cupy.int32)
+    one, zero = np.ones(1, np.int32), np.zeros(1, np.int32)
+    handle = cupy.cuda.device.get_cublas_handle()
+    r_8i, r_32i, compute_32i, algo = 3, 10, 72, -1  # CUDA_R_8I, CUDA_R_32I, ..., default
+
+    def gemm() -> None:
+        cublas.gemmEx(
+            handle,
+            cublas.CUBLAS_OP_T,
+            cublas.CUBLAS_OP_N,
+            *(n, n, n, one.ctypes.data, a.data.ptr, r_8i, n, b.data.ptr, r_8i, n),
+            *(zero.ctypes.data, c.data.ptr, r_32i, n, compute_32i, algo),
+        )
+
+    return n**3 / gpu_seconds(gemm, repeats)
+
+
+def torch_int8_rate(repeats: int) -> float:
+    import torch
+
+    n = GEMM_SIZE
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device="cuda")
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device="cuda").t()  # column-major
+
+    def mm() -> None:
+        torch._int_mm(a, b)
+
+    mm()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mm()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return n**3 / best
+
+
+def bench_population(population: int, seq_len: int, repeats: int) -> dict[str, float]:
+    import cupy
+
+    from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
+
+    base = preset("egg-paper")
+    chunk = base.es.chunk_size
+    es = ESConfig(**{**base.es.__dict__, "population": population, "seq_len": seq_len})
+    cfg = base.replace(es=es)
+    backend = CupyBackend(
+        synthetic_dataset(cfg.model.vocab_size),
+        ReplicaState.initial(cfg),
+        xp=cupy,
+        module_factory=cupy_module,
+        stream=cupy.cuda.Stream(non_blocking=True),
+        batch_members=min(population, 65536),
+    )
+    chunks = [(c * chunk, chunk) for c in range(population // chunk)]
+    eval_s = gpu_seconds(lambda: backend.evaluate_chunks(0, chunks), repeats)
+    rng = np.random.default_rng(0)
+    fitness = rng.choice(np.array([-1, 0, 1], dtype=np.int8), size=cfg.pairs)
+    update = []
+    for _ in range(repeats + 1):  # the first apply captures the graph
+        t = time.perf_counter()
+        backend.apply_step(fitness)
+        update.append(time.perf_counter() - t)
+        backend.load_state(ReplicaState(cfg, 0, backend.state.params))
+    d, v, layers = cfg.model.d_model, cfg.model.vocab_size, cfg.model.n_layer
+    member_tokens = population * seq_len
+    return {
+        "member_tokens_per_s": member_tokens / eval_s,
+        "macs_per_s": member_tokens * (layers * 12 * d * d + v * d) / eval_s,
+        "eval_s": eval_s,
+        "update_s": min(update[1:]),
+        "first_update_s": update[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--populations", type=int, nargs="+", default=[32768, 262144])
+    parser.add_argument("--seq-len", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    from eggroll_dist.worker.backend.cupy_backend import describe_device
+
+    print(f"device: {describe_device()}")
+    ceilings = {}
+    for name, fn in (("cublas gemmEx", cublas_int8_rate), ("torch._int_mm", torch_int8_rate)):
+        try:
+            ceilings[name] = fn(args.repeats)
+            print(f"int8 ceiling {name} {GEMM_SIZE}^3: {2 * ceilings[name] / 1e12:8.1f} TOPS")
+        except Exception as exc:  # torch absent, or a cuBLAS that refuses the layout
+            print(f"int8 ceiling {name}: unavailable ({type(exc).__name__}: {exc})")
+    ceiling = max(ceilings.values(), default=0.0)
+    for population in args.populations:
+        r = bench_population(population, args.seq_len, args.repeats)
+        share = f"{100 * r['macs_per_s'] / ceiling:5.2f}%" if ceiling else "n/a"
+        print(
+            f"egg-paper population {population:>7}: "
+            f"{r['member_tokens_per_s'] / 1e6:8.2f} M member-tokens/s  "
+            f"{2 * r['macs_per_s'] / 1e12:7.2f} TOPS useful int8 = {share} of the ceiling  "
+            f"[eval {r['eval_s']:.3f} s, update {1e3 * r['update_s']:.1f} ms per step, "
+            f"first update with graph capture {1e3 * r['first_update_s']:.1f} ms]"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Compile every worker/backend/*.cu the way cupy.RawModule does, without a GPU or CuPy.
+
+NVRTC (the nvidia-cuda-nvrtc-cu12 wheel, through ctypes) with the backend's options plus
+what CuPy adds itself, for each architecture asked (default sm_80 and sm_90). NVRTC has
+no host headers, so this catches what `nvcc --ptx` lets through. Prints, per kernel, the
+registers, shared memory and spills ptxas reports, and fails on a compile error or a spill.
+
+With --sass, also disassembles each cubin (cuobjdump from the nvidia-cuda-cuobjdump wheel)
+and fails unless every tensor-core kernel contains IMMA and every __dp4a twin IDP.4A.
+
+    python scripts/nvrtc_check.py [--arch 80 90] [--sass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from eggroll_dist.worker.backend.cupy_backend import NVRTC_OPTIONS, TENSOR_CORE_KERNELS
+
+ROOT = Path(__file__).resolve().parent.parent
+# What CuPy's RawModule adds to the user's options on its NVRTC path (besides -arch).
+CUPY_ADDED = ("-ftz=true", "--device-as-default-execution-space")
+
+
+def _site_file(pattern: str) -> Path:
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        found = sorted(Path(base).glob(pattern))
+        if found:
+            return found[0]
+    raise SystemExit(f"not found in site-packages: {pattern} (pip install the CUDA wheels)")
+
+
+def load_nvrtc() -> ctypes.CDLL:
+    lib = _site_file("nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
+    for builtins in lib.parent.glob("libnvrtc-builtins.so.*"):  # dlopened by soname
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    nvrtc = ctypes.CDLL(str(lib))
+    nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return nvrtc
+
+
+def compile_cubin(nvrtc: ctypes.CDLL, source: str, name: str, options: list[str]):
+    """(ok, log, cubin bytes) of one NVRTC compile."""
+    prog = ctypes.c_void_p()
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
+    if rc:
+        raise SystemExit(f"nvrtcCreateProgram: {nvrtc.nvrtcGetErrorString(rc).decode()}")
+    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    rc = nvrtc.nvrtcCompileProgram(prog, len(options), opts)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    cubin = b""
+    if rc == 0:
+        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(prog, buf)
+        cubin = buf.raw
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc == 0, log.value.decode(errors="replace"), cubin
+
+
+def resources(log: str) -> dict[str, dict[str, int]]:
+    """Per kernel: registers, smem bytes, spill stores + loads, from ptxas's -v report."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        if m := re.search(r"Function properties for (\w+)", line):
+            current = out.setdefault(m.group(1), {"regs": 0, "smem": 0, "spill": 0})
+        elif current is not None and (m := re.search(r"(\d+) bytes spill stores, (\d+)", line)):
+            current["spill"] = int(m.group(1)) + int(m.group(2))
+        elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
+            current["regs"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            current["smem"] = int(s.group(1)) if s else 0
+    return out
+
+
+def sass_by_kernel(cubin: bytes, workdir: Path) -> dict[str, str]:
+    tool = shutil.which("cuobjdump") or str(_site_file("nvidia/cu*/bin/cuobjdump"))
+    disasm = shutil.which("nvdisasm") or str(_site_file("nvidia/cu*/bin/nvdisasm"))
+    path = workdir / "module.cubin"
+    path.write_bytes(cubin)
+    env = {**os.environ, "NVDISASM_PATH": disasm}  # cuobjdump runs nvdisasm
+    text = subprocess.run(
+        [tool, "--dump-sass", str(path)], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    parts = re.split(r"^\s*Function : (\w+)\s*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", nargs="+", default=["80", "90"])
+    parser.add_argument("--sass", action="store_true", help="check IMMA / IDP.4A in the SASS")
+    args = parser.parse_args()
+    nvrtc = load_nvrtc()
+    failed = False
+    for cu in sorted((ROOT / "worker" / "backend").glob("*.cu")):
+        source = cu.read_text()
+        table: dict[str, dict[str, str]] = {}
+        for arch in args.arch:
+            options = [*NVRTC_OPTIONS, *CUPY_ADDED, f"-arch=sm_{arch}", "--ptxas-options=-v"]
+            ok, log, cubin = compile_cubin(nvrtc, source, cu.name, options)
+            if not ok:
+                print(f"FAIL {cu.name} sm_{arch}: NVRTC error\n{log}")
+                failed = True
+                continue
+            for kernel, r in resources(log).items():
+                cell = f"{r['regs']:3d} regs {r['smem']:5d} B smem {r['spill']} spill"
+                table.setdefault(kernel, {})[arch] = cell
+                if r["spill"]:
+                    print(f"FAIL {cu.name} sm_{arch} {kernel}: {r['spill']} bytes spilled")
+                    failed = True
+            if args.sass:
+                with tempfile.TemporaryDirectory() as tmp:
+                    sass = sass_by_kernel(cubin, Path(tmp))
+                for kernel, code in sass.items():
+                    imma, dp4a = code.count("IMMA"), code.count("IDP.4A")
+                    table.setdefault(kernel, {})[f"sass{arch}"] = f"IMMA {imma} IDP.4A {dp4a}"
+                    if kernel in TENSOR_CORE_KERNELS and not imma:
+                        print(f"FAIL {cu.name} sm_{arch} {kernel}: no IMMA instruction")
+                        failed = True
+                    if kernel.endswith("_dp4a") and (imma or not dp4a):
+                        print(f"FAIL {cu.name} sm_{arch} {kernel}: not an IDP.4A kernel")
+                        failed = True
+        print(f"{cu.name}: NVRTC options {' '.join([*NVRTC_OPTIONS, *CUPY_ADDED])}")
+        for kernel in sorted(table):
+            cells = "  ".join(
+                f"sm_{k}: {v}" if k.isdigit() else v for k, v in table[kernel].items()
+            )
+            print(f"  {kernel:<14} {cells}")
+    print("nvrtc check:", "FAILED" if failed else "ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The CuPy backend's own code (CupyBackend) equals the NumPy backend, byte for byte.
+
+Runs on the CPU build of egg.cu by default (every thread order), on a GPU with
+EGGROLL_KERNEL_TARGET=cupy: whole chunks (fitness and loss sums), several chunks in one
+forward pass, and steps applied through the captured update (the replica digest each step).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_target import CPU_BUILD_MISSING, ON_GPU, VARIANTS, array_module, module_factory
+
+from eggroll_dist.shared.config import (
+    ESConfig,
+    FitnessConfig,
+    ModelConfig,
+    RunConfig,
+    UpdateConfig,
+)
+from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
+from eggroll_dist.worker.backend.cupy_backend import CupyBackend
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+
+pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
+
+CONFIGS = {
+    # 1 layer, width 32, 16 members in 2 chunks, 4 tokens per member; the z-test threshold
+    # changes every step (the captured update must read it from device memory)
+    "uniform": RunConfig(
+        model=ModelConfig(n_layer=1, d_model=32, vocab_size=64),
+        es=ESConfig(population=16, chunk_size=8, seq_len=4),
+        update=UpdateConfig(alpha=4.0, alpha_decay_steps=1),
+    ),
+    # 2 layers, width 36 (a partial K stage), gaussian noise, both fitness filters
+    "gaussian": RunConfig(
+        model=ModelConfig(n_layer=2, d_model=36, vocab_size=40, init_seed=3),
+        es=ESConfig(population=12, chunk_size=6, seq_len=3, noise="gaussian", run_seed=7),
+        fitness=FitnessConfig(chunk_mean_filter=True, adaptive_threshold=True),
+        update=UpdateConfig(alpha=1.0),
+    ),
+}
+
+
+def dataset(cfg: RunConfig) -> SimpleNamespace:
+    rng = np.random.default_rng(1)
+    v = cfg.model.vocab_size
+    train = rng.integers(0, v, size=4000).astype(np.uint8)
+    train[::37] = 0  # document starts reset the layer states
+    return SimpleNamespace(train=train, valid=rng.integers(0, v, size=400).astype(np.uint8))
+
+
+def cupy_backend(cfg: RunConfig, data, variant: str, tensor_cores: bool) -> CupyBackend:
+    stream = None
+    if ON_GPU:
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+    return CupyBackend(
+        data,
+        ReplicaState.initial(cfg),
+        xp=array_module(),
+        module_factory=module_factory(variant),
+        stream=stream,
+        tensor_cores=tensor_cores,
+        batch_members=6,  # several sub-batches per chunk
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "dp4a"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunks_and_steps_equal_the_numpy_backend(
+    name: str, tensor_cores: bool, variant: str
+) -> None:
+    cfg = CONFIGS[name]
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, variant, tensor_cores)
+    size = cfg.es.chunk_size
+    for step in range(3):
+        want = [ref.evaluate_chunk(step, c * size, size) for c in range(cfg.chunks)]
+        got = [gpu.evaluate_chunk(step, c * size, size) for c in range(cfg.chunks)]
+        for w, g in zip(want, got, strict=True):
+            assert g.fitness.dtype == np.int8
+            assert g.fitness.tobytes() == w.fitness.tobytes() and g.loss_sum == w.loss_sum
+        together = gpu.evaluate_chunks(step, [(c * size, size) for c in range(cfg.chunks)])
+        assert [(c.fitness.tobytes(), c.loss_sum) for c in together] == [
+            (c.fitness.tobytes(), c.loss_sum) for c in want
+        ]
+        fitness = np.concatenate([c.fitness for c in want])
+        changed = ref.apply_step(fitness)
+        assert changed > 0
+        assert gpu.apply_step(fitness) == changed  # step 2+ replays the captured update
+        assert gpu.step == ref.step == step + 1
+        assert gpu.digest() == ref.digest()
+    assert gpu.validate() == ref.validate()
+
+
+def test_load_state_and_range_checks() -> None:
+    cfg = CONFIGS["uniform"]
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    ref.apply_step(np.ones(cfg.pairs, dtype=np.int8))
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+    gpu.load_state(ref.state)
+    assert gpu.step == 1 and gpu.digest() == ref.digest()
+    got, want = gpu.evaluate_chunk(1, 8, 8), ref.evaluate_chunk(1, 8, 8)
+    assert (got.fitness.tobytes(), got.loss_sum) == (want.fitness.tobytes(), want.loss_sum)
+    with pytest.raises(ValueError, match="replica is at step 1"):
+        gpu.evaluate_chunk(0, 0, 8)
+    with pytest.raises(ValueError, match="bad member range"):
+        gpu.evaluate_chunk(1, 1, 8)
+    with pytest.raises(ValueError, match="fitness has shape"):
+        gpu.apply_step(np.ones(3, dtype=np.int8))
+
+
+def test_unsupported_width_is_a_clear_error() -> None:
+    cfg = RunConfig(model=ModelConfig(d_model=30), es=ESConfig(population=4, chunk_size=4))
+    with pytest.raises(BackendUnavailable, match="d_model % 4"):
+        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
+
+
+@pytest.mark.skipif(ON_GPU or cuda_usable(), reason="this host has a usable CUDA GPU")
+def test_backend_selection_without_a_gpu() -> None:
+    assert get_backend("auto").name == "numpy"
+    with pytest.raises(BackendUnavailable, match="needs CuPy and a usable CUDA GPU") as info:
+        get_backend("cupy")
+    assert "\n" not in str(info.value)

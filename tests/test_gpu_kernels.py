@@ -1,0 +1,380 @@
+"""Every kernel of egg.cu equals the NumPy reference of shared/, byte for byte.
+
+By default the kernels run through their CPU build (tests/cudaemu), once per thread order;
+kernel_target.py says how the same tests run on a GPU or under the sanitizer. Shapes are
+small but cover partial tiles, odd divisors, clipping at both ends and both noise kinds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from math import isqrt
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_target import (
+    CPU_BUILD_MISSING,
+    ON_GPU,
+    SANITIZE,
+    VARIANTS,
+    array_module,
+    kernels,
+    to_host,
+)
+
+from eggroll_dist.shared import model as egg
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key
+from eggroll_dist.shared.update import accumulate_z
+from eggroll_dist.worker.backend.cupy_backend import (
+    SIGNATURES,
+    TENSOR_CORE_KERNELS,
+    Kernels,
+)
+
+pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
+xp = array_module()
+i32, u32, u64 = np.int32, np.uint32, np.uint64
+GEMM_SUFFIXES = ("_tc", "_dp4a")  # the tensor-core kernels and their __dp4a twins
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def k(request: pytest.FixtureRequest) -> Kernels:
+    return kernels(request.param)
+
+
+def cfg_for(noise: str = "uniform", d: int = 36, vocab: int = 50) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(n_layer=1, d_model=d, vocab_size=vocab),
+        es=ESConfig(population=70, chunk_size=70, seq_len=4, noise=noise, run_seed=99),
+    )
+
+
+def dev(a: np.ndarray):
+    return xp.array(np.ascontiguousarray(a))  # a copy: kernels write some inputs in place
+
+
+def poisoned(shape, dtype) -> object:
+    return xp.asarray(np.full(shape, 99, dtype=dtype))  # outputs start as garbage
+
+
+def key_dev(cfg: RunConfig, step: int):
+    return dev(np.array([hash_key(DOMAIN_NOISE, cfg.es.run_seed, step)], dtype=np.uint64))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------ noise
+
+
+@pytest.mark.parametrize("noise", NOISE_KINDS)
+def test_noise_rows_and_member_vectors(k: Kernels, noise: str) -> None:
+    cfg, step = cfg_for(noise), 7
+    pairs = np.array([0, 3, 1 << 20, 12345, 35], dtype=np.int64)
+    pn = egg.pair_noise(cfg, step, pairs)
+    params = egg.init_params(cfg.model)
+    params["layers.0.bf"] = np.arange(-18, 18, dtype=np.int8) * 7  # clipping at both ends
+    mn = egg.member_noise(pn, params, cfg.es.sigma_shift)
+    kind = i32(NOISE_KINDS.index(noise))
+    for name in ("emb", "layers.0.w1", "head"):
+        out, inp = params[name].shape
+        tid = u64(egg.param_specs(cfg.model)[list(params).index(name)].tensor_id)
+        for start, count, want in ((0, out, pn.a[name]), (out, inp, pn.b[name])):
+            got = poisoned((len(pairs), count), np.int8)
+            k(
+                "noise_rows",
+                (len(pairs), cdiv(count, 256)),
+                (256,),
+                *(key_dev(cfg, step), dev(pairs), tid, u32(start), i32(count), kind, got),
+            )
+            assert np.array_equal(to_host(got), want), name
+    for spec in egg.param_specs(cfg.model):
+        if spec.kind != "vector":
+            continue
+        (n,) = spec.shape
+        got = poisoned((2 * len(pairs), n), np.int8)
+        k(
+            "member_vector",
+            (2 * len(pairs), cdiv(n, 256)),
+            (256,),
+            *(key_dev(cfg, step), dev(pairs), u64(spec.tensor_id), i32(n), kind),
+            *(dev(params[spec.name]), i32(4 + cfg.es.sigma_shift), got),
+        )
+        assert np.array_equal(to_host(got), mn.vectors[spec.name]), spec.name
+
+
+@pytest.mark.parametrize("noise", NOISE_KINDS)
+def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
+    cfg, step = cfg_for(noise), 3
+    rng = np.random.default_rng(5)
+    fitness = rng.choice(np.array([-1, 0, 1], dtype=np.int8), size=cfg.pairs)
+    want_z = accumulate_z(cfg, step, fitness)
+    kind = i32(NOISE_KINDS.index(noise))
+    ppad = cdiv(cfg.pairs, 32) * 32
+    for spec in egg.param_specs(cfg.model):
+        tid, size = u64(spec.tensor_id), int(np.prod(spec.shape))
+        z = poisoned(spec.shape, np.int32)
+        if spec.kind == "vector":
+            k(
+                "vector_z",
+                (cdiv(size, 256),),
+                (256,),
+                *(key_dev(cfg, step), tid, i32(size), kind, dev(fitness), i32(cfg.pairs), z),
+            )
+            assert np.array_equal(to_host(z), want_z[spec.name]), spec.name
+            continue
+        out, inp = spec.shape
+        at = poisoned((out, ppad), np.int8)
+        bt = poisoned((inp, ppad), np.int8)
+        for start, count, weight, dst in (
+            (0, out, dev(fitness), at),
+            (out, inp, xp.zeros(0, dtype=xp.int8), bt),
+        ):
+            k(
+                "noise_cols",
+                (cdiv(ppad, 128), cdiv(count, 64)),
+                (128,),
+                *(key_dev(cfg, step), tid, u32(start), i32(count), kind, weight),
+                *(i32(cfg.pairs), i32(ppad), dst),
+            )
+        pn = egg.pair_noise(cfg, step, np.arange(cfg.pairs))
+        want_at = np.zeros((out, ppad), np.int8)
+        want_at[:, : cfg.pairs] = (pn.a[spec.name] * fitness[:, None]).T
+        assert np.array_equal(to_host(at), want_at), spec.name
+        for suffix in GEMM_SUFFIXES:
+            k(
+                "zgemm" + suffix,
+                (cdiv(inp, 32), cdiv(out, 64)),
+                (256,),
+                *(at, bt, i32(out), i32(inp), i32(ppad), z),
+            )
+            assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, suffix)
+
+
+def test_ztest_apply_with_changed_count(k: Kernels) -> None:
+    rng = np.random.default_rng(11)
+    n = 10_000 + 17
+    z = rng.integers(-300, 301, size=n).astype(np.int32)
+    z[:50] = 0
+    w = rng.integers(-127, 128, size=n).astype(np.int8)
+    w[50:100], w[100:150] = 127, -127
+    threshold = 77
+    want = np.clip(w + np.where(np.abs(z) >= threshold, np.sign(z), 0), -127, 127)
+    got, changed = dev(w), xp.zeros(1, dtype=xp.uint64)
+    k(
+        "ztest_apply",
+        (cdiv(n, 256),),
+        (256,),
+        *(dev(z), dev(np.array([threshold], np.int64)), i32(n), got, changed),
+    )
+    assert np.array_equal(to_host(got), want.astype(np.int8))
+    assert int(to_host(changed)[0]) == np.count_nonzero(want != w)
+
+
+# ------------------------------------------------------------------------ forward pass
+
+
+def member_batch(cfg: RunConfig, n_pairs: int = 35, step: int = 2):
+    pairs = np.arange(n_pairs, dtype=np.int64) * 3 + 1
+    params = egg.init_params(cfg.model)
+    pn = egg.pair_noise(cfg, step, pairs)
+    return pairs, params, pn, egg.member_noise(pn, params, cfg.es.sigma_shift)
+
+
+def test_embed_and_state_reset(k: Kernels) -> None:
+    cfg = cfg_for()
+    pairs, params, pn, mn = member_batch(cfg)
+    d, v, m = cfg.model.d_model, cfg.model.vocab_size, 2 * len(pairs)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, v, size=(len(pairs), 5)).astype(np.int32)
+    tokens[::4, 2] = 0  # documents start here: states reset
+    states = dev(rng.integers(-127, 128, size=(2, m, d)).astype(np.int8))
+    before = to_host(states)
+    x = poisoned((m, d), np.int8)
+    model = egg.EggModel(cfg, params)
+    k(
+        "embed",
+        (m,),
+        (128,),
+        *(dev(tokens), i32(5), i32(2), dev(params["emb"]), dev(pn.a["emb"]), dev(pn.b["emb"])),
+        *(i32(m), i32(d), i32(v), i32(model.shift), states, i32(2), x),
+    )
+    tok = np.repeat(tokens[:, 2], 2)
+    assert np.array_equal(to_host(x), model._embed(tok, mn))
+    before[:, tok == 0] = 0
+    assert np.array_equal(to_host(states), before)
+
+
+def test_norm_rowdot_and_loss(k: Kernels) -> None:
+    cfg = cfg_for()
+    pairs, params, pn, mn = member_batch(cfg)
+    d, m = cfg.model.d_model, 2 * len(pairs)
+    rng = np.random.default_rng(4)
+    x = rng.integers(-127, 128, size=(m, d)).astype(np.int8)
+    x[0], x[1] = 0, 127  # mav 0 -> 1, and the largest products
+    model = egg.EggModel(cfg, params)
+    h = poisoned((m, d), np.int8)
+    w_ln = mn.vectors["layers.0.ln1"].astype(np.int8)
+    k("mav_norm", (cdiv(m, 8),), (256,), dev(x), dev(w_ln), i32(m), i32(d), h)
+    assert np.array_equal(to_host(h), model._ln(x.astype(np.int32), "layers.0.ln1", mn))
+    for name in ("layers.0.wf", "layers.0.w2"):
+        k_in = params[name].shape[1]
+        src = rng.integers(-127, 128, size=(m, k_in)).astype(np.int8)
+        xb = poisoned(m, np.int32)
+        b = dev(pn.b[name])
+        k("rowdot", (cdiv(m, 8),), (256,), dev(src), b, i32(m), i32(k_in), xb)
+        want = (src.astype(np.int64) * np.repeat(pn.b[name], 2, axis=0)).sum(axis=1)
+        assert np.array_equal(to_host(xb), want.astype(np.int32)), name
+    v = 203
+    logits = rng.integers(-127, 128, size=(m, v)).astype(np.int8)
+    logits[0], logits[1] = 127, -127
+    tokens = rng.integers(0, v, size=(len(pairs), 3)).astype(np.int32)
+    loss = dev(np.full(m, 1000, np.int64))  # the kernel accumulates
+    k(
+        "token_loss",
+        (cdiv(m, 8),),
+        (256,),
+        *(dev(logits), dev(tokens), i32(3), i32(1), i32(m), i32(v)),
+        *(dev(egg._exp2_table()), dev(egg._log2_thresholds()), loss),
+    )
+    want = 1000 + egg.token_loss(logits.astype(np.int64), np.repeat(tokens[:, 1], 2))
+    assert np.array_equal(to_host(loss), want)
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
+    cfg = cfg_for(d=36, vocab=70)  # K = 36 (a partial stage), N = 70, M = 70: partial tiles
+    pairs, params, pn, mn = member_batch(cfg)
+    m = 2 * len(pairs)
+    model = egg.EggModel(cfg, params)
+    rng = np.random.default_rng(6)
+    for name in ("layers.0.w1", "layers.0.w2", "head"):
+        n_out, k_in = params[name].shape
+        x = rng.integers(-127, 128, size=(m, k_in)).astype(np.int8)
+        xb = dev((x.astype(np.int64) * np.repeat(pn.b[name], 2, axis=0)).sum(1).astype(np.int32))
+        want = model._mm(x.astype(np.int32), name, mn)
+        res = rng.integers(-127, 128, size=(m, n_out)).astype(np.int8)
+        for residual in (False, True):
+            out = dev(res) if residual else poisoned((m, n_out), np.int8)
+            k(
+                "mm" + suffix,
+                (cdiv(n_out, 32), cdiv(m, 64)),
+                (256,),
+                *(dev(x), dev(params[name]), xb, dev(pn.a[name]), i32(m), i32(n_out)),
+                *(i32(k_in), i32(model.shift), i32(16 * isqrt(k_in))),
+                *(out if residual else xp.zeros(0, dtype=xp.int8), out),
+            )
+            expect = np.clip(res + want, -127, 127) if residual else want
+            assert np.array_equal(to_host(out), expect), (name, residual)
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+def test_gate_and_candidate(k: Kernels, suffix: str) -> None:
+    cfg = cfg_for(d=68)  # two N tiles, the second partial
+    pairs, params, pn, mn = member_batch(cfg)
+    d, m = cfg.model.d_model, 2 * len(pairs)
+    model = egg.EggModel(cfg, params)
+    rng = np.random.default_rng(8)
+    h, s, x = (rng.integers(-127, 128, size=(m, d)).astype(np.int8) for _ in range(3))
+    p = "layers.0."
+
+    def xb(src: np.ndarray, name: str):
+        b = np.repeat(pn.b[name], 2, axis=0)
+        return dev((src.astype(np.int64) * b).sum(1).astype(np.int32))
+
+    h32, s32 = h.astype(np.int32), s.astype(np.int32)
+    f = np.clip(
+        model._mm(h32, p + "wf", mn) + model._mm(s32, p + "uf", mn) + mn.vectors[p + "bf"],
+        -127,
+        127,
+    )
+    g = ((f + 127) * s32) >> 8
+    c = np.clip(
+        model._mm(h32, p + "wh", mn) + model._mm(g, p + "uh", mn) + mn.vectors[p + "bh"],
+        -127,
+        127,
+    )
+    s_new = s32 + (((f + 127) * (c - s32)) >> 8)
+    x_new = np.clip(x + s_new, -127, 127)
+    scalars = (i32(m), i32(d), i32(model.shift), i32(16 * isqrt(d)))
+    grid = (cdiv(d, 32), cdiv(m, 64))
+    f_got, g_got = poisoned((m, d), np.int8), poisoned((m, d), np.int8)
+    k(
+        "gate" + suffix,
+        grid,
+        (256,),
+        *(dev(h), dev(params[p + "wf"]), xb(h, p + "wf"), dev(pn.a[p + "wf"])),
+        *(dev(s), dev(params[p + "uf"]), xb(s, p + "uf"), dev(pn.a[p + "uf"])),
+        *(*scalars, dev(mn.vectors[p + "bf"].astype(np.int8)), f_got, g_got),
+    )
+    assert np.array_equal(to_host(f_got), f)
+    assert np.array_equal(to_host(g_got), g)
+    s_dev, x_dev = dev(s), dev(x)
+    g8 = g.astype(np.int8)
+    k(
+        "cand" + suffix,
+        grid,
+        (256,),
+        *(dev(h), dev(params[p + "wh"]), xb(h, p + "wh"), dev(pn.a[p + "wh"])),
+        *(dev(g8), dev(params[p + "uh"]), xb(g8, p + "uh"), dev(pn.a[p + "uh"])),
+        *(*scalars, dev(mn.vectors[p + "bh"].astype(np.int8)), f_got, s_dev, x_dev),
+    )
+    assert np.array_equal(to_host(s_dev), s_new)
+    assert np.array_equal(to_host(x_dev), x_new)
+
+
+# ------------------------------------------------------------------ launch discipline
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU build exports the C++ signatures")
+def test_signature_table_matches_the_source() -> None:
+    """The backend's table of parameter dtypes says what the C++ parameters say."""
+    import cudaemu
+
+    from eggroll_dist.worker.backend.cupy_backend import kernel_source
+
+    module = cudaemu.RawModule(kernel_source(), name_expressions=tuple(SIGNATURES))
+    for name, spec in SIGNATURES.items():
+        params = module.get_function(name).params
+        assert len(params) == len(spec), name
+        for (kind, size, code), want in zip(params, spec, strict=True):
+            dtype = np.dtype(want.lstrip("*"))
+            assert bool(kind) == want.startswith("*"), (name, want)
+            assert (size, code) == (dtype.itemsize, dtype.kind), (name, want)
+    assert set(TENSOR_CORE_KERNELS) <= set(SIGNATURES)
+
+
+def test_launch_checks_dtypes_and_contiguity(k: Kernels) -> None:
+    a = xp.zeros((4, 8), dtype=xp.int8)
+    xb = xp.zeros(4, dtype=xp.int32)
+    with pytest.raises(TypeError, match="int32 device array"):
+        k("rowdot", (1,), (256,), a, a, i32(4), i32(8), xp.zeros(4, dtype=xp.int64))
+    with pytest.raises(TypeError, match="not C-contiguous"):
+        k("rowdot", (1,), (256,), a[:, :4], a, i32(4), i32(4), xb)
+    with pytest.raises(TypeError, match="NumPy int32 scalar"):
+        k("rowdot", (1,), (256,), a, a, 4, i32(8), xb)
+
+
+@pytest.mark.skipif(ON_GPU or SANITIZE, reason="runs the sanitizer build of the CPU kernels")
+def test_kernels_under_the_undefined_behaviour_sanitizer() -> None:
+    """These tests and the whole-backend ones, kernels built with -fsanitize=undefined (any
+    report aborts the run)."""
+    env = {**os.environ, "EGGROLL_CUDAEMU_SANITIZE": "1"}
+    tests = [__file__, str(Path(__file__).with_name("test_cupy_backend.py"))]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "runtime error" not in proc.stdout + proc.stderr

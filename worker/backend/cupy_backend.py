@@ -1,0 +1,532 @@
+"""The CuPy backend: the EGG forward pass and the ztest update as int8 RawKernels (`egg.cu`).
+
+Same bytes as the NumPy reference, by construction kernel by kernel (see egg.cu). The class
+is written against two seams so that the test suite runs this very code without a GPU:
+
+- an array module `xp`: `cupy` on a GPU, `numpy` under test;
+- a kernel-module factory `(source, kernel names) -> module` whose `get_function(name)` gives
+  a callable `(grid, block, args)`: `cupy.RawModule` on a GPU, a g++ build of the same
+  source under test.
+
+Per step: host NumPy computes the cheap scalar parts (the noise base key, the data windows,
+the z-test threshold, each chunk's fitness from its members' losses); the device generates
+every pair's noise, runs the forward pass (about 11 launches per layer and token) and the
+update. The update's launch sequence reads every per-step value from device memory, so it
+is captured once as a CUDA graph and replayed every step. The weights live in one flat
+device buffer followed by the update's changed-weights counter: one copy back per step
+gives the replica digest and the count.
+
+Validation (unperturbed forward with float bits, every few steps) runs the NumPy reference
+on the host copy of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from importlib import resources
+from math import isqrt
+from typing import Any
+
+import numpy as np
+
+from ...shared.config import RunConfig
+from ...shared.data import Dataset
+from ...shared.fitness import pair_fitness
+from ...shared.model import _exp2_table, _log2_thresholds, param_specs
+from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
+from ...shared.replica import ReplicaState
+from ...shared.update import alpha_at, move_threshold
+from ...shared.window import pair_windows
+from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
+from .numpy_backend import NumpyBackend
+
+SOURCE_FILE = "egg.cu"
+ALIGN = 16  # byte alignment of each tensor in the flat weight buffer
+BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
+TILE_M, TILE_N = 64, 32  # output tile of the GEMM kernels
+PAIR_PAD = 32  # the update GEMM's K (pairs) is padded to whole 32-byte stages
+
+# Each kernel's parameters, as the backend passes them: "*dtype" is a device array of that
+# dtype (C-contiguous), "dtype" a NumPy scalar. Checked before every launch.
+I8, I32, I64, U32, U64 = "*int8", "*int32", "*int64", "*uint32", "*uint64"
+_MM = (I8, I8, I32, I8, "int32", "int32", "int32", "int32", "int32", I8, I8)
+_GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I8, I8, I8)
+_CAND = (*_GATE[:-2], I8, I8, I8)
+_ZGEMM = (I8, I8, "int32", "int32", "int32", I32)
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", I8),
+    "noise_cols": (U64, "uint64", "uint32", "int32", "int32", I8, "int32", "int32", I8),
+    "member_vector": (U64, I64, "uint64", "int32", "int32", I8, "int32", I8),
+    "vector_z": (U64, "uint64", "int32", "int32", I8, "int32", I32),
+    "embed": (
+        I32,
+        "int32",
+        "int32",
+        I8,
+        I8,
+        I8,
+        "int32",
+        "int32",
+        "int32",
+        "int32",
+        I8,
+        "int32",
+        I8,
+    ),
+    "mav_norm": (I8, I8, "int32", "int32", I8),
+    "rowdot": (I8, I8, "int32", "int32", I32),
+    "mm_tc": _MM,
+    "mm_dp4a": _MM,
+    "gate_tc": _GATE,
+    "gate_dp4a": _GATE,
+    "cand_tc": _CAND,
+    "cand_dp4a": _CAND,
+    "zgemm_tc": _ZGEMM,
+    "zgemm_dp4a": _ZGEMM,
+    "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
+    "ztest_apply": (I32, I64, "int32", I8, U64),
+}
+TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc")
+# Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
+# compile check adds the same). Integer-only code: no float flags matter.
+NVRTC_OPTIONS: tuple[str, ...] = ()
+
+ModuleFactory = Callable[[str, tuple[str, ...]], Any]
+
+
+def kernel_source() -> str:
+    """The CUDA source of every kernel (package data)."""
+    return resources.files(__package__).joinpath(SOURCE_FILE).read_text()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Kernels:
+    """The compiled kernels, with an argument check before every launch and graph capture.
+
+    `stream` is a CuPy stream (capture becomes a CUDA graph) or None: then capture records
+    the launches and replay runs them again, with the same arguments, as a graph would.
+    """
+
+    def __init__(self, xp: Any, module_factory: ModuleFactory, stream: Any = None):
+        self.xp = xp
+        self.stream = stream
+        names = tuple(SIGNATURES)
+        module = module_factory(kernel_source(), names)
+        self._fn = {name: module.get_function(name) for name in names}
+        self._recording: list | None = None
+
+    def check(self, name: str, args: Sequence[Any]) -> None:
+        spec = SIGNATURES[name]
+        if len(args) != len(spec):
+            raise TypeError(f"{name}: {len(args)} arguments for {len(spec)} parameters")
+        for i, (arg, want) in enumerate(zip(args, spec, strict=True)):
+            if want.startswith("*"):
+                if not isinstance(arg, self.xp.ndarray) or arg.dtype != np.dtype(want[1:]):
+                    got = getattr(arg, "dtype", type(arg).__name__)
+                    raise TypeError(f"{name} arg {i}: needs a {want[1:]} device array, got {got}")
+                if not arg.flags.c_contiguous:
+                    raise TypeError(f"{name} arg {i}: array is not C-contiguous")
+            elif not isinstance(arg, np.generic) or arg.dtype != np.dtype(want):
+                raise TypeError(f"{name} arg {i}: needs a NumPy {want} scalar, got {arg!r}")
+
+    def __call__(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], *args) -> None:
+        self.check(name, args)
+        if self._recording is not None and self.stream is None:
+            self._recording.append((name, grid, block, args))
+            return
+        self._fn[name](grid, block, args)
+
+    def capture(self, sequence: Callable[[], None]) -> Callable[[], None]:
+        """Record the launches of `sequence` once; returns a function that replays them."""
+        if self.stream is not None:
+            self.stream.begin_capture()
+            try:
+                sequence()
+            finally:
+                graph = self.stream.end_capture()
+            return lambda: graph.launch(self.stream)
+        self._recording = []
+        try:
+            sequence()
+        finally:
+            recorded, self._recording = self._recording, None
+
+        def replay() -> None:
+            for name, grid, block, args in recorded:
+                self._fn[name](grid, block, args)
+
+        return replay
+
+
+def _host(xp: Any, a: Any) -> np.ndarray:
+    return xp.asnumpy(a) if hasattr(xp, "asnumpy") else np.array(a, copy=True)
+
+
+class CupyBackend:
+    """One replica on one device; see the module docstring for the seams."""
+
+    name = "cupy"
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        state: ReplicaState,
+        *,
+        xp: Any,
+        module_factory: ModuleFactory,
+        device: str = "cuda",
+        stream: Any = None,
+        tensor_cores: bool = True,
+        batch_members: int = 32768,
+    ) -> None:
+        cfg = state.config
+        d = cfg.model.d_model
+        if d % 4:
+            raise BackendUnavailable(f"the CuPy backend needs model.d_model % 4 == 0, got {d}")
+        vmax = max_abs(cfg.es.noise)
+        if cfg.pairs * vmax * vmax >= 1 << 31:
+            raise BackendUnavailable(
+                f"{cfg.pairs} pairs overflow the update's int32 sums: use --backend numpy"
+            )
+        self.dataset = dataset
+        self.device = device
+        self.xp = xp
+        self.batch_members = max(2, batch_members - batch_members % 2)
+        self.suffix = "_tc" if tensor_cores else "_dp4a"
+        self.kernels = Kernels(xp, module_factory, stream)
+        self.stream = stream
+        self._specs = param_specs(cfg.model)
+        self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+        for spec in self._specs:
+            self._layout[spec.name] = (offset, spec.shape)
+            offset += _cdiv(int(np.prod(spec.shape)), ALIGN) * ALIGN
+        self._changed_at = offset
+        self._flat = xp.zeros(offset + 8, dtype=xp.int8)  # weights, then the u64 counter
+        self.w = {
+            name: self._flat[o : o + int(np.prod(shape))].reshape(shape)
+            for name, (o, shape) in self._layout.items()
+        }
+        self._changed = self._flat[offset : offset + 8].view(xp.uint64)
+        self._step_key = xp.zeros(1, dtype=xp.uint64)
+        self._threshold = xp.zeros(1, dtype=xp.int64)
+        self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
+        self._exp2 = xp.asarray(_exp2_table())
+        self._log2_th = xp.asarray(_log2_thresholds())
+        self._null8 = xp.zeros(0, dtype=xp.int8)
+        self._update_graph: Callable[[], None] | None = None
+        self._update_buffers: dict[str, Any] = {}
+        self.load_state(state)
+
+    # ---------------------------------------------------------------------- replica
+
+    @property
+    def config(self) -> RunConfig:
+        return self._state.config
+
+    @property
+    def step(self) -> int:
+        return self._state.step
+
+    @property
+    def state(self) -> ReplicaState:
+        return self._state
+
+    def _scope(self) -> contextlib.AbstractContextManager:
+        return self.stream if self.stream is not None else contextlib.nullcontext()
+
+    def load_state(self, state: ReplicaState) -> None:
+        shapes = {name: np.shape(p) for name, p in state.params.items()}
+        if shapes != {name: shape for name, (_, shape) in self._layout.items()}:
+            raise ValueError("the state's tensors do not match this backend's model")
+        host = np.zeros(self._changed_at + 8, dtype=np.int8)
+        for name, (o, shape) in self._layout.items():
+            host[o : o + int(np.prod(shape))] = np.asarray(state.params[name]).reshape(-1)
+        with self._scope():
+            self._flat[...] = self.xp.asarray(host)
+        self._state = state
+
+    def _put_step_key(self, step: int) -> None:
+        """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it."""
+        key = hash_key(DOMAIN_NOISE, self.config.es.run_seed, step)
+        self._step_key[...] = self.xp.asarray(np.array([key], dtype=np.uint64))
+
+    def digest(self) -> int:
+        return self._state.digest()
+
+    # ---------------------------------------------------------------- evaluation
+
+    def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
+        """Score members [first_member, first_member + count) of the population at `step`."""
+        return self.evaluate_chunks(step, [(first_member, count)])[0]
+
+    def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
+        """Several chunks in one forward pass (more rows per launch); fitness per chunk."""
+        cfg = self.config
+        if step != self.step:
+            raise ValueError(f"replica is at step {self.step}, chunk is for step {step}")
+        for first, count in chunks:
+            if first % 2 or count % 2 or not 0 <= first < first + count <= cfg.es.population:
+                raise ValueError(f"bad member range [{first}, {first + count})")
+        pairs = np.concatenate([np.arange(f // 2, (f + c) // 2) for f, c in chunks])
+        with self._scope():
+            self._put_step_key(step)
+            losses = []
+            per_batch = self.batch_members // 2
+            for lo in range(0, len(pairs), per_batch):
+                losses.append(self._forward(pairs[lo : lo + per_batch]))
+        loss = np.concatenate(losses)
+        results, at = [], 0
+        for _, count in chunks:
+            part = loss[at : at + count]
+            results.append(ChunkResult(pair_fitness(part, cfg.fitness), int(part.sum())))
+            at += count
+        return results
+
+    def _noise(self, pairs_dev: Any, n_pairs: int) -> tuple[dict, dict, dict]:
+        """Every matrix's a (P, out), b (P, in) and every member's vector parameters (M, n)."""
+        xp, k, es = self.xp, self.kernels, self.config.es
+        kind = np.int32(NOISE_KINDS.index(es.noise))
+        shift = np.int32(4 + es.sigma_shift)
+        a, b, vec = {}, {}, {}
+        for spec in self._specs:
+            tid = np.uint64(spec.tensor_id)
+            if spec.kind == "matrix":
+                out, inp = spec.shape
+                a[spec.name] = xp.empty((n_pairs, out), dtype=xp.int8)
+                b[spec.name] = xp.empty((n_pairs, inp), dtype=xp.int8)
+                for start, count, dst in ((0, out, a[spec.name]), (out, inp, b[spec.name])):
+                    k(
+                        "noise_rows",
+                        (n_pairs, _cdiv(count, BLOCK)),
+                        (BLOCK,),
+                        *(self._step_key, pairs_dev, tid, np.uint32(start), np.int32(count)),
+                        *(kind, dst),
+                    )
+            else:
+                (n,) = spec.shape
+                vec[spec.name] = xp.empty((2 * n_pairs, n), dtype=xp.int8)
+                k(
+                    "member_vector",
+                    (2 * n_pairs, _cdiv(n, BLOCK)),
+                    (BLOCK,),
+                    *(self._step_key, pairs_dev, tid, np.int32(n), kind, self.w[spec.name]),
+                    *(shift, vec[spec.name]),
+                )
+        return a, b, vec
+
+    def _forward(self, pairs: np.ndarray) -> np.ndarray:
+        """Integer loss (sum over seq_len tokens) of members 2 p, 2 p + 1 for each pair p."""
+        xp, k, cfg = self.xp, self.kernels, self.config
+        d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
+        t_len, n_pairs = cfg.es.seq_len, len(pairs)
+        m = 2 * n_pairs
+        i32 = np.int32
+        shift = i32(4 + cfg.es.sigma_shift)
+        windows = pair_windows(cfg, self.dataset.train, self.step, pairs).astype(np.int32)
+        tokens = xp.asarray(windows)
+        a, b, vec = self._noise(xp.asarray(pairs.astype(np.int64)), n_pairs)
+        w = self.w
+        states = xp.zeros((n_layer, m, d), dtype=xp.int8)
+        x, h, f, g = (xp.empty((m, d), dtype=xp.int8) for _ in range(4))
+        hidden = xp.empty((m, 4 * d), dtype=xp.int8)
+        logits = xp.empty((m, v), dtype=xp.int8)
+        xb = [xp.empty(m, dtype=xp.int32) for _ in range(4)]
+        loss = xp.zeros(m, dtype=xp.int64)
+        rows = (_cdiv(m, 8),)
+        sfx = self.suffix
+
+        def rowdot(src: Any, name: str, out: Any) -> Any:
+            k("rowdot", rows, (BLOCK,), src, b[name], i32(m), i32(src.shape[1]), out)
+            return out
+
+        def mm(src: Any, name: str, res: Any, out: Any) -> None:
+            n_out, k_in = w[name].shape
+            k(
+                "mm" + sfx,
+                (_cdiv(n_out, TILE_N), _cdiv(m, TILE_M)),
+                (BLOCK,),
+                *(src, w[name], rowdot(src, name, xb[0]), a[name]),
+                *(i32(m), i32(n_out), i32(k_in), shift, i32(16 * isqrt(k_in)), res, out),
+            )
+
+        div_d = i32(16 * isqrt(d))
+        square = (_cdiv(d, TILE_N), _cdiv(m, TILE_M))
+        for t in range(t_len):
+            k(
+                "embed",
+                (m,),
+                (128,),
+                *(tokens, i32(t_len + 1), i32(t), w["emb"], a["emb"], b["emb"]),
+                *(i32(m), i32(d), i32(v), shift, states, i32(n_layer), x),
+            )
+            for i in range(n_layer):
+                p, s = f"layers.{i}.", states[i]
+                k("mav_norm", rows, (BLOCK,), x, vec[p + "ln1"], i32(m), i32(d), h)
+                k(
+                    "gate" + sfx,
+                    square,
+                    (BLOCK,),
+                    *(h, w[p + "wf"], rowdot(h, p + "wf", xb[0]), a[p + "wf"]),
+                    *(s, w[p + "uf"], rowdot(s, p + "uf", xb[1]), a[p + "uf"]),
+                    *(i32(m), i32(d), shift, div_d, vec[p + "bf"], f, g),
+                )
+                k(
+                    "cand" + sfx,
+                    square,
+                    (BLOCK,),
+                    *(h, w[p + "wh"], rowdot(h, p + "wh", xb[2]), a[p + "wh"]),
+                    *(g, w[p + "uh"], rowdot(g, p + "uh", xb[3]), a[p + "uh"]),
+                    *(i32(m), i32(d), shift, div_d, vec[p + "bh"], f, s, x),
+                )
+                k("mav_norm", rows, (BLOCK,), x, vec[p + "ln2"], i32(m), i32(d), h)
+                mm(h, p + "w1", self._null8, hidden)
+                mm(hidden, p + "w2", x, x)
+            k("mav_norm", rows, (BLOCK,), x, vec["ln_out"], i32(m), i32(d), h)
+            mm(h, "head", self._null8, logits)
+            k(
+                "token_loss",
+                rows,
+                (BLOCK,),
+                *(logits, tokens, i32(t_len + 1), i32(t + 1), i32(m), i32(v)),
+                *(self._exp2, self._log2_th, loss),
+            )
+        return _host(xp, loss)
+
+    # -------------------------------------------------------------------- update
+
+    def _alloc_update_buffers(self) -> None:
+        """The update's scratch: the largest tensor's transposed noise and its Z."""
+        xp, cfg = self.xp, self.config
+        ppad = _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
+        matrices = [s.shape for s in self._specs if s.kind == "matrix"]
+        buf = self._update_buffers
+        buf["at"] = xp.empty(max(out for out, _ in matrices) * ppad, dtype=xp.int8)
+        buf["bt"] = xp.empty(max(inp for _, inp in matrices) * ppad, dtype=xp.int8)
+        buf["z"] = xp.empty(max(int(np.prod(s.shape)) for s in self._specs), dtype=xp.int32)
+
+    def _update_sequence(self) -> None:
+        """Z for every tensor, then the z-test apply: launches only, no per-step scalars."""
+        k, cfg = self.kernels, self.config
+        kind = np.int32(NOISE_KINDS.index(cfg.es.noise))
+        pairs, ppad = cfg.pairs, _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
+        buf = self._update_buffers
+        for spec in self._specs:
+            tid = np.uint64(spec.tensor_id)
+            size = int(np.prod(spec.shape))
+            z = buf["z"][:size]
+            if spec.kind == "matrix":
+                out, inp = spec.shape
+                at = buf["at"][: out * ppad].reshape(out, ppad)
+                bt = buf["bt"][: inp * ppad].reshape(inp, ppad)
+                # Z = (F a)^T b: the fitness weighs a only (null: b unweighted).
+                for start, count, weight, dst in (
+                    (0, out, self._fitness, at),
+                    (out, inp, self._null8, bt),
+                ):
+                    k(
+                        "noise_cols",
+                        (_cdiv(ppad, 128), _cdiv(count, 64)),
+                        (128,),
+                        *(self._step_key, tid, np.uint32(start), np.int32(count), kind),
+                        *(weight, np.int32(pairs), np.int32(ppad), dst),
+                    )
+                k(
+                    "zgemm" + self.suffix,
+                    (_cdiv(inp, TILE_N), _cdiv(out, TILE_M)),
+                    (BLOCK,),
+                    *(at, bt, np.int32(out), np.int32(inp), np.int32(ppad), z),
+                )
+            else:
+                k(
+                    "vector_z",
+                    (_cdiv(size, BLOCK),),
+                    (BLOCK,),
+                    *(self._step_key, tid, np.int32(size), kind, self._fitness),
+                    *(np.int32(pairs), z),
+                )
+            k(
+                "ztest_apply",
+                (_cdiv(size, BLOCK),),
+                (BLOCK,),
+                *(z, self._threshold, np.int32(size), self.w[spec.name].reshape(-1)),
+                self._changed,
+            )
+
+    def apply_step(self, fitness: np.ndarray) -> int:
+        """Apply the committed fitness of step `self.step` (all pairs); returns weights changed."""
+        cfg, xp = self.config, self.xp
+        fitness = np.asarray(fitness)
+        if fitness.shape != (cfg.pairs,):
+            raise ValueError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
+        threshold = move_threshold(cfg.pairs, alpha_at(cfg.update, self.step), cfg.es.noise)
+        with self._scope():
+            self._put_step_key(self.step)
+            self._threshold[...] = xp.asarray(np.array([threshold], dtype=np.int64))
+            self._fitness[...] = xp.asarray(fitness.astype(np.int8))
+            self._changed[...] = 0
+            if self._update_graph is None:
+                self._alloc_update_buffers()  # never inside a capture
+                self._update_graph = self.kernels.capture(self._update_sequence)
+            self._update_graph()
+            host = _host(xp, self._flat)  # the one copy back of the step
+        params = {
+            name: host[o : o + int(np.prod(shape))].reshape(shape).copy()
+            for name, (o, shape) in self._layout.items()
+        }
+        changed = int(host[self._changed_at : self._changed_at + 8].view(np.uint64)[0])
+        self._state = ReplicaState(cfg, self.step + 1, params)
+        return changed
+
+    def validate(self) -> Validation:
+        """The unperturbed model on held-out data, by the NumPy reference on the host copy."""
+        return NumpyBackend(self.dataset, self._state).validate()
+
+
+def cupy_module(code: str, names: tuple[str, ...]) -> Any:
+    import cupy
+
+    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=names)
+
+
+def describe_device() -> str:
+    """'cuda:N NAME (sm_XY)' of the current CUDA device."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return f"cuda:{dev.id} {name} (sm_{props['major']}{props['minor']})"
+
+
+def factory(batch_members: int = 32768) -> BackendFactory:
+    """The CuPy backend on the current CUDA device; BackendUnavailable without one."""
+    from . import cuda_usable
+
+    if not cuda_usable():
+        raise BackendUnavailable(
+            "--backend cupy needs CuPy and a usable CUDA GPU (pip install "
+            "'eggroll-distributed[gpu]'): none found, use --backend numpy"
+        )
+    import cupy
+
+    device = describe_device()
+    major = cupy.cuda.Device().compute_capability[0]
+
+    def build(dataset: Dataset, state: ReplicaState) -> CupyBackend:
+        return CupyBackend(
+            dataset,
+            state,
+            xp=cupy,
+            module_factory=cupy_module,
+            device=device,
+            stream=cupy.cuda.Stream(non_blocking=True),
+            tensor_cores=int(major) >= 8,  # int8 mma.sync m16n8k32 needs sm_80
+            batch_members=max(batch_members, 2),
+        )
+
+    return BackendFactory(CupyBackend.name, device, build)

@@ -1,0 +1,449 @@
+// Kernels of the CuPy backend: the EGG model's forward pass and the ztest update, in int8
+// and int32 only, matching shared/ (noise.py, model.py, update.py) bit for bit.
+//
+// One source, three compilers: NVRTC (cupy.RawModule) on a GPU, NVRTC for the sm_80/sm_90
+// resource check in CI, and g++ through the test suite's CPU emulation layer, which defines
+// __CUDAEMU__. NVRTC has no host headers, so only built-in types appear here. Each hardware
+// instruction is reached through one small helper (dp4a_s8, mma_s8_16832) whose CPU twin the
+// emulation layer provides.
+//
+// Conventions: row-major arrays; a member m belongs to pair m >> 1 and carries the pair's
+// noise with sign +1 (even m) or -1 (odd m); int8 rows whose length K is read as 32-bit
+// words need K % 4 == 0 and 4-byte aligned rows (the backend checks both). Every kernel's
+// launch shape is written above it; the backend's table of signatures mirrors the parameters.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef signed char i8;
+
+#define CLIP8(v) ((v) < -127 ? -127 : ((v) > 127 ? 127 : (v)))
+
+// floor(v / d) for d > 0 (C division truncates toward zero; the reference floors).
+__device__ __forceinline__ int floor_div(int v, int d) {
+  return v >= 0 ? v / d : -((-v + d - 1) / d);
+}
+
+// ------------------------------------------------------------------ hardware helpers
+
+// Four int8 products summed into c (IDP.4A).
+__device__ __forceinline__ int dp4a_s8(int a, int b, int c) { return __dp4a(a, b, c); }
+
+// d += A (16 x 32, row) B (32 x 8, col) on int8 tensor cores, int32 accumulate (IMMA).
+// Fragments as in the PTX ISA: lane = 4 g + t; a[r] holds A[g + 8 (r & 1)][4 t + 16 (r >> 1)
+// + 0..3]; b[r] holds B[4 t + 16 r + 0..3][g]; d[i] is D[g + 8 (i >> 1)][2 t + (i & 1)].
+__device__ __forceinline__ void mma_s8_16832(int d[4], const u32 a[4], const u32 b[2]) {
+#ifdef __CUDAEMU__
+  cudaemu_mma_m16n8k32_s8(d, a, b);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// ---------------------------------------------------------- noise (shared/noise.py spec)
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ u64 combine(u64 h, u64 v) {
+  return mix64(h ^ mix64(v + 0x9E3779B97F4A7C15ull));
+}
+__device__ __forceinline__ u32 fmix32(u32 x) {
+  x = (x ^ (x >> 16)) * 0x85EBCA6Bu;
+  x = (x ^ (x >> 13)) * 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+// key(NOISE, run_seed, step, pair, tensor_id), given base = key(NOISE, run_seed, step).
+__device__ __forceinline__ u64 pair_key(u64 base, u64 pair, u64 tensor_id) {
+  return combine(combine(base, pair), tensor_id);
+}
+// kind 0 = uniform in [-15, 15], 1 = gaussian-like in [-55, 55].
+__device__ __forceinline__ int noise_value(u64 key, u32 index, int kind) {
+  u32 h = fmix32((u32)key ^ fmix32(index ^ (u32)(key >> 32)));
+  if (kind == 0) {
+    int m = (h >> 1) & 15;
+    return (h & 1) ? m : -m;
+  }
+  int d = int(h & 255) + int((h >> 8) & 255) + int((h >> 16) & 255) + int(h >> 24) - 510;
+  int mag = ((d < 0 ? -d : d) * 7) >> 6;
+  return d < 0 ? -mag : mag;
+}
+
+// out[r, j] = noise(pairs[r], tensor_id, start + j), r < rows (P), j < count.
+// Launch: grid (rows, ceil(count / 256)), block (256). The pair's key is computed once per
+// block by thread 0 and shared.
+extern "C" __global__ void noise_rows(const u64* base, const long long* pairs, u64 tensor_id,
+                                      u32 start, int count, int kind, i8* out) {
+  __shared__ u64 key;
+  if (threadIdx.x == 0) key = pair_key(*base, (u64)pairs[blockIdx.x], tensor_id);
+  __syncthreads();
+  int j = blockIdx.y * blockDim.x + threadIdx.x;
+  if (j < count) out[(long long)blockIdx.x * count + j] = (i8)noise_value(key, start + j, kind);
+}
+
+// The transposed noise of all pairs for the update GEMM: out[j, p] = fitness[p] *
+// noise(p, tensor_id, start + j) for p < pairs (fitness null: weight 1), 0 for pairs <= p <
+// ppad (zero padding of the GEMM's K). Launch: grid (ceil(ppad / 128), ceil(count / 64)),
+// block (128): a thread owns one pair (one key) and 64 indices.
+extern "C" __global__ void noise_cols(const u64* base, u64 tensor_id, u32 start, int count,
+                                      int kind, const i8* fitness, int pairs, int ppad,
+                                      i8* out) {
+  int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= ppad) return;
+  int f = p < pairs ? (fitness ? fitness[p] : 1) : 0;
+  u64 key = pair_key(*base, (u64)p, tensor_id);
+  int j_end = min(count, (int)(blockIdx.y + 1) * 64);
+  for (int j = blockIdx.y * 64; j < j_end; j++)
+    out[(long long)j * ppad + p] = (i8)(f ? f * noise_value(key, start + j, kind) : 0);
+}
+
+// A vector parameter as member m sees it: clip(param + ((sign * u1 * u2) >> shift)), with
+// u1 = noise index j and u2 = noise index n + j of the member's pair. out is (M, n).
+// Launch: grid (M, ceil(n / 256)), block (256).
+extern "C" __global__ void member_vector(const u64* base, const long long* pairs,
+                                         u64 tensor_id, int n, int kind, const i8* param,
+                                         int shift, i8* out) {
+  __shared__ u64 key;
+  int m = blockIdx.x;
+  if (threadIdx.x == 0) key = pair_key(*base, (u64)pairs[m >> 1], tensor_id);
+  __syncthreads();
+  int j = blockIdx.y * blockDim.x + threadIdx.x;
+  if (j < n) {
+    int u = noise_value(key, j, kind) * noise_value(key, n + j, kind);
+    int v = param[j] + (((m & 1) ? -u : u) >> shift);
+    out[(long long)m * n + j] = (i8)CLIP8(v);
+  }
+}
+
+// Z[j] = sum_p fitness[p] u1_p[j] u2_p[j] over all pairs, for a vector parameter of length n.
+// Launch: grid (ceil(n / 256)), block (256); each block walks the pairs 256 at a time, the
+// keys of a tile computed once (one per thread) and shared.
+extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int kind,
+                                    const i8* fitness, int pairs, int* z) {
+  __shared__ u64 keys[256];
+  __shared__ int fit[256];
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  int acc = 0;
+  for (int p0 = 0; p0 < pairs; p0 += 256) {
+    int p = p0 + threadIdx.x;
+    fit[threadIdx.x] = p < pairs ? fitness[p] : 0;
+    keys[threadIdx.x] = pair_key(*base, (u64)p, tensor_id);
+    __syncthreads();
+    int tile = min(256, pairs - p0);
+    if (j < n)
+      for (int q = 0; q < tile; q++)
+        if (fit[q])
+          acc += fit[q] * noise_value(keys[q], j, kind) * noise_value(keys[q], n + j, kind);
+    __syncthreads();
+  }
+  if (j < n) z[j] = acc;
+}
+
+// --------------------------------------------------------------- the forward pass
+
+// x[m] = clip(EMB[tok] + ((sign * a_emb[pair, tok] * b_emb[pair, :]) >> shift)) for the token
+// at column t of the member's pair window, and every layer's state row reset where tok == 0.
+// tokens (P, t_cols) int32; a_emb (P, V); b_emb (P, D); states (L, M, D).
+// Launch: grid (M), block (128).
+extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const i8* emb,
+                                 const i8* a_emb, const i8* b_emb, int M, int D, int V,
+                                 int shift, i8* states, int n_layer, i8* x) {
+  int m = blockIdx.x;
+  long long pair = m >> 1;
+  int tok = tokens[pair * t_cols + t];
+  int a = a_emb[pair * V + tok];
+  if (m & 1) a = -a;
+  for (int n = threadIdx.x; n < D; n += blockDim.x) {
+    int v = emb[(long long)tok * D + n] + ((a * b_emb[pair * D + n]) >> shift);
+    x[(long long)m * D + n] = (i8)CLIP8(v);
+    if (tok == 0)
+      for (int l = 0; l < n_layer; l++) states[((long long)l * M + m) * D + n] = 0;
+  }
+}
+
+// The mean-absolute-value norm with the member's vector w (M, D):
+// out[m, n] = clip(floor(x[m, n] w[m, n] / max(sum_k |x[m, k]| // D, 1))).
+// Launch: grid (ceil(M / 8)), block (256): one warp per row, a butterfly sum.
+extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* out) {
+  int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform: the whole warp leaves together
+  const i8* xr = x + (long long)row * D;
+  const i8* wr = w + (long long)row * D;
+  int total = 0;
+  for (int k = lane; k < D; k += 32) total += xr[k] < 0 ? -xr[k] : xr[k];
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  int mav = max(total / D, 1);
+  for (int k = lane; k < D; k += 32) {
+    int q = floor_div(xr[k] * wr[k], mav);
+    out[(long long)row * D + k] = (i8)CLIP8(q);
+  }
+}
+
+// The rank-1 dot product of each member: xb[m] = x[m, :] . b[m >> 1, :], K % 4 == 0.
+// Launch: grid (ceil(M / 8)), block (256): one warp per row, dp4a over words, a shuffle tree.
+extern "C" __global__ void rowdot(const i8* x, const i8* b, int M, int K, int* xb) {
+  int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  const int* xr = (const int*)(x + (long long)row * K);
+  const int* br = (const int*)(b + (long long)(row >> 1) * K);
+  int acc = 0;
+  for (int k = lane; k < K / 4; k += 32) acc = dp4a_s8(xr[k], br[k], acc);
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+  if (lane == 0) xb[row] = acc;
+}
+
+// ------------------------------------------------------------- the int8 GEMM core
+// acc = x (M x K) . w (N x K)^T for one 64 x 32 output tile per block of 256 threads (8 warps),
+// K in stages of 32 bytes through shared memory, zero-padded past M, N and K (K % 4 == 0).
+// Each thread owns 8 accumulators; tile_pos says where accumulator i sits in the tile:
+//   tensor cores: warp w holds rows 16 (w % 4) + [0, 16) and columns 16 (w / 4) + [0, 16) as
+//                 two m16n8 fragments (j = i / 4), d[i % 4] in the mma layout;
+//   dp4a twin:    thread t holds column t % 32 of rows t / 32 + 8 i.
+#define TILE_M 64
+#define TILE_N 32
+#define STAGE_W 8  // K words (4 int8 each) per stage
+
+template <bool TC>
+__device__ __forceinline__ void tile_pos(int i, int& r, int& c) {
+  int tid = threadIdx.x;
+  if (TC) {
+    int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3, d = i & 3;
+    r = (warp & 3) * 16 + g + 8 * (d >> 1);
+    c = (warp >> 2) * 16 + (i >> 2) * 8 + 2 * t + (d & 1);
+  } else {
+    r = (tid >> 5) + 8 * i;
+    c = tid & 31;
+  }
+}
+
+template <bool TC>
+__device__ void tile_gemm(const i8* x, const i8* w, int M, int N, int K, int acc[8]) {
+  // +4 words of padding per row spread the fragment reads over the shared-memory banks.
+  __shared__ u32 xs[TILE_M][STAGE_W + 4];
+  __shared__ u32 ws[TILE_N][STAGE_W + 4];
+  int tid = threadIdx.x;
+  int m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N, kwords = K / 4;
+  const u32* xw = (const u32*)x;
+  const u32* ww = (const u32*)w;
+  for (int i = 0; i < 8; i++) acc[i] = 0;
+  for (int kw0 = 0; kw0 < kwords; kw0 += STAGE_W) {
+    for (int e = tid; e < TILE_M * STAGE_W; e += 256) {
+      int r = e / STAGE_W, c = e % STAGE_W, kw = kw0 + c;
+      xs[r][c] = (m0 + r < M && kw < kwords) ? xw[(long long)(m0 + r) * kwords + kw] : 0u;
+    }
+    {
+      int r = tid / STAGE_W, c = tid % STAGE_W, kw = kw0 + c;
+      ws[r][c] = (n0 + r < N && kw < kwords) ? ww[(long long)(n0 + r) * kwords + kw] : 0u;
+    }
+    __syncthreads();
+    if (TC) {
+      int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+      int r0 = (warp & 3) * 16 + g;
+      u32 af[4] = {xs[r0][t], xs[r0 + 8][t], xs[r0][t + 4], xs[r0 + 8][t + 4]};
+      for (int j = 0; j < 2; j++) {
+        int nr = (warp >> 2) * 16 + j * 8 + g;
+        u32 bf[2] = {ws[nr][t], ws[nr][t + 4]};
+        mma_s8_16832(acc + 4 * j, af, bf);
+      }
+    } else {
+      int r0 = tid >> 5, c = tid & 31;
+      for (int k = 0; k < STAGE_W; k++) {
+        int wv = (int)ws[c][k];
+        for (int i = 0; i < 8; i++) acc[i] = dp4a_s8((int)xs[r0 + 8 * i][k], wv, acc[i]);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// MM(x, W) of the reference for output (m, n), from the base GEMM's accumulator:
+// clip(floor((acc + ((xb[m] * sign * a[m >> 1, n]) >> shift)) / div)).
+__device__ __forceinline__ int egg_mm(int acc, const int* xb, const i8* a, int m, int n, int N,
+                                      int shift, int div) {
+  int am = a[(long long)(m >> 1) * N + n];
+  int v = acc + ((xb[m] * ((m & 1) ? -am : am)) >> shift);
+  int q = floor_div(v, div);
+  return CLIP8(q);
+}
+
+// out = clip(res + MM(x, W)) where res is given (the residual of W2), else MM(x, W).
+// x (M, K), w (N, K), xb (M), a (P, N), res/out (M, N); res may be out itself.
+// Launch: grid (ceil(N / 32), ceil(M / 64)), block (256).
+template <bool TC>
+__device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int M, int N,
+                        int K, int shift, int div, const i8* res, i8* out) {
+  int acc[8];
+  tile_gemm<TC>(x, w, M, N, K, acc);
+  for (int i = 0; i < 8; i++) {
+    int r, c;
+    tile_pos<TC>(i, r, c);
+    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
+    if (m < M && n < N) {
+      long long o = (long long)m * N + n;
+      int v = egg_mm(acc[i], xb, a, m, n, N, shift, div);
+      if (res) v = CLIP8(res[o] + v);
+      out[o] = (i8)v;
+    }
+  }
+}
+
+// The gate of a layer: f = clip(MM(h, Wf) + MM(s, Uf) + bf_m), g = ((f + 127) s) >> 8.
+// h, s (M, D); wf, uf (D, D); bias (M, D) the members' bf; f, g out (M, D).
+// Launch: grid (ceil(D / 32), ceil(M / 64)), block (256).
+template <bool TC>
+__device__ void gate_body(const i8* h, const i8* wf, const int* xbh, const i8* af,
+                          const i8* s, const i8* uf, const int* xbs, const i8* au, int M,
+                          int D, int shift, int div, const i8* bias, i8* f, i8* g) {
+  int acc_h[8], acc_s[8];
+  tile_gemm<TC>(h, wf, M, D, D, acc_h);
+  tile_gemm<TC>(s, uf, M, D, D, acc_s);
+  for (int i = 0; i < 8; i++) {
+    int r, c;
+    tile_pos<TC>(i, r, c);
+    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
+    if (m < M && n < D) {
+      long long o = (long long)m * D + n;
+      int fv = egg_mm(acc_h[i], xbh, af, m, n, D, shift, div) +
+               egg_mm(acc_s[i], xbs, au, m, n, D, shift, div) + bias[o];
+      fv = CLIP8(fv);
+      f[o] = (i8)fv;
+      g[o] = (i8)(((fv + 127) * s[o]) >> 8);
+    }
+  }
+}
+
+// The candidate and the new state: c = clip(MM(h, Wh) + MM(g, Uh) + bh_m),
+// s += ((f + 127) (c - s)) >> 8, x = clip(x + s). s and x are updated in place.
+// Launch: grid (ceil(D / 32), ceil(M / 64)), block (256).
+template <bool TC>
+__device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* ah,
+                          const i8* g, const i8* uh, const int* xbg, const i8* au, int M,
+                          int D, int shift, int div, const i8* bias, const i8* f, i8* s,
+                          i8* x) {
+  int acc_h[8], acc_g[8];
+  tile_gemm<TC>(h, wh, M, D, D, acc_h);
+  tile_gemm<TC>(g, uh, M, D, D, acc_g);
+  for (int i = 0; i < 8; i++) {
+    int r, c;
+    tile_pos<TC>(i, r, c);
+    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
+    if (m < M && n < D) {
+      long long o = (long long)m * D + n;
+      int cv = egg_mm(acc_h[i], xbh, ah, m, n, D, shift, div) +
+               egg_mm(acc_g[i], xbg, au, m, n, D, shift, div) + bias[o];
+      cv = CLIP8(cv);
+      int sv = s[o];
+      sv += ((f[o] + 127) * (cv - sv)) >> 8;
+      s[o] = (i8)sv;
+      int xv = x[o] + sv;
+      x[o] = (i8)CLIP8(xv);
+    }
+  }
+}
+
+// The update's GEMM: z = x (M x K) . w (N x K)^T, raw int32 (M, N).
+// Launch: grid (ceil(N / 32), ceil(M / 64)), block (256).
+template <bool TC>
+__device__ void zgemm_body(const i8* x, const i8* w, int M, int N, int K, int* z) {
+  int acc[8];
+  tile_gemm<TC>(x, w, M, N, K, acc);
+  for (int i = 0; i < 8; i++) {
+    int r, c;
+    tile_pos<TC>(i, r, c);
+    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
+    if (m < M && n < N) z[(long long)m * N + n] = acc[i];
+  }
+}
+
+// Tensor-core kernels (suffix _tc) and their __dp4a twins (suffix _dp4a): same arguments,
+// same launch shape, same results.
+#define MM_PARAMS                                                                         \
+  const i8 *x, const i8 *w, const int *xb, const i8 *a, int M, int N, int K, int shift, \
+      int div, const i8 *res, i8 *out
+#define GATE_PARAMS                                                                   \
+  const i8 *h, const i8 *wf, const int *xbh, const i8 *af, const i8 *s, const i8 *uf, \
+      const int *xbs, const i8 *au, int M, int D, int shift, int div, const i8 *bias,  \
+      i8 *f, i8 *g
+#define CAND_PARAMS                                                                   \
+  const i8 *h, const i8 *wh, const int *xbh, const i8 *ah, const i8 *g, const i8 *uh, \
+      const int *xbg, const i8 *au, int M, int D, int shift, int div, const i8 *bias,  \
+      const i8 *f, i8 *s, i8 *x
+#define ZGEMM_PARAMS const i8 *x, const i8 *w, int M, int N, int K, int *z
+
+extern "C" __global__ void mm_tc(MM_PARAMS) {
+  mm_body<true>(x, w, xb, a, M, N, K, shift, div, res, out);
+}
+extern "C" __global__ void mm_dp4a(MM_PARAMS) {
+  mm_body<false>(x, w, xb, a, M, N, K, shift, div, res, out);
+}
+extern "C" __global__ void gate_tc(GATE_PARAMS) {
+  gate_body<true>(h, wf, xbh, af, s, uf, xbs, au, M, D, shift, div, bias, f, g);
+}
+extern "C" __global__ void gate_dp4a(GATE_PARAMS) {
+  gate_body<false>(h, wf, xbh, af, s, uf, xbs, au, M, D, shift, div, bias, f, g);
+}
+extern "C" __global__ void cand_tc(CAND_PARAMS) {
+  cand_body<true>(h, wh, xbh, ah, g, uh, xbg, au, M, D, shift, div, bias, f, s, x);
+}
+extern "C" __global__ void cand_dp4a(CAND_PARAMS) {
+  cand_body<false>(h, wh, xbh, ah, g, uh, xbg, au, M, D, shift, div, bias, f, s, x);
+}
+extern "C" __global__ void zgemm_tc(ZGEMM_PARAMS) { zgemm_body<true>(x, w, M, N, K, z); }
+extern "C" __global__ void zgemm_dp4a(ZGEMM_PARAMS) { zgemm_body<false>(x, w, M, N, K, z); }
+
+// ------------------------------------------------------------------------- the loss
+
+// loss[m] += floor(16 log2(sum_j EXP2[l[m, j] + 128])) - 64 - (l[m, target] + 128), the
+// target being column t of the member's pair window. exp2_table (256) int32, log2_th (15) int64
+// are the reference's tables. Launch: grid (ceil(M / 8)), block (256): one warp per row.
+extern "C" __global__ void token_loss(const i8* logits, const int* tokens, int t_cols, int t,
+                                      int M, int V, const int* exp2_table, const long long* log2_th,
+                                      long long* loss) {
+  int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  const i8* l = logits + (long long)row * V;
+  long long total = 0;
+  for (int j = lane; j < V; j += 32) total += exp2_table[l[j] + 128];
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  if (lane == 0) {
+    int e = 63 - __clzll(total);  // floor(log2 total); total >= 16 V > 0
+    u64 mant = e > 31 ? (u64)total >> (e - 31) : (u64)total << (31 - e);
+    int j = 0;
+    while (j < 15 && log2_th[j] <= (long long)mant) j++;
+    int target = tokens[(long long)(row >> 1) * t_cols + t];
+    loss[row] += 16LL * e + j - 64 - (l[target] + 128);
+  }
+}
+
+// ------------------------------------------------------------------ the ztest apply
+
+// w = clip(w + sign(z)) where |z| >= *threshold, in place; *changed += weights that changed.
+// Launch: grid (ceil(n / 256)), block (256).
+extern "C" __global__ void ztest_apply(const int* z, const long long* threshold, int n, i8* w,
+                                       u64* changed) {
+  __shared__ u32 block_changed;
+  if (threadIdx.x == 0) block_changed = 0;
+  __syncthreads();
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int moved = 0;
+  if (i < n) {
+    int zi = z[i];
+    long long az = zi < 0 ? -(long long)zi : (long long)zi;
+    int old = w[i];
+    int v = old + (az >= *threshold ? (zi > 0) - (zi < 0) : 0);
+    v = CLIP8(v);
+    w[i] = (i8)v;
+    moved = v != old;
+  }
+  u32 ballot = __ballot_sync(0xffffffffu, moved);  // every lane gets here: no early exit
+  if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
+  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
+}
