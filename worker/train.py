@@ -23,13 +23,39 @@ from eggroll_dist.protocol.ternary import pack_ternary, unpack_ternary
 from eggroll_dist.shared.config import ConfigError, RunConfig, resolve_config
 from eggroll_dist.shared.data import DataError, load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
+from eggroll_dist.shared.model import EggGenerator
 from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
+from eggroll_dist.shared.sample import SampleSettings, fit_prompt, generate
 from eggroll_dist.shared.update import apply_update
+from eggroll_dist.shared.vocab import decode, escape
+from eggroll_dist.shared.window import held_out_prompt
 from eggroll_dist.worker.backend import Backend, Validation
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.log import configure_logging
 
 log = structlog.get_logger("eggroll.train")
+
+SAMPLE_PROMPT_TOKENS = 32
+SAMPLE_NEW_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class TrainingSamples:
+    """Every `every` steps, the unperturbed model continues held-out document 0 with seed =
+    step: `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
+
+    every: int
+    valid: np.ndarray
+    pieces: list[bytes]
+    settings: SampleSettings = field(default_factory=SampleSettings)
+
+    def write(self, state: ReplicaState) -> tuple[str, str]:
+        """(prompt, continuation) as text, unescaped."""
+        model = EggGenerator(state.config, state.params)
+        prompt = held_out_prompt(self.valid, 0, min(SAMPLE_PROMPT_TOKENS, model.context))
+        kept = fit_prompt(prompt, model.context, model.vocab_size)
+        out = generate(model, kept, SAMPLE_NEW_TOKENS, self.settings, seed=state.step)
+        return decode(kept, self.pieces), decode(list(out), self.pieces)
 
 
 @dataclass
@@ -39,6 +65,7 @@ class TrainResult:
     train_seconds: float = 0.0  # evaluation + update, without validation
     member_tokens: int = 0
     curve: list[dict[str, Any]] = field(default_factory=list)  # validations
+    samples: list[dict[str, Any]] = field(default_factory=list)  # step, prompt, text
     train_loss: list[float] = field(default_factory=list)  # bits per token per step
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
 
@@ -54,10 +81,27 @@ def _validate(backend: Backend, result: TrainResult) -> Validation:
     return v
 
 
+def _sample(samples: TrainingSamples, state: ReplicaState, result: TrainResult) -> None:
+    prompt, text = samples.write(state)
+    result.samples.append({"step": state.step, "prompt": prompt, "text": text})
+    # Escaped: model text must not reach a terminal's control sequences (one line each).
+    log.info(
+        "sample",
+        step=state.step,
+        prompt=escape(prompt, keep_newlines=False),
+        text=escape(text, keep_newlines=False),
+    )
+
+
 def train(
-    cfg: RunConfig, backend: Backend, steps: int, fitness_log: FitnessLog | None = None
+    cfg: RunConfig,
+    backend: Backend,
+    steps: int,
+    fitness_log: FitnessLog | None = None,
+    samples: TrainingSamples | None = None,
 ) -> TrainResult:
-    """Run `steps` steps from the backend's state; validate every K steps and at the end."""
+    """Run `steps` steps from the backend's state; validate every K steps and at the end,
+    and write a sample every `samples.every` steps."""
     result = TrainResult(backend.state)
     tokens_per_step = cfg.es.population * cfg.es.seq_len
     every = cfg.validation.every_steps
@@ -92,6 +136,8 @@ def train(
         )
         if every and backend.step % every == 0 and backend.step < steps:
             _validate(backend, result)
+        if samples and samples.every and backend.step % samples.every == 0:
+            _sample(samples, backend.state, result)
     _validate(backend, result)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
@@ -162,6 +208,13 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     help="Keep the fitness log and the final snapshot here (a new directory).",
 )
 @click.option(
+    "--sample-every",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="Log a sample of the model's writing every N steps (0 = never).",
+)
+@click.option(
     "--log-format", type=click.Choice(["auto", "text", "json"]), default="auto", show_default=True
 )
 def main(
@@ -171,6 +224,7 @@ def main(
     steps: int | None,
     summary_json: Path | None,
     save_dir: Path | None,
+    sample_every: int,
     log_format: str,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
@@ -205,7 +259,8 @@ def main(
         config_digest=cfg.digest().hex()[:16],
     )
     backend = NumpyBackend(dataset, ReplicaState.initial(cfg))
-    result = train(cfg, backend, steps, fitness_log)
+    samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
+    result = train(cfg, backend, steps, fitness_log, samples)
     if save_dir is not None:
         save_checkpoint(save_dir / "snapshots" / f"step-{result.state.step:08d}.ckpt", result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)
