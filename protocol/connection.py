@@ -76,6 +76,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.HEARTBEAT,
         T.LOG,
         T.VALIDATION,
+        T.SAMPLE_TEXT,
     )
     coordinator_to_worker = (
         T.JOB,
@@ -86,6 +87,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.SNAPSHOT_CHUNK,
         T.HEARTBEAT,
         T.VALIDATE,
+        T.SAMPLE,
     )
     for t in worker_to_coordinator:
         table[W, S.READY, SEND, t] = S.READY
