@@ -11,6 +11,7 @@ import codecs
 from collections.abc import Sequence
 
 BYTE_VOCAB_SIZE = 256
+NEWLINE_MARK = "\u21b5"  # ↵: a newline in one-line text (log lines)
 
 
 class VocabError(ValueError):
@@ -72,13 +73,15 @@ def decode(tokens: Sequence[int], pieces: Sequence[bytes]) -> str:
 def escape(text: str, keep_newlines: bool = True) -> str:
     """`text` with every control character written as an escape (\\x1b, \\r, \\x85, ...),
     so model output cannot move the cursor, recolour or retitle a terminal. Newlines (and
-    tabs) stay when `keep_newlines`; otherwise the result is one line. Backslashes are left
-    alone: this is for reading, not for parsing back."""
+    tabs) stay when `keep_newlines`; otherwise the result is one line, with each newline
+    shown as NEWLINE_MARK. Backslashes are left alone: this is for reading, not parsing."""
     out = []
     for ch in text:
         code = ord(ch)
         if keep_newlines and ch in "\n\t":
             out.append(ch)
+        elif ch == "\n":
+            out.append(NEWLINE_MARK)
         elif code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0 or ch in "\u2028\u2029":
             out.append(repr(ch)[1:-1] if code > 0xFF else f"\\x{code:02x}")
         else:
