@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,11 @@ def _snapshot_steps(snapshots: Path) -> list[int]:
     return sorted(steps)
 
 
-def load_replica(source: Path, step: int | None = None) -> tuple[ReplicaState, str]:
-    """The replica to sample from, and a few words on where it came from."""
+def load_replica(
+    source: Path, step: int | None = None, on_replay: Callable[[int], None] | None = None
+) -> tuple[ReplicaState, str]:
+    """The replica to sample from, and a few words on where it came from; `on_replay` hears
+    how many logged steps are about to be replayed."""
     if not source.exists():
         raise SourceError(f"{source} does not exist: give a save directory or a checkpoint file")
     try:
@@ -77,12 +81,14 @@ def load_replica(source: Path, step: int | None = None) -> tuple[ReplicaState, s
                     "to replay other steps"
                 )
             return state, f"checkpoint {source.name}"
-        return _from_save_dir(source, step)
+        return _from_save_dir(source, step, on_replay)
     except (CheckpointError, FitnessLogError, ConfigError) as exc:
         raise SourceError(str(exc)) from None
 
 
-def _from_save_dir(root: Path, step: int | None) -> tuple[ReplicaState, str]:
+def _from_save_dir(
+    root: Path, step: int | None, on_replay: Callable[[int], None] | None
+) -> tuple[ReplicaState, str]:
     run_file = root / "run.json"
     if not run_file.is_file():
         raise SourceError(f"{root} holds no run (no run.json): give a save directory")
@@ -111,8 +117,11 @@ def _from_save_dir(root: Path, step: int | None) -> tuple[ReplicaState, str]:
         origin = f"snapshot {base}"
     if step > state.step:
         assert log is not None  # step <= committed, so the log holds it
-        state = replay(state, log.read(state.step, step - state.step))
-        origin += f" + {step - base if base is not None else step} steps replayed"
+        count = step - state.step
+        if on_replay is not None:
+            on_replay(count)
+        state = replay(state, log.read(state.step, count))
+        origin += f" + {count} steps replayed"
     return state, origin
 
 
@@ -240,7 +249,9 @@ def main(
         )
         if prompt is not None and prompt_file is not None:
             raise SampleError("give --prompt or --prompt-file, not both")
-        state, origin = load_replica(source, step)
+        state, origin = load_replica(
+            source, step, lambda n: click.echo(f"replaying {n} steps of the fitness log", err=True)
+        )
         vocab = load_vocabulary(data_dir, state.config.model.vocab_size)
         if prompt is not None:
             prompt_ids = encode(prompt.encode("utf-8", errors="surrogateescape"), vocab.pieces)
