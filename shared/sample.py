@@ -17,6 +17,7 @@ at `position` of sample `sample` (all arithmetic on int64, no floats):
     top-k: w[v] = 0 outside the k tokens of largest L (ties: smaller id first)
     r      = key(SAMPLE, seed, sample, position) from shared.noise (64 bits)
     token  = the first v with w[0] + ... + w[v] > r mod (w[0] + ... + w[V-1])
+             (the modulo's bias is below total / 2**64: under 2**-14 for 2**20 tokens)
 
 So min-p drops exactly the tokens whose probability under w is below min_p * p_max, the
 presence penalty counts a token once however often it occurs (d-eggs subtracted its
