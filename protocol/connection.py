@@ -95,6 +95,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.HEARTBEAT,
         T.LOG,
         T.VALIDATION,
+        T.SAMPLE_TEXT,
     )
     coordinator_to_worker = (
         T.JOB,
@@ -105,6 +106,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.SNAPSHOT_CHUNK,
         T.HEARTBEAT,
         T.VALIDATE,
+        T.SAMPLE,
     )
     for t in worker_to_coordinator:
         table[W, S.READY, SEND, t] = S.READY

@@ -42,6 +42,8 @@ __all__ = [
     "MAX_DEVICE_BYTES",
     "MAX_ERROR_MESSAGE_BYTES",
     "MAX_LOG_TEXT_BYTES",
+    "MAX_SAMPLE_TEXT_BYTES",
+    "MAX_SAMPLE_TOKENS",
     "MAX_WORKER_NAME_BYTES",
     "NONCE_BYTES",
     "NO_SNAPSHOT",
@@ -61,6 +63,8 @@ __all__ = [
     "Message",
     "MsgType",
     "Result",
+    "Sample",
+    "SampleText",
     "SnapshotChunk",
     "SnapshotRequest",
     "Step",
@@ -99,6 +103,8 @@ class MsgType(IntEnum):
     ERROR = 16
     VALIDATE = 17
     VALIDATION = 18
+    SAMPLE = 19
+    SAMPLE_TEXT = 20
 
 
 class LogLevel(IntEnum):
@@ -120,6 +126,12 @@ MAX_ERROR_MESSAGE_BYTES = 1024
 LATEST_SNAPSHOT = 2**64 - 1  # SNAPSHOT_REQUEST step meaning "the newest snapshot you have"
 NO_SNAPSHOT = -1  # WELCOME snapshot_step when no snapshot exists
 SNAPSHOT_CHUNK_BYTES = 1 << 20
+# SAMPLE bounds: a sample is a glance at the model, and its reply must stay small.
+MAX_SAMPLE_TOKENS = 1024
+MAX_SAMPLE_TEXT_BYTES = 16384
+MAX_SAMPLE_TEMPERATURE = 100_000  # thousandths
+MAX_SAMPLE_PENALTY = 100_000  # thousandths of a bit
+MAX_SAMPLE_TOP_K = 1 << 20
 
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -853,6 +865,97 @@ class Validation(Message):
         return cls(*reader.fields(cls._FIXED))
 
 
+@dataclass(frozen=True, slots=True)
+class Sample(Message):
+    """C->W: write a sample with your unperturbed replica at `step`: continue the first
+    `prompt_tokens` tokens of held-out document `prompt_index` by `new_tokens` tokens with
+    these settings (thousandths, as the sampler takes them) and `seed`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SAMPLE
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQIHHIIIII")
+
+    step: int
+    seed: int
+    prompt_index: int
+    prompt_tokens: int
+    new_tokens: int
+    temperature: int
+    min_p: int
+    top_k: int
+    presence_penalty: int
+    frequency_penalty: int
+
+    def __post_init__(self) -> None:
+        _u64(self, "step")
+        _u64(self, "seed")
+        _u32(self, "prompt_index")
+        _int_field(self, "prompt_tokens", 0, MAX_SAMPLE_TOKENS)
+        _int_field(self, "new_tokens", 1, MAX_SAMPLE_TOKENS)
+        _int_field(self, "temperature", 0, MAX_SAMPLE_TEMPERATURE)
+        _int_field(self, "min_p", 0, 1000)
+        _int_field(self, "top_k", 0, MAX_SAMPLE_TOP_K)
+        _int_field(self, "presence_penalty", 0, MAX_SAMPLE_PENALTY)
+        _int_field(self, "frequency_penalty", 0, MAX_SAMPLE_PENALTY)
+
+    def encode(self) -> bytes:
+        return self._FIXED.pack(
+            self.step,
+            self.seed,
+            self.prompt_index,
+            self.prompt_tokens,
+            self.new_tokens,
+            self.temperature,
+            self.min_p,
+            self.top_k,
+            self.presence_penalty,
+            self.frequency_penalty,
+        )
+
+    @classmethod
+    def _read(cls, reader: _Reader) -> Self:
+        return cls(*reader.fields(cls._FIXED))
+
+
+@dataclass(frozen=True, slots=True)
+class SampleText(Message):
+    """W->C: the sample asked for by SAMPLE(step, seed): the prompt and the continuation
+    as the vocabulary's bytes (not necessarily UTF-8; the receiver escapes before display),
+    each at most MAX_SAMPLE_TEXT_BYTES."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SAMPLE_TEXT
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQ")
+
+    step: int
+    seed: int
+    prompt: bytes
+    text: bytes
+
+    def __post_init__(self) -> None:
+        _u64(self, "step")
+        _u64(self, "seed")
+        for name in ("prompt", "text"):
+            size = len(_bytes_field(self, name))
+            if size > MAX_SAMPLE_TEXT_BYTES:
+                raise _invalid(f"{name} is {size} bytes, the limit is {MAX_SAMPLE_TEXT_BYTES}")
+
+    def encode(self) -> bytes:
+        return (
+            self._FIXED.pack(self.step, self.seed)
+            + _U16.pack(len(self.prompt))
+            + self.prompt
+            + _U16.pack(len(self.text))
+            + self.text
+        )
+
+    @classmethod
+    def _read(cls, reader: _Reader) -> Self:
+        step, seed = reader.fields(cls._FIXED)
+        (prompt_size,) = reader.fields(_U16)
+        prompt = reader.raw(prompt_size)
+        (text_size,) = reader.fields(_U16)
+        return cls(step, seed, prompt, reader.raw(text_size))
+
+
 # ---------------------------------------------------------------------------------------
 # Registry and helpers.
 
@@ -877,6 +980,8 @@ _CLASSES: dict[int, type[Message]] = {
         Error,
         Validate,
         Validation,
+        Sample,
+        SampleText,
     )
 }
 assert sorted(_CLASSES) == sorted(MsgType), "every MsgType needs exactly one class"

@@ -260,6 +260,48 @@ class EggModel:
             x += (a_tok[:, None] * noise.b["emb"].astype(np.int32)) >> self.shift
         return _clip8(x)
 
+    def initial_state(self, rows: int) -> list[np.ndarray]:
+        """The recurrent state before the first token: zero in every layer."""
+        d, n_layer = self.cfg.model.d_model, self.cfg.model.n_layer
+        return [np.zeros((rows, d), dtype=np.int32) for _ in range(n_layer)]
+
+    def step(
+        self, state: list[np.ndarray], tok: np.ndarray, noise: MemberNoise | None = None
+    ) -> np.ndarray:
+        """Read one token per row, update `state` in place, return the logits (M, V) int32
+        that predict the next token. forward() is this step in a loop."""
+        x = self._embed(tok, noise)
+        reset = tok == 0  # a document starts: forget the previous one
+        for i in range(self.cfg.model.n_layer):
+            p = f"layers.{i}."
+            s = state[i]
+            s[reset] = 0
+            h = self._ln(x, p + "ln1", noise)
+            f = _clip8(
+                self._mm(h, p + "wf", noise)
+                + self._mm(s, p + "uf", noise)
+                + self._vector(p + "bf", noise)
+            )
+            gate = f + 127
+            g = (gate * s) >> 8
+            c = _clip8(
+                self._mm(h, p + "wh", noise)
+                + self._mm(g, p + "uh", noise)
+                + self._vector(p + "bh", noise)
+            )
+            s = s + ((gate * (c - s)) >> 8)
+            state[i] = s
+            x = _clip8(x + s)
+            hidden = self._mm(self._ln(x, p + "ln2", noise), p + "w1", noise)
+            x = _clip8(x + self._mm(hidden, p + "w2", noise))
+        return self._mm(self._ln(x, "ln_out", noise), "head", noise)
+
+    def window_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Unperturbed logits (M, T, V) after each of tokens[:, :T] for rows (M, T + 1)."""
+        state = self.initial_state(tokens.shape[0])
+        steps = [self.step(state, tokens[:, t]) for t in range(tokens.shape[1] - 1)]
+        return np.stack(steps, axis=1)
+
     def forward(
         self, tokens: np.ndarray, noise: MemberNoise | None = None, float_bits: bool = False
     ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -269,39 +311,35 @@ class EggModel:
         if asked, the exact float64 bits per row for reporting.
         """
         m, steps = tokens.shape[0], tokens.shape[1] - 1
-        d, n_layer = self.cfg.model.d_model, self.cfg.model.n_layer
-        state = [np.zeros((m, d), dtype=np.int32) for _ in range(n_layer)]
+        state = self.initial_state(m)
         loss = np.zeros(m, dtype=np.int64)
         bits = np.zeros(m, dtype=np.float64) if float_bits else None
         for t in range(steps):
-            tok = tokens[:, t]
-            x = self._embed(tok, noise)
-            reset = tok == 0  # a document starts: forget the previous one
-            for i in range(n_layer):
-                p = f"layers.{i}."
-                s = state[i]
-                s[reset] = 0
-                h = self._ln(x, p + "ln1", noise)
-                f = _clip8(
-                    self._mm(h, p + "wf", noise)
-                    + self._mm(s, p + "uf", noise)
-                    + self._vector(p + "bf", noise)
-                )
-                gate = f + 127
-                g = (gate * s) >> 8
-                c = _clip8(
-                    self._mm(h, p + "wh", noise)
-                    + self._mm(g, p + "uh", noise)
-                    + self._vector(p + "bh", noise)
-                )
-                s = s + ((gate * (c - s)) >> 8)
-                state[i] = s
-                x = _clip8(x + s)
-                hidden = self._mm(self._ln(x, p + "ln2", noise), p + "w1", noise)
-                x = _clip8(x + self._mm(hidden, p + "w2", noise))
-            logits = self._mm(self._ln(x, "ln_out", noise), "head", noise)
+            logits = self.step(state, tokens[:, t], noise)
             target = tokens[:, t + 1]
             loss += token_loss(logits, target)
             if bits is not None:
                 bits += true_bits(logits, target)
         return loss, bits
+
+
+class EggGenerator:
+    """The unperturbed EGG model one token at a time, for `shared.sample.generate`.
+
+    Recurrent, so each token costs the same and no position table bounds the output. It
+    was trained on windows of seq_len tokens from a zero state, so that is its context:
+    the prompt tokens it conditions on. Generation starts where a document starts: after
+    token 0, the separator that resets the state.
+    """
+
+    def __init__(self, cfg: RunConfig, params: dict[str, np.ndarray]):
+        self.model = EggModel(cfg, params)
+        self.vocab_size = cfg.model.vocab_size
+        self.context = cfg.es.seq_len
+
+    def start(self) -> tuple[list[np.ndarray], np.ndarray]:
+        return self.step(self.model.initial_state(1), 0)
+
+    def step(self, state: list[np.ndarray], token: int) -> tuple[list[np.ndarray], np.ndarray]:
+        logits = self.model.step(state, np.array([token], dtype=np.int64))
+        return state, logits[0]

@@ -30,7 +30,8 @@ Noise for a pair's tensor: `noise(run_seed, step, pair, tensor_id, index)` =
                                 in [-55, 55]; an Irwin-Hall(4) bell, std ~16
 
 Initial weights use the gaussian values of `key(INIT, init_seed, tensor_id)` at the
-tensor's flat index; data windows use `key(DATA, data_seed, step, pair)`.
+tensor's flat index; data windows use `key(DATA, data_seed, step, pair)`; text sampling
+draws the 64-bit `key(SAMPLE, seed, sample, position)` per generated token.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ import numpy as np
 MASK64 = (1 << 64) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15
 
-# Domain tags keep the three uses of the hash apart (ASCII of the name).
+# Domain tags keep the uses of the hash apart (ASCII of the name).
 DOMAIN_NOISE = 0x6E6F697365  # "noise"
 DOMAIN_INIT = 0x696E6974  # "init"
 DOMAIN_DATA = 0x64617461  # "data"
+DOMAIN_SAMPLE = 0x73616D706C65  # "sample"
 
 NOISE_KINDS = ("uniform", "gaussian")
 

@@ -1,5 +1,6 @@
 """Which tokens each evaluation reads: a pure function of (config, step, pair), so every
-backend scores the same windows by importing this module."""
+backend scores the same windows by importing this module. Also the held-out prompts that
+samples of the model's writing start from."""
 
 from __future__ import annotations
 
@@ -28,3 +29,17 @@ def validation_windows(cfg: RunConfig, valid: np.ndarray) -> np.ndarray:
     if rows < 1:
         raise ValueError(f"valid split has {len(valid)} tokens; seq_len needs > {t}")
     return valid[np.arange(rows)[:, None] * t + np.arange(t + 1)]
+
+
+def held_out_prompt(valid: np.ndarray, index: int, length: int) -> list[int]:
+    """The first `length` tokens of held-out document `index` (modulo their number), where
+    token 0 separates documents; without separators, the window at `index * length`."""
+    starts = np.flatnonzero(valid == 0) + 1
+    starts = starts[starts < len(valid)]
+    if len(starts) == 0:
+        first = index * length % max(1, len(valid) - length)
+        return [int(t) for t in valid[first : first + length]]
+    first = int(starts[index % len(starts)])
+    window = valid[first : first + length]
+    end = np.flatnonzero(window == 0)
+    return [int(t) for t in window[: end[0] if len(end) else length]]

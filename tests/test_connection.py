@@ -36,6 +36,8 @@ from eggroll_dist.protocol.messages import (
     Message,
     MsgType,
     Result,
+    Sample,
+    SampleText,
     SnapshotChunk,
     SnapshotRequest,
     Step,
@@ -127,6 +129,10 @@ def test_catch_up_snapshot_log_and_heartbeat_traffic() -> None:
     assert deliver(worker.send(piece), coordinator) == piece
 
     assert deliver(worker.send(Log(LogLevel.INFO, "hi")), coordinator) == Log(1, "hi")
+    sample = Sample(2, 9, 0, 32, 64, 600, 80, 0, 200, 0)
+    assert deliver(coordinator.send(sample), worker) == sample
+    written = SampleText(2, 9, b"The ", b"eggs")
+    assert deliver(worker.send(written), coordinator) == written
     assert deliver(worker.send(Heartbeat(5)), coordinator) == Heartbeat(5)
     assert deliver(coordinator.send(Heartbeat(6)), worker) == Heartbeat(6)
 
@@ -207,10 +213,12 @@ def test_illegal_send_raises_local_error_and_keeps_state(role: Role, message: Me
 
 def test_illegal_sends_in_ready() -> None:
     worker, coordinator = handshake()
-    for message in (Job(0, 0, 0, 2), Step(0, 0, b""), Wait(1), HELLO, Challenge(NONCE)):
+    sample = Sample(0, 0, 0, 1, 1, 0, 0, 0, 0, 0)
+    for message in (Job(0, 0, 0, 2), Step(0, 0, b""), Wait(1), HELLO, Challenge(NONCE), sample):
         with pytest.raises(LocalProtocolError):
             worker.send(message)
-    for message in (JobRequest(0), Log(1, "x"), FitnessRequest(0, 1), HELLO, WELCOME):
+    text = SampleText(0, 0, b"", b"x")
+    for message in (JobRequest(0), Log(1, "x"), FitnessRequest(0, 1), HELLO, WELCOME, text):
         with pytest.raises(LocalProtocolError):
             coordinator.send(message)
     assert worker.state is State.READY and coordinator.state is State.READY
@@ -248,6 +256,8 @@ def test_illegal_receives_in_ready() -> None:
         ("coordinator", HELLO),
         ("worker", JobRequest(0)),
         ("worker", Log(1, "x")),
+        ("worker", SampleText(0, 0, b"", b"x")),
+        ("coordinator", Sample(0, 0, 0, 1, 1, 0, 0, 0, 0, 0)),
         ("worker", Challenge(NONCE)),
     ]
     for side, message in cases:

@@ -39,6 +39,8 @@ from eggroll_dist.protocol.messages import (
     Message,
     MsgType,
     Result,
+    Sample,
+    SampleText,
     SnapshotChunk,
     SnapshotRequest,
     Step,
@@ -141,6 +143,20 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Validation: st.builds(
         Validation, u64, u64, st.floats(0, 1e9, allow_nan=False), st.floats(0, 64, allow_nan=False)
     ),
+    Sample: st.builds(
+        Sample,
+        u64,
+        u64,
+        u32,
+        st.integers(0, 1024),
+        st.integers(1, 1024),
+        st.integers(0, 100_000),
+        st.integers(0, 1000),
+        st.integers(0, 1 << 20),
+        st.integers(0, 100_000),
+        st.integers(0, 100_000),
+    ),
+    SampleText: st.builds(SampleText, u64, u64, st.binary(max_size=300), st.binary(max_size=300)),
     Log: st.builds(Log, st.sampled_from(LogLevel), text(4096)),
     Error: st.builds(Error, st.sampled_from(ErrorCode), text(1024)),
 }
@@ -159,7 +175,7 @@ def assert_malformed(msg_type: int, payload: bytes) -> RemoteProtocolError:
 
 def test_every_type_has_a_strategy() -> None:
     assert sorted(cls.TYPE for cls in STRATEGIES) == sorted(MsgType)
-    assert [int(t) for t in MsgType] == list(range(1, 19))
+    assert [int(t) for t in MsgType] == list(range(1, 21))
 
 
 @pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda c: c.__name__)
@@ -199,7 +215,7 @@ def test_truncated_and_overlong_payloads_are_malformed(
     assert_malformed(message.TYPE, payload + extra)
 
 
-@pytest.mark.parametrize("msg_type", [0, 19, 100, 255])
+@pytest.mark.parametrize("msg_type", [0, 21, 100, 255])
 def test_unknown_type(msg_type: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_message(msg_type, b"")
@@ -226,6 +242,38 @@ def test_fixed_layouts() -> None:
     assert welcome.encode() == bytes(range(16)) + struct.pack(">QqII", 3, -1, 8, 2) + b"{}"
     hello = Hello(1, "w", "numpy", "cpu", bytes(32))
     assert hello.encode() == b"\x01" + bytes(32) + b"\x00\x01w\x00\x05numpy\x00\x03cpu"
+
+
+def test_sample_layout_and_bounds() -> None:
+    sample = Sample(800, 7, 3, 32, 64, 600, 80, 0, 200, 0)
+    assert sample.encode() == struct.pack(">QQIHHIIIII", 800, 7, 3, 32, 64, 600, 80, 0, 200, 0)
+    assert len(sample.encode()) == 44
+    for field, bad in (
+        ("new_tokens", 0),
+        ("new_tokens", 1025),
+        ("prompt_tokens", 1025),
+        ("temperature", 100_001),
+        ("min_p", 1001),
+        ("top_k", (1 << 20) + 1),
+        ("presence_penalty", 100_001),
+        ("frequency_penalty", -1),
+    ):
+        values = {**{f: getattr(sample, f) for f in Sample.__slots__}, field: bad}
+        with pytest.raises(LocalProtocolError, match=field):
+            Sample(**values)
+        if bad >= 0:  # the same value on the wire is MALFORMED: checked before it is used
+            assert_malformed(MsgType.SAMPLE, struct.pack(">QQIHHIIIII", *values.values()))
+    text = SampleText(5, 7, b"Once", "é\x1b".encode())
+    assert text.encode() == struct.pack(">QQ", 5, 7) + b"\x00\x04Once\x00\x03\xc3\xa9\x1b"
+    assert SampleText.decode(text.encode()) == text
+    SampleText(0, 0, b"p" * 16384, b"t" * 16384)
+    with pytest.raises(LocalProtocolError, match="text is 16385 bytes"):
+        SampleText(0, 0, b"", b"t" * 16385)
+    with pytest.raises(LocalProtocolError, match="prompt is 16385 bytes"):
+        SampleText(0, 0, b"p" * 16385, b"")
+    oversize = struct.pack(">QQ", 0, 0) + b"\x00\x00" + b"\x40\x01" + b"t" * 16385
+    assert_malformed(MsgType.SAMPLE_TEXT, oversize)
+    assert_malformed(MsgType.SAMPLE_TEXT, struct.pack(">QQ", 0, 0) + b"\x00\x05abc")
 
 
 def test_invalid_utf8_is_malformed() -> None:

@@ -25,10 +25,36 @@ from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
 from ..shared.logs import configure_logging
+from ..shared.model import EggGenerator
 from ..shared.replica import ReplicaState, save_checkpoint
+from ..shared.sample import SampleSettings, fit_prompt, generate
+from ..shared.vocab import decode, escape
+from ..shared.window import held_out_prompt
 from .backend import Backend, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
+
+SAMPLE_PROMPT_TOKENS = 32
+SAMPLE_NEW_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class TrainingSamples:
+    """Every `every` steps, the unperturbed model continues held-out document 0 with seed =
+    step: `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
+
+    every: int
+    valid: np.ndarray
+    pieces: list[bytes]
+    settings: SampleSettings = field(default_factory=SampleSettings)
+
+    def write(self, state: ReplicaState) -> tuple[str, str]:
+        """(prompt, continuation) as text, unescaped."""
+        model = EggGenerator(state.config, state.params)
+        prompt = held_out_prompt(self.valid, 0, min(SAMPLE_PROMPT_TOKENS, model.context))
+        kept = fit_prompt(prompt, model.context, model.vocab_size)
+        out = generate(model, kept, SAMPLE_NEW_TOKENS, self.settings, seed=state.step)
+        return decode(kept, self.pieces), decode(list(out), self.pieces)
 
 
 @dataclass
@@ -38,6 +64,7 @@ class TrainResult:
     train_seconds: float = 0.0  # evaluation + update, without validation
     member_tokens: int = 0
     curve: list[dict[str, Any]] = field(default_factory=list)  # validations
+    samples: list[dict[str, Any]] = field(default_factory=list)  # step, prompt, text
     train_loss: list[float] = field(default_factory=list)  # bits per token per step
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
 
@@ -53,10 +80,27 @@ def _validate(backend: Backend, result: TrainResult) -> Validation:
     return v
 
 
+def _sample(samples: TrainingSamples, state: ReplicaState, result: TrainResult) -> None:
+    prompt, text = samples.write(state)
+    result.samples.append({"step": state.step, "prompt": prompt, "text": text})
+    # Escaped: model text must not reach a terminal's control sequences (one line each).
+    log.info(
+        "sample",
+        step=state.step,
+        prompt=escape(prompt, keep_newlines=False),
+        text=escape(text, keep_newlines=False),
+    )
+
+
 def train(
-    cfg: RunConfig, backend: Backend, steps: int, fitness_log: FitnessLog | None = None
+    cfg: RunConfig,
+    backend: Backend,
+    steps: int,
+    fitness_log: FitnessLog | None = None,
+    samples: TrainingSamples | None = None,
 ) -> TrainResult:
-    """Run `steps` steps from the backend's state; validate every K steps and at the end."""
+    """Run `steps` steps from the backend's state; validate every K steps and at the end,
+    and write a sample every `samples.every` steps."""
     result = TrainResult(backend.state)
     tokens_per_step = cfg.es.population * cfg.es.seq_len
     every = cfg.validation.every_steps
@@ -91,6 +135,8 @@ def train(
         )
         if every and backend.step % every == 0 and backend.step < steps:
             _validate(backend, result)
+        if samples and samples.every and backend.step % samples.every == 0:
+            _sample(samples, backend.state, result)
     _validate(backend, result)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
@@ -141,6 +187,13 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     default=None,
     help="Keep the fitness log and the final snapshot here (a new directory).",
 )
+@click.option(
+    "--sample-every",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="Log a sample of the model's writing every N steps (0 = never).",
+)
 @log_format_option
 def main(
     data_dir: Path,
@@ -149,6 +202,7 @@ def main(
     steps: int | None,
     summary_json: Path | None,
     save_dir: Path | None,
+    sample_every: int,
     log_format: str,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
@@ -183,7 +237,8 @@ def main(
         config_digest=cfg.digest().hex()[:16],
     )
     backend = get_backend("numpy").build(dataset, ReplicaState.initial(cfg))
-    result = train(cfg, backend, steps, fitness_log)
+    samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
+    result = train(cfg, backend, steps, fitness_log, samples)
     if save_dir is not None:
         save_checkpoint(save_dir / "snapshots" / f"step-{result.state.step:08d}.ckpt", result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)

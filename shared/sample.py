@@ -1,0 +1,209 @@
+"""Text generation: the next token from integer logits, exactly specified for every backend.
+
+Any architecture generates through a `StepModel`: `start()` gives the state and logits at the
+start of a document, `step(state, token)` reads one token. Logits are integers, base-2
+log-odds in 1/16 bit (p(v) ~ 2**(l[v] / 16)), as the EGG model's head writes them.
+
+Settings are integers in thousandths, so they cross the wire and the command line exactly:
+temperature 600 = 0.6, min-p 80 = 0.08, penalties in thousandths of a bit. Choosing the token
+at `position` of sample `sample` (all arithmetic on int64, no floats):
+
+    c[v]   = occurrences of v among the context: the kept prompt and the tokens so far
+    L[v]   = 1000 * l[v] - 16 * presence * (c[v] > 0) - 16 * frequency * c[v]   (1/16000 bit)
+    temperature 0: the token is the first v with the largest L (greedy; no randomness)
+    e[v]   = (16 * (max L - L[v])) // temperature                    (1/256 bit, floor)
+    w[v]   = EXP[e[v] & 255] >> min(e[v] >> 8, 31)   with EXP[i] = floor(2**30 * 2**(-i/256))
+    min-p: w[v] = 0 where 1000 * w[v] < min_p * 2**30                (2**30 is the top weight)
+    top-k: w[v] = 0 outside the k tokens of largest L (ties: smaller id first)
+    r      = key(SAMPLE, seed, sample, position) from shared.noise (64 bits)
+    token  = the first v with w[0] + ... + w[v] > r mod (w[0] + ... + w[V-1])
+             (the modulo's bias is below total / 2**64: under 2**-14 for 2**20 tokens)
+
+So min-p drops exactly the tokens whose probability under w is below min_p * p_max, the
+presence penalty counts a token once however often it occurs (d-eggs subtracted its
+"presence" penalty per occurrence: that is the frequency penalty here), and the same model,
+prompt, settings and seed give the same tokens on any machine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Protocol
+
+import numpy as np
+
+from .noise import DOMAIN_SAMPLE, hash_key
+
+MILLI = 1000
+MAX_TEMPERATURE = 100 * MILLI
+MAX_PENALTY = 100 * MILLI  # 100 bits: more than any logit range
+MAX_TOP_K = 1 << 20
+MAX_NEW_TOKENS = 1 << 16
+TOP_WEIGHT = 1 << 30
+
+
+class SampleError(ValueError):
+    """Invalid sampling settings or prompt; the message is one line that says why."""
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """Sampling settings in thousandths (see the module docstring for their exact effect)."""
+
+    temperature: int = 600  # 0 = greedy
+    min_p: int = 80  # 0 = off, 1000 = only the most likely tokens
+    top_k: int = 0  # 0 = off
+    presence_penalty: int = 200  # thousandths of a bit, once per distinct token present
+    frequency_penalty: int = 0  # thousandths of a bit, per occurrence
+
+    def __post_init__(self) -> None:
+        for name, hi in (
+            ("temperature", MAX_TEMPERATURE),
+            ("min_p", MILLI),
+            ("top_k", MAX_TOP_K),
+            ("presence_penalty", MAX_PENALTY),
+            ("frequency_penalty", MAX_PENALTY),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
+                raise SampleError(f"{name}={value!r} must be an integer in 0..{hi}")
+
+    def describe(self) -> str:
+        top_k = self.top_k or "off"
+        return (
+            f"temperature {milli_text(self.temperature)}, min-p {milli_text(self.min_p)}, "
+            f"top-k {top_k}, presence penalty {milli_text(self.presence_penalty)}, "
+            f"frequency penalty {milli_text(self.frequency_penalty)}"
+        )
+
+
+def parse_milli(text: str, name: str) -> int:
+    """'0.6' -> 600, exactly (decimal digits only, at most three after the point)."""
+    match = re.fullmatch(r"([0-9]*)(?:\.([0-9]*))?", text.strip())
+    whole, frac = (match.group(1), match.group(2) or "") if match else ("", "")
+    if not (whole or frac):
+        raise SampleError(f"{name} must be a non-negative decimal number, got {text!r}")
+    if len(frac) > 3 and frac[3:].strip("0"):
+        raise SampleError(f"{name}={text} has more than three decimals")
+    return int(whole or "0") * MILLI + int((frac + "000")[:3])
+
+
+def milli_text(value: int) -> str:
+    """600 -> '0.6' (the inverse of parse_milli)."""
+    whole, frac = divmod(value, MILLI)
+    return f"{whole}.{frac:03d}".rstrip("0").rstrip(".") if frac else str(whole)
+
+
+@cache
+def exp_table() -> np.ndarray:
+    """EXP[i] = floor(2**30 * 2**(-i/256)) for i in 0..255: the largest c with
+    c**256 <= 2**(30*256 - i), found by integer bisection (no libm)."""
+    table = []
+    for i in range(256):
+        lo, hi = 1, TOP_WEIGHT
+        bound = 1 << (30 * 256 - i)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if mid**256 <= bound else (lo, mid - 1)
+        table.append(lo)
+    return np.array(table, dtype=np.int64)
+
+
+def penalized(logits: np.ndarray, counts: np.ndarray, settings: SampleSettings) -> np.ndarray:
+    """L: the logits in 1/16000 bit minus the presence and frequency penalties (int64)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    out = np.asarray(logits, dtype=np.int64) * MILLI
+    out -= 16 * settings.presence_penalty * (counts > 0)
+    out -= 16 * settings.frequency_penalty * counts
+    return out
+
+
+def token_weights(logits: np.ndarray, counts: np.ndarray, settings: SampleSettings) -> np.ndarray:
+    """w: the integer weight of every token (0 = filtered out); needs temperature > 0."""
+    if settings.temperature == 0:
+        raise SampleError("temperature 0 is greedy: it has no weights")
+    big = penalized(logits, counts, settings)
+    e = (16 * (big.max() - big)) // settings.temperature
+    w = exp_table()[e & 255] >> np.minimum(e >> 8, 31)
+    w[MILLI * w < settings.min_p * TOP_WEIGHT] = 0
+    if settings.top_k and settings.top_k < len(w):
+        order = np.lexsort((np.arange(len(big)), -big))  # largest L first, then smaller id
+        w[order[settings.top_k :]] = 0
+    return w
+
+
+def draw(seed: int, sample: int, position: int) -> int:
+    """The 64-bit random word of one generated token."""
+    return hash_key(DOMAIN_SAMPLE, seed, sample, position)
+
+
+def next_token(
+    logits: np.ndarray,
+    counts: np.ndarray,
+    settings: SampleSettings,
+    seed: int,
+    sample: int,
+    position: int,
+) -> int:
+    """The token at `position` of sample `sample` (see the module docstring)."""
+    if settings.temperature == 0:
+        return int(np.argmax(penalized(logits, counts, settings)))
+    cumulative = np.cumsum(token_weights(logits, counts, settings))
+    threshold = draw(seed, sample, position) % int(cumulative[-1])
+    return int(np.searchsorted(cumulative, threshold, side="right"))
+
+
+class StepModel(Protocol):
+    """What generation needs of a model; the state is the model's own business."""
+
+    vocab_size: int
+    context: int  # prompt tokens conditioned on (a longer prompt keeps its last ones)
+
+    def start(self) -> tuple[Any, np.ndarray]:
+        """State and logits at the start of a document (before its first token)."""
+        ...
+
+    def step(self, state: Any, token: int) -> tuple[Any, np.ndarray]:
+        """Read `token`; the next state and the logits of the token after it. May consume
+        `state`. Must accept any number of steps (a windowed model slides its window)."""
+        ...
+
+
+def fit_prompt(prompt: Sequence[int], context: int, vocab_size: int) -> list[int]:
+    """The prompt tokens the model conditions on: the last `context`, each checked."""
+    kept = list(prompt)[len(prompt) - context :] if len(prompt) > context else list(prompt)
+    for i, tok in enumerate(kept):
+        if not 0 <= tok < vocab_size:
+            raise SampleError(
+                f"prompt token {i} is {tok}, outside the vocabulary 0..{vocab_size - 1}"
+            )
+    return kept
+
+
+def generate(
+    model: StepModel,
+    prompt: Sequence[int],
+    new_tokens: int,
+    settings: SampleSettings,
+    seed: int,
+    sample: int = 0,
+) -> Iterator[int]:
+    """Yield `new_tokens` tokens that continue a document beginning with `prompt`, one at a
+    time as they are chosen. Costs one model step per prompt token and per new token."""
+    if not 0 <= new_tokens <= MAX_NEW_TOKENS:
+        raise SampleError(f"tokens={new_tokens} must be in 0..{MAX_NEW_TOKENS}")
+    kept = fit_prompt(prompt, model.context, model.vocab_size)
+    counts = np.zeros(model.vocab_size, dtype=np.int64)
+    state, logits = model.start()
+    for tok in kept:
+        state, logits = model.step(state, tok)
+        counts[tok] += 1
+    for position in range(new_tokens):
+        tok = next_token(logits, counts, settings, seed, sample, position)
+        yield tok
+        counts[tok] += 1
+        if position + 1 < new_tokens:
+            state, logits = model.step(state, tok)

@@ -1,0 +1,318 @@
+"""`eggroll-sample`: see what a model writes, from a save directory or a checkpoint file.
+
+The replica is the newest snapshot of a save directory, or the state at `--step N`: the
+newest snapshot at or before N with the fitness log replayed up to N (from the initial
+weights when there is no snapshot). The data directory supplies the vocabulary, and the
+held-out prompts when no prompt is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from ..protocol.ternary import unpack_ternary
+from ..shared.config import ConfigError, from_dict
+from ..shared.data import (
+    DECODING_FILE,
+    META_FILE,
+    VALID_FILE,
+    DataError,
+    read_decoding,
+    read_meta,
+    read_tokens,
+)
+from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.model import EggGenerator
+from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint, replay
+from ..shared.sample import (
+    SampleError,
+    SampleSettings,
+    fit_prompt,
+    generate,
+    milli_text,
+    parse_milli,
+)
+from ..shared.vocab import BYTE_VOCAB_SIZE, Detokenizer, VocabError, decode, encode
+from ..shared.vocab import escape as escape_text
+from ..shared.window import held_out_prompt
+
+PROMPT_TOKENS = 32  # held-out prompt length, as d-eggs
+NEW_TOKENS = 64
+MAX_PROMPT_FILE_BYTES = 1 << 20  # only the last `context` tokens are used anyway
+
+
+class SourceError(Exception):
+    """A save directory, checkpoint or step that cannot give a replica."""
+
+
+# ------------------------------------------------------------------------------ replica
+
+
+def _snapshot_steps(snapshots: Path) -> list[int]:
+    steps = []
+    for p in snapshots.glob("step-*.ckpt"):
+        try:
+            steps.append(int(p.stem.split("-", 1)[1]))
+        except ValueError:
+            continue
+    return sorted(steps)
+
+
+def load_replica(
+    source: Path, step: int | None = None, on_replay: Callable[[int], None] | None = None
+) -> tuple[ReplicaState, str]:
+    """The replica to sample from, and a few words on where it came from; `on_replay` hears
+    how many logged steps are about to be replayed."""
+    if not source.exists():
+        raise SourceError(f"{source} does not exist: give a save directory or a checkpoint file")
+    try:
+        if source.is_file():
+            state = load_checkpoint(source)
+            if step is not None and step != state.step:
+                raise SourceError(
+                    f"{source} holds step {state.step}, not {step}: give its save directory "
+                    "to replay other steps"
+                )
+            return state, f"checkpoint {source.name}"
+        return _from_save_dir(source, step, on_replay)
+    except (CheckpointError, FitnessLogError, ConfigError) as exc:
+        raise SourceError(str(exc)) from None
+
+
+def _from_save_dir(
+    root: Path, step: int | None, on_replay: Callable[[int], None] | None
+) -> tuple[ReplicaState, str]:
+    run_file = root / "run.json"
+    if not run_file.is_file():
+        raise SourceError(f"{root} holds no run (no run.json): give a save directory")
+    try:
+        cfg = from_dict(json.loads(run_file.read_text())["config"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"{run_file} is unreadable: {exc}") from None
+    log = None
+    if (root / "fitness.log").is_file():
+        log = FitnessLog.open(root / "fitness.log", repair=False)  # never write a live run
+        if log.config_digest != cfg.digest():
+            raise SourceError(f"{root / 'fitness.log'} belongs to another run config")
+    committed = log.steps if log else 0
+    snapshots = [s for s in _snapshot_steps(root / "snapshots") if s <= committed]
+    if step is None:
+        step = snapshots[-1] if snapshots else committed
+    elif not 0 <= step <= committed:
+        raise SourceError(f"--step {step} is not in {root}: it has steps 0..{committed}")
+    base = max((s for s in snapshots if s <= step), default=None)
+    if base is None:
+        state, origin = ReplicaState.initial(cfg), "initial weights"
+    else:
+        state = load_checkpoint(root / "snapshots" / f"step-{base:08d}.ckpt")
+        if state.config.digest() != cfg.digest() or state.step != base:
+            raise SourceError(f"snapshot of step {base} in {root} belongs to another run")
+        origin = f"snapshot {base}"
+    if step > state.step:
+        assert log is not None  # step <= committed, so the log holds it
+        count = step - state.step
+        if on_replay is not None:
+            on_replay(count)
+        packed = log.read(state.step, count)
+        state = replay(state, (unpack_ternary(p, cfg.pairs) for p in packed))
+        origin += f" + {count} steps replayed"
+    return state, origin
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    pieces: list[bytes]
+    vocab_size: int
+    valid_path: Path
+
+
+def load_vocabulary(data_dir: Path, model_vocab: int) -> Vocabulary:
+    """decoding.bin and meta.json of `data_dir`, checked against the model's vocabulary."""
+    meta = read_meta(data_dir / META_FILE)
+    pieces = read_decoding(data_dir / DECODING_FILE)
+    if meta.vocab_size != model_vocab:
+
+        def kind(v: int) -> str:
+            return "bytes (256 tokens)" if v == BYTE_VOCAB_SIZE else f"a {v}-token vocabulary"
+
+        raise DataError(
+            f"the model reads {kind(model_vocab)} but {data_dir} holds {kind(meta.vocab_size)}"
+            ": give the data directory the model was trained on"
+        )
+    if len(pieces) != meta.vocab_size:
+        raise DataError(f"{data_dir / DECODING_FILE} does not match {data_dir / META_FILE}")
+    return Vocabulary(pieces, meta.vocab_size, data_dir / VALID_FILE)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _terminal_styles() -> tuple[str, str]:
+    if sys.stdout.isatty() and "NO_COLOR" not in os.environ:
+        return "\x1b[2m", "\x1b[0m"  # the prompt dim, the model's words plain
+    return "", ""
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option(
+    "--data-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Data directory of the run: its vocabulary (and held-out prompts).",
+)
+@click.option(
+    "--step", type=int, default=None, help="Step to sample at (default: the newest snapshot)."
+)
+@click.option("--prompt", default=None, help="Prompt text (default: a held-out document).")
+@click.option(
+    "--prompt-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Read the prompt from this file (raw bytes).",
+)
+@click.option(
+    "--held-out",
+    "held_out",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Without a prompt: start from held-out document N (its first --prompt-tokens).",
+)
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=0),
+    default=PROMPT_TOKENS,
+    show_default=True,
+    help="Length of a held-out prompt.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(0, 1 << 16),
+    default=NEW_TOKENS,
+    show_default=True,
+    help="Tokens to generate per sample.",
+)
+@click.option("--temperature", default="0.6", show_default=True, help="0 = greedy.")
+@click.option("--min-p", default="0.08", show_default=True, help="Drop tokens below min-p * p_max.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option(
+    "--presence-penalty",
+    default="0.2",
+    show_default=True,
+    help="Bits off every token already present, once.",
+)
+@click.option(
+    "--frequency-penalty",
+    default="0",
+    show_default=True,
+    help="Bits off every token per occurrence so far.",
+)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
+@click.option("--count", type=click.IntRange(1, 1000), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per sample on stdout.")
+def main(
+    source: Path,
+    data_dir: Path,
+    step: int | None,
+    prompt: str | None,
+    prompt_file: Path | None,
+    held_out: int,
+    prompt_tokens: int,
+    tokens: int,
+    temperature: str,
+    min_p: str,
+    top_k: int,
+    presence_penalty: str,
+    frequency_penalty: str,
+    seed: int,
+    count: int,
+    as_json: bool,
+) -> None:
+    """Generate text from the model in SOURCE (a save directory or a checkpoint file)."""
+    try:
+        settings = SampleSettings(
+            temperature=parse_milli(temperature, "--temperature"),
+            min_p=parse_milli(min_p, "--min-p"),
+            top_k=top_k,
+            presence_penalty=parse_milli(presence_penalty, "--presence-penalty"),
+            frequency_penalty=parse_milli(frequency_penalty, "--frequency-penalty"),
+        )
+        if prompt is not None and prompt_file is not None:
+            raise SampleError("give --prompt or --prompt-file, not both")
+        state, origin = load_replica(
+            source, step, lambda n: click.echo(f"replaying {n} steps of the fitness log", err=True)
+        )
+        vocab = load_vocabulary(data_dir, state.config.model.vocab_size)
+        if prompt is not None:
+            prompt_ids = encode(prompt.encode("utf-8", errors="surrogateescape"), vocab.pieces)
+        elif prompt_file is not None:
+            prompt_ids = encode(_read_prompt_file(prompt_file), vocab.pieces)
+        else:
+            valid = read_tokens(vocab.valid_path, vocab.vocab_size)
+            # From the document's start: no longer than the model's context.
+            length = min(prompt_tokens, state.config.es.seq_len)
+            prompt_ids = held_out_prompt(valid, held_out, length)
+        model = EggGenerator(state.config, state.params)
+        kept = fit_prompt(prompt_ids, model.context, model.vocab_size)
+    except (SourceError, DataError, SampleError, VocabError) as exc:
+        raise click.ClickException(str(exc)) from None
+    note = ""
+    if len(kept) < len(prompt_ids):
+        note = f"; prompt cut to its last {len(kept)} of {len(prompt_ids)} tokens (the context)"
+    click.echo(
+        f"step {state.step} ({origin}), replica {state.digest_hex()}; {settings.describe()}, "
+        f"seed {seed}, {tokens} tokens{note}",
+        err=True,
+    )
+    dim, plain = _terminal_styles()
+    prompt_text = escape_text(decode(kept, vocab.pieces))
+    for k in range(count):
+        if as_json:
+            out = list(generate(model, kept, tokens, settings, seed, k))
+            record = {
+                "step": state.step,
+                "replica_digest": state.digest_hex(),
+                "sample": k,
+                "seed": seed,
+                "settings": {
+                    "temperature": milli_text(settings.temperature),
+                    "min_p": milli_text(settings.min_p),
+                    "top_k": settings.top_k,
+                    "presence_penalty": milli_text(settings.presence_penalty),
+                    "frequency_penalty": milli_text(settings.frequency_penalty),
+                },
+                "prompt_tokens": kept,
+                "tokens": out,
+                "prompt": decode(kept, vocab.pieces),
+                "text": decode(out, vocab.pieces),
+            }
+            click.echo(json.dumps(record, ensure_ascii=True))
+            continue
+        if count > 1:
+            click.echo(f"=== sample {k + 1} of {count} ===")
+        click.echo(f"{dim}{prompt_text}{plain}", nl=False)
+        text = Detokenizer(vocab.pieces)
+        for tok in generate(model, kept, tokens, settings, seed, k):
+            click.echo(escape_text(text.feed(tok)), nl=False)
+            sys.stdout.flush()
+        click.echo(escape_text(text.flush()))
+
+
+def _read_prompt_file(path: Path) -> bytes:
+    try:
+        if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
+            raise SampleError(f"--prompt-file {path} is over {MAX_PROMPT_FILE_BYTES} bytes")
+        return path.read_bytes()
+    except OSError as exc:
+        raise SampleError(f"cannot read --prompt-file {path}: {exc.strerror}") from None
