@@ -1,7 +1,8 @@
 """deploy/slurm/eggroll.sbatch on a real one-node SLURM cluster started here (munged,
 slurmctld and slurmd in temporary directories): the job runs the coordinator and
-run-workers.sh with NumPy workers, reaches the replica digest of eggroll-train, and never
-shows the token on a command line.
+run-workers.sh with NumPy workers, stops cleanly on the signal that precedes the time
+limit, resumes when submitted again, reaches the replica digest of eggroll-train, and
+never shows the token on a command line.
 
 Needs Debian's slurm-wlm and munge and root (slurmd starts jobs as their user); .ci/run
 installs them. By hand: `apt-get install slurm-wlm munge`, then
@@ -13,6 +14,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +47,7 @@ pytestmark = [
     ),
 ]
 
-# Eight small chunks a step: a few seconds for the whole run.
+# Eight small chunks a step: well under a second a step here.
 CONFIG = """
 [model]
 n_layer = 1
@@ -58,7 +60,7 @@ seq_len = 48
 every_steps = 0
 max_tokens = 480
 """
-STEPS = 5
+STEPS = 8
 
 
 def free_port() -> int:
@@ -272,7 +274,106 @@ def eggroll_train_digest(data_dir: Path, config: Path, tmp_path: Path) -> str:
     return json.loads(summary.read_text())["replica_digest"]
 
 
-def test_sbatch_run_reaches_the_digest_of_eggroll_train(
+class Job:
+    """One submission of the batch script: its id, its log, and its end."""
+
+    ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+    def __init__(self, cluster: Cluster, env: dict[str, str], log: Path):
+        self.cluster, self.log = cluster, log
+        done = subprocess.run(
+            [
+                which("sbatch"),
+                "--parsable",
+                "--nodes=1",
+                "--time=10",
+                f"--output={log}",
+                str(SBATCH_SCRIPT),
+                "--backend",
+                "numpy",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        self.id = done.stdout.strip().split(";")[0]
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.exists() else "(no job log)"
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for line in self.text().splitlines() if line.startswith("{")]
+
+    def state(self) -> tuple[str, str]:
+        """JobState and ExitCode ("status:signal") as scontrol shows them."""
+        done = self.cluster.run("scontrol", "show", "job", "--oneliner", self.id)
+        assert done.returncode == 0, done.stderr
+        fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
+        return fields["JobState"], fields["ExitCode"]
+
+    def ended(self) -> bool:
+        return self.state()[0] in self.ENDED
+
+    def wait(self, timeout: float = 300) -> tuple[str, str]:
+        """Poll (sbatch --wait polls too, but seconds apart) until the job has ended."""
+        deadline = time.monotonic() + timeout
+        while not self.ended():
+            if time.monotonic() > deadline:
+                self.cluster.run("scancel", self.id)
+                raise AssertionError(
+                    f"job {self.id} did not end within {timeout} s\n{self.text()}\n"
+                    + self.cluster.log_tail()
+                )
+            time.sleep(0.2)
+        return self.state()
+
+    def batch_shell_pid(self) -> int:
+        """The job's batch shell alone (what --signal=B:... signals; scancel --batch would
+        signal its children too)."""
+        script = f"/job{int(self.id):05d}/slurm_script".encode()
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if proc.name.isdigit() and len(argv) > 1 and argv[1].endswith(script):
+                return int(proc.name)
+        raise AssertionError(f"no batch shell for job {self.id}")
+
+    def joined(self) -> set[str]:
+        return {e["worker"] for e in self.events() if e.get("event") == "worker joined"}
+
+    def committed(self) -> int:
+        return max((e["step"] for e in self.events() if e.get("event") == "step"), default=0)
+
+
+def inspect(save_dir: Path) -> dict:
+    done = subprocess.run(
+        [str(BIN / "eggroll-inspect"), str(save_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def workers_stopped_cleanly(job: Job, node: str) -> None:
+    """Both workers ran (one may join too late for a short run) and stopped on SIGTERM."""
+    log = job.text()
+    assert job.joined() and job.joined() <= {f"{node}-gpu0", f"{node}-gpu1"}, log
+    assert "run-workers.sh: all workers stopped (SIGTERM); exit status 0" in log
+    for gpu in ("gpu0", "gpu1"):
+        assert any(
+            line.startswith(f"0: [{gpu}] ") and '"event": "stopped"' in line
+            for line in log.splitlines()
+        ), log
+
+
+def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_eggroll_train(
     cluster: Cluster, words_data: Path, tmp_path: Path
 ) -> None:
     config = tmp_path / "run.toml"
@@ -282,7 +383,6 @@ def test_sbatch_run_reaches_the_digest_of_eggroll_train(
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
     save_dir = tmp_path / "shared" / "run"
-    job_log = tmp_path / "job.log"
     env = cluster.env(
         EGGROLL_TOKEN_FILE=str(token_file),
         EGGROLL_SAVE_DIR=str(save_dir),
@@ -298,61 +398,39 @@ def test_sbatch_run_reaches_the_digest_of_eggroll_train(
     )
     watch = ProcessWatch(token)
     try:
-        # --wait: sbatch returns once the job has ended, with its exit status.
-        done = subprocess.run(
-            [
-                which("sbatch"),
-                "--wait",
-                "--parsable",
-                "--nodes=1",
-                "--time=10",
-                f"--output={job_log}",
-                str(SBATCH_SCRIPT),
-                "--backend",
-                "numpy",
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    except subprocess.TimeoutExpired:
-        raise AssertionError(
-            "job did not end within 300 s\n"
-            + (job_log.read_text() if job_log.exists() else "")
-            + cluster.log_tail()
-        ) from None
+        # First job: SIGTERM to the batch shell mid-run, as --signal=B:TERM@120 sends it
+        # before the time limit. Everything stops cleanly and the job succeeds.
+        first = Job(cluster, env, tmp_path / "job1.log")
+        deadline = time.monotonic() + 180
+        while (first.committed() < 2 or len(first.joined()) < 2) and not first.ended():
+            assert time.monotonic() < deadline, first.text() + cluster.log_tail()
+            time.sleep(0.2)
+        assert not first.ended(), "the run ended before the signal\n" + first.text()
+        os.kill(first.batch_shell_pid(), signal.SIGTERM)
+        assert first.wait() == ("COMPLETED", "0:0"), first.text() + cluster.log_tail()
+        # Second job, the same command: resumes from the last committed step, ends the run.
+        second = Job(cluster, env, tmp_path / "job2.log")
+        assert second.wait() == ("COMPLETED", "0:0"), second.text() + cluster.log_tail()
     finally:
         watch.stop()
-    log = job_log.read_text() if job_log.exists() else "(no job log)"
-    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{log}\n{cluster.log_tail()}"
 
-    # The coordinator ran on this node; a worker for each "GPU" joined it.
-    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
-    joined = {e["worker"] for e in events if e.get("event") == "worker joined"}
-    assert joined == {f"{cluster.node}-gpu0", f"{cluster.node}-gpu1"}, log
-    # The run ended at --max-steps; then the workers were stopped with SIGTERM, cleanly.
-    assert "coordinator exited with status 0; stopping the workers" in log
-    assert "run-workers.sh: all workers stopped (SIGTERM); exit status 0" in log
-    for gpu in ("gpu0", "gpu1"):
-        assert any(
-            line.startswith(f"0: [{gpu}] ") and '"event": "stopped"' in line
-            for line in log.splitlines()
-        ), log
+    assert "SIGTERM (time limit or scancel): stopping the workers and the coordinator" in (
+        first.text()
+    )
+    stopped_at = first.committed()
+    assert 2 <= stopped_at < STEPS, first.text()
+    assert first.joined() == {f"{cluster.node}-gpu0", f"{cluster.node}-gpu1"}
+    workers_stopped_cleanly(first, cluster.node)
+    resumed = [e for e in second.events() if e.get("event") == "listening"]
+    assert resumed and resumed[0]["step"] == stopped_at, second.text()
+    assert "coordinator exited with status 0; stopping the workers" in second.text()
+    workers_stopped_cleanly(second, cluster.node)
 
     # The token was in both commands' environment, on no command line, in no output.
     assert watch.with_token == {"eggroll-coordinator", "eggroll-worker"}
     assert watch.on_command_line == []
-    assert token not in log
+    assert token not in first.text() + second.text()
 
-    inspect = subprocess.run(
-        [str(BIN / "eggroll-inspect"), str(save_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert inspect.returncode == 0, inspect.stderr
-    info = json.loads(inspect.stdout)
+    info = inspect(save_dir)
     assert info["step"] == STEPS and info["log_ok"]
     assert info["replica_digest"] == eggroll_train_digest(words_data, config, tmp_path)
