@@ -26,6 +26,8 @@ set but empty means none), else from 'nvidia-smi -L'. Worker i runs with
 CUDA_VISIBLE_DEVICES=<its GPU> and --name <name>-gpu<i>, where <name> is the --name
 given here, else \$EGGROLL_NAME, else the short host name. All other flags go to every
 worker unchanged (see 'eggroll-worker --help'); so do EGGROLL_* environment variables.
+Every worker gets EGGROLL_WORKERS_PER_HOST=<number of workers> (unless it is set), so that
+a CPU (NumPy) backend uses its share of the host's cores, not all of them.
 
 Options read here:
   --dry-run    print the command for each GPU, run nothing
@@ -177,11 +179,16 @@ worker_command() {
     CMD=("$WORKER_BIN" --name "$NAME_BASE-gpu${GPU_LABELS[$1]}" "${WORKER_ARGS[@]}")
 }
 
+# Workers sharing this host's cores (a CPU backend sizes its thread pool by it).
+workers_per_host() {
+    printf '%s' "${EGGROLL_WORKERS_PER_HOST:-${#GPU_IDS[@]}}"
+}
+
 print_commands() {
     local i
     for i in "${!GPU_IDS[@]}"; do
         worker_command "$i"
-        printf 'CUDA_VISIBLE_DEVICES=%q' "${GPU_IDS[i]}"
+        printf 'CUDA_VISIBLE_DEVICES=%q EGGROLL_WORKERS_PER_HOST=%q' "${GPU_IDS[i]}" "$(workers_per_host)"
         printf ' %q' "${CMD[@]}"
         printf '\n'
     done
@@ -216,7 +223,8 @@ start_worker() {  # start_worker I
     start_prefixer "[gpu$label] " "$out"
     start_prefixer "[gpu$label] " "$err" >&2
     worker_command "$i"
-    CUDA_VISIBLE_DEVICES=${GPU_IDS[i]} "${CMD[@]}" >"$out" 2>"$err" &
+    CUDA_VISIBLE_DEVICES=${GPU_IDS[i]} EGGROLL_WORKERS_PER_HOST=$(workers_per_host) \
+        "${CMD[@]}" >"$out" 2>"$err" &
     WORKER_PIDS[i]=$!
 }
 

@@ -264,9 +264,19 @@ def load_config(path: str | Path) -> RunConfig:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    base = preset(data.pop("preset")) if "preset" in data else None
+    base = None
+    if "preset" in data:
+        name = data.pop("preset")
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"'preset' must be a preset name ({', '.join(PRESETS)}), "
+                f"got {type(name).__name__} {name!r}"
+            )
+        base = preset(name)
     return from_dict(data, base)
 
 

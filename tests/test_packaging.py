@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,11 @@ def test_namespaces_import_from_anywhere(tmp_path: Path) -> None:
 def test_spec_ships_with_the_protocol_package() -> None:
     spec = Path(eggroll_dist.protocol.__file__).with_name("SPEC.md")
     assert spec.is_file() and "EGGR" in spec.read_text()
+
+
+def test_license_file_matches_the_metadata() -> None:
+    meta = importlib.metadata.metadata("eggroll-distributed")
+    assert meta.get_all("License-Expression") == ["MIT"]
+    assert meta.get_all("License-File") == ["LICENSE"]
+    text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
+    assert text.startswith("MIT License\n")

@@ -43,7 +43,7 @@ echo "GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-33333333-3333-3333-3333-3333333333
 # Records what run-workers.sh gave each worker, then becomes the real worker (same pid).
 # The GPU named by FAIL_GPU gets an empty data directory, so that worker cannot start.
 WRAPPER = """#!/usr/bin/env bash
-echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}
+echo "$CUDA_VISIBLE_DEVICES workers_per_host=$EGGROLL_WORKERS_PER_HOST $*" >> {calls}
 echo $$ >> {pids}
 if [[ -n ${{FAIL_GPU:-}} && $CUDA_VISIBLE_DEVICES == "$FAIL_GPU" ]]; then
     set -- "$@" --data-dir {empty}
@@ -243,8 +243,9 @@ def test_one_worker_per_gpu_joins_and_stops_on_sigterm(
         calls = recorded_calls(tmp_path)
         assert sorted(calls) == ["0", "1", "2"]
         for gpu, args in calls.items():
-            assert args[:2] == ["--name", f"{SHORT_HOST}-gpu{gpu}"]
-            assert args[2:] == [f"127.0.0.1:{port}", *map(str, flags), "--max-retry-s", "1"]
+            # Three workers share the host's cores (a NumPy backend sizes its pool by it).
+            assert args[:3] == ["workers_per_host=3", "--name", f"{SHORT_HOST}-gpu{gpu}"]
+            assert args[3:] == [f"127.0.0.1:{port}", *map(str, flags), "--max-retry-s", "1"]
         # Its log lines carry its prefix.
         for gpu in "012":
             line = script.wait_line(
@@ -282,17 +283,18 @@ def test_dry_run_prints_one_command_per_gpu(tmp_path: Path, bin_dir: Path, wrapp
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines == [
-        f"CUDA_VISIBLE_DEVICES={i} {wrapper} --name {SHORT_HOST}-gpu{i} "
+        f"CUDA_VISIBLE_DEVICES={i} EGGROLL_WORKERS_PER_HOST=3 {wrapper} --name {SHORT_HOST}-gpu{i} "
         "10.0.0.5:4000 --backend numpy --data-dir a\\ b"
         for i in range(3)
     ]
     assert not (tmp_path / "calls").exists()  # nothing ran
 
     done = run_script("10.0.0.5", "--dry-run", "--name", "rack7", env=env)
-    assert [line.split()[0:3] for line in done.stdout.splitlines()] == [
-        [f"CUDA_VISIBLE_DEVICES={i}", str(wrapper), "--name"] for i in range(3)
+    assert [line.split()[0:4] for line in done.stdout.splitlines()] == [
+        [f"CUDA_VISIBLE_DEVICES={i}", "EGGROLL_WORKERS_PER_HOST=3", str(wrapper), "--name"]
+        for i in range(3)
     ]
-    assert [line.split()[3] for line in done.stdout.splitlines()] == [
+    assert [line.split()[4] for line in done.stdout.splitlines()] == [
         "rack7-gpu0",
         "rack7-gpu1",
         "rack7-gpu2",
@@ -317,7 +319,9 @@ def test_cuda_visible_devices_selects_the_gpus(
     done = run_script("h", "--dry-run", env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        f"CUDA_VISIBLE_DEVICES={gpu} w --name {SHORT_HOST}-{label} h" for gpu, label in expected
+        f"CUDA_VISIBLE_DEVICES={gpu} EGGROLL_WORKERS_PER_HOST={len(expected)} w "
+        f"--name {SHORT_HOST}-{label} h"
+        for gpu, label in expected
     ]
 
 

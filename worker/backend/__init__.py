@@ -89,8 +89,8 @@ class BackendFactory:
     build: Callable[[Dataset, ReplicaState], Backend]
 
 
-# name -> "module:function" returning a BackendFactory; imported only when chosen, so CPU
-# hosts never import CuPy.
+# name -> "module:function(batch_members, threads)" returning a BackendFactory; imported
+# only when chosen, so CPU hosts never import CuPy.
 _REGISTRY = {
     "numpy": "numpy_backend:factory",
     "cupy": "cupy_backend:factory",
@@ -107,8 +107,11 @@ def cuda_usable() -> bool:
         return False
 
 
-def get_backend(kind: str, batch_members: int = 1024) -> BackendFactory:
-    """`auto`, `numpy` or `cupy`; BackendUnavailable when the choice cannot run here."""
+def get_backend(kind: str, batch_members: int = 1024, threads: int | None = None) -> BackendFactory:
+    """`auto`, `numpy` or `cupy`; BackendUnavailable when the choice cannot run here.
+
+    `threads`: CPU threads of the backend's compute (None: its own default, which shares
+    the usable cores among EGGROLL_WORKERS_PER_HOST workers)."""
     if kind == "auto":
         kind = "cupy" if "cupy" in _REGISTRY and cuda_usable() else "numpy"
     if kind == "cupy" and "cupy" not in _REGISTRY:
@@ -119,4 +122,4 @@ def get_backend(kind: str, batch_members: int = 1024) -> BackendFactory:
         raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy or cupy")
     module, function = _REGISTRY[kind].split(":")
     build = getattr(importlib.import_module(f"{__name__}.{module}"), function)
-    return build(batch_members)
+    return build(batch_members, threads)

@@ -1,11 +1,23 @@
 """The NumPy reference backend: evaluates chunks and applies committed steps on the CPU.
 
 Every other backend must produce the same bytes as this one.
+
+Its BLAS pool is sized here, not by the user: by default the cores this process may use,
+divided by the workers on the host (EGGROLL_WORKERS_PER_HOST, else 1). An OpenBLAS pool as
+large as the host in each of several processes, or on a busy host, spends its time waiting
+for cores. The GEMMs are exact (integers in float32), so the thread count never changes a
+result. The limit is applied with threadpoolctl around the backend's own compute, so it
+works after NumPy is imported and leaves the rest of the process alone.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from pathlib import Path
+
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
@@ -14,7 +26,52 @@ from ...shared.model import EggModel, member_noise, pair_noise
 from ...shared.replica import ReplicaState
 from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
-from . import BackendFactory, ChunkResult, Validation
+from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
+
+WORKERS_PER_HOST_VAR = "EGGROLL_WORKERS_PER_HOST"
+
+
+def _cgroup_cpu_limit() -> float | None:
+    """The CPU quota of this process's cgroup in cores (containers), or None if unlimited."""
+    try:  # cgroup v2: "max 100000" or "200000 100000"
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1: -1 means no quota
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, SLURM), capped by a cgroup
+    CPU quota (containers)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, math.ceil(limit))
+    return max(1, cores)
+
+
+def workers_per_host() -> int:
+    """EGGROLL_WORKERS_PER_HOST (set by the launchers that start several workers), else 1."""
+    raw = os.environ.get(WORKERS_PER_HOST_VAR, "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise BackendUnavailable(f"{WORKERS_PER_HOST_VAR}={raw!r} must be a whole number >= 1")
+    return int(raw)
+
+
+def default_threads() -> int:
+    """BLAS threads for one worker: the usable cores shared by the workers on this host."""
+    return max(1, usable_cores() // workers_per_host())
 
 
 class NumpyBackend:
@@ -23,10 +80,25 @@ class NumpyBackend:
     name = "numpy"
     device = "cpu"
 
-    def __init__(self, dataset: Dataset, state: ReplicaState, batch_members: int = 1024) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        state: ReplicaState,
+        batch_members: int = 1024,
+        threads: int | None = None,
+    ) -> None:
+        """`threads`: BLAS threads while computing (default: `default_threads()`)."""
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1")
         self.dataset = dataset
         self.batch_members = max(2, batch_members - batch_members % 2)
+        self.threads = threads or default_threads()
+        self._pools = ThreadpoolController()
         self.load_state(state)
+
+    def _compute(self):  # a context manager; threadpoolctl's type is private
+        """The BLAS (and OpenMP) pools limited to `self.threads`, restored afterwards."""
+        return self._pools.limit(limits=self.threads)
 
     @property
     def config(self) -> RunConfig:
@@ -54,6 +126,11 @@ class NumpyBackend:
             or not 0 <= first_member < first_member + count <= (cfg.es.population)
         ):
             raise ValueError(f"bad member range [{first_member}, {first_member + count})")
+        with self._compute():
+            return self._evaluate(step, first_member, count)
+
+    def _evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
+        cfg = self.config
         losses = []
         for lo in range(first_member, first_member + count, self.batch_members):
             hi = min(lo + self.batch_members, first_member + count)
@@ -70,7 +147,8 @@ class NumpyBackend:
     def apply_step(self, fitness: np.ndarray) -> int:
         """Apply the committed fitness of step `self.step` (all pairs); returns weights changed."""
         cfg = self.config
-        params, changed = apply_update(cfg, self.step, self.state.params, np.asarray(fitness))
+        with self._compute():
+            params, changed = apply_update(cfg, self.step, self.state.params, np.asarray(fitness))
         self.load_state(ReplicaState(cfg, self.step + 1, params))
         return changed
 
@@ -81,18 +159,22 @@ class NumpyBackend:
         windows = validation_windows(cfg, self.dataset.valid)
         rows = len(windows)
         loss_sum, bits_sum = 0, 0.0
-        for lo in range(0, rows, rows_per_batch):
-            loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
-            loss_sum += int(loss.sum())
-            bits_sum += float(bits.sum())
+        with self._compute():
+            for lo in range(0, rows, rows_per_batch):
+                loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
+                loss_sum += int(loss.sum())
+                bits_sum += float(bits.sum())
         tokens = rows * t
         return Validation(tokens, loss_sum / tokens, bits_sum / tokens)
 
 
-def factory(batch_members: int = 1024) -> BackendFactory:
-    """The NumPy reference backend, `batch_members` members per forward sub-batch."""
+def factory(batch_members: int = 1024, threads: int | None = None) -> BackendFactory:
+    """The NumPy reference backend, `batch_members` members per forward sub-batch and
+    `threads` BLAS threads (default: `default_threads()`, read now so that a bad setting
+    stops the worker at start-up)."""
+    threads = threads or default_threads()
     return BackendFactory(
         NumpyBackend.name,
         NumpyBackend.device,
-        lambda dataset, state: NumpyBackend(dataset, state, batch_members),
+        lambda dataset, state: NumpyBackend(dataset, state, batch_members, threads),
     )
