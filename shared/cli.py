@@ -20,12 +20,16 @@ def config_options(what: str = "") -> Callable[[F], F]:
             "config_path",
             default=None,
             type=click.Path(dir_okay=False),
+            envvar="EGGROLL_CONFIG",
+            show_envvar=True,
             help=f"TOML run config{what} (overrides --preset).",
         )(f)
         return click.option(
             "--preset",
             "preset_name",
             default=None,
+            envvar="EGGROLL_PRESET",
+            show_envvar=True,
             help=f"Named run config{what}: tiny (default), egg-paper.",
         )(f)
 

@@ -503,8 +503,9 @@ def describe_device() -> str:
     return f"cuda:{dev.id} {name} (sm_{props['major']}{props['minor']})"
 
 
-def factory(batch_members: int = 32768) -> BackendFactory:
-    """The CuPy backend on the current CUDA device; BackendUnavailable without one."""
+def factory(batch_members: int = 32768, threads: int | None = None) -> BackendFactory:
+    """The CuPy backend on the current CUDA device; BackendUnavailable without one.
+    `threads` (CPU threads) has nothing to size here: the device does the work."""
     from . import cuda_usable
 
     if not cuda_usable():
