@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -95,6 +95,7 @@ class StepJobs:
         self.queue: deque[int] = deque(range(chunks))
         self.leases: dict[int, list[Lease]] = {}
         self.holders: dict[int, set[Hashable]] = {}  # chunk -> every worker ever leased it
+        self.live: Counter[Hashable] = Counter()  # worker -> leases not done nor expired
         self.loss_range = loss_range  # inclusive bounds of one chunk's loss sum
         self.max_leases = max_leases
         self.results: dict[int, bytes] = {}  # chunk -> packed fitness of the first result
@@ -114,8 +115,7 @@ class StepJobs:
         """The chunk `worker` should evaluate next, or None when there is nothing to do
         (or the worker already holds `max_leases` live leases)."""
         now = self.clock()
-        live = sum(1 for held in self.leases.values() for x in held if x.worker == worker)
-        if live >= self.max_leases:
+        if self.live[worker] >= self.max_leases:
             return None
         while self.queue:
             chunk = self.queue.popleft()
@@ -139,6 +139,7 @@ class StepJobs:
         deadline = now + self.timer.timeout_s()
         self.leases.setdefault(chunk, []).append(Lease(chunk, worker, now, deadline))
         self.holders.setdefault(chunk, set()).add(worker)
+        self.live[worker] += 1
         return chunk
 
     def complete_chunk(
@@ -165,7 +166,9 @@ class StepJobs:
             return Outcome.BAD_LOSS
         if chunk in self.results:
             return Outcome.DUPLICATE if self.results[chunk] == fitness else Outcome.MISMATCH
-        mine = [lease for lease in self.leases.pop(chunk, []) if lease.worker == worker]
+        held = self.leases.pop(chunk, [])
+        self.live.subtract(lease.worker for lease in held if not lease.expired)
+        mine = [lease for lease in held if lease.worker == worker]
         if mine:
             self.timer.observe(self.clock() - mine[0].started)
         if chunk in self.queue:
@@ -176,6 +179,7 @@ class StepJobs:
 
     def release_worker(self, worker: Hashable) -> list[int]:
         """Drop a departed worker's leases; chunks left with no live lease go back first."""
+        self.live.pop(worker, None)
         requeued = []
         for chunk in list(self.leases):
             held = [lease for lease in self.leases[chunk] if lease.worker != worker]
@@ -201,6 +205,7 @@ class StepJobs:
             if live and chunk not in self.queue and all(lease.deadline <= now for lease in live):
                 for lease in live:
                     lease.expired = True
+                    self.live[lease.worker] -= 1
                 self.queue.append(chunk)
                 requeued.append(chunk)
         self.requeued["deadline"] += len(requeued)

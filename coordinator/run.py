@@ -153,7 +153,6 @@ class Peer:
     waiting: bool = False  # told to WAIT; gets a JOB pushed when one frees up
     snapshot: bytearray | None = None  # a snapshot being received from this worker
     snapshot_total: int = 0  # its size, fixed by the first chunk
-    reported: dict[int, int] = field(default_factory=dict)  # step -> digest, not yet agreed
     job_started: dict[int, float] = field(default_factory=dict)  # chunk -> lease time
 
 
@@ -186,6 +185,8 @@ class RunCore:
             if store.data_digest is None:
                 store.set_data_digest(data_digest)
         self.data_votes: dict[bytes, set[int]] = {}  # unsettled data digest -> workers
+        # step -> digest -> workers that reported it, for steps not yet agreed
+        self.tallies: dict[int, dict[int, set[int]]] = {}
         self.disagreed_step = -1  # last step whose digest disagreement was logged
         self.snapshot_every = snapshot_every
         self.clock = clock
@@ -237,6 +238,9 @@ class RunCore:
             self.metrics.worker_left(peer.name)
         if self.snapshot_source == peer_id:
             self.snapshot_source = self.snapshot_requested = None
+        for votes in self.tallies.values():
+            for voters in votes.values():
+                voters.discard(peer_id)
         requeued = self.jobs.release_worker(peer_id)
         if not requeued:
             return []
@@ -340,33 +344,33 @@ class RunCore:
                     f"replica digest at step {step} differs from the run's agreed one: resync",
                 )
             return
-        peer.reported[step] = digest
-        for old in [s for s in peer.reported if s < step - 2]:
-            del peer.reported[old]  # only recent steps can still be agreed
-        votes = [p.id for p in self.peers.values() if p.reported.get(step) == digest]
-        if len(votes) >= 2:
-            self._agree(step, digest, f"{len(votes)} workers")
-            return
-        rivals = {p.reported[step] for p in self.peers.values() if step in p.reported}
-        if len(rivals) > 1 and step > self.disagreed_step:
+        votes = self.tallies.setdefault(step, {})
+        voters = votes.setdefault(digest, set())
+        voters.add(peer.id)
+        if len(voters) >= 2:
+            self._agree(step, digest)
+        elif len(votes) > 1 and step > self.disagreed_step:
             self.disagreed_step = step
             self.metrics.digest_mismatches.inc()
             log.warning(
                 "digests disagree",
                 step=step,
-                digests=len(rivals),
+                digests=len(votes),
                 hint="no two workers agree on the replica: a backend or version differs",
             )
 
-    def _agree(self, step: int, digest: int, by: str) -> None:
+    def _agree(self, step: int, digest: int) -> None:
         self.store.record_digest(step, digest)
-        for p in self.peers.values():
-            p.reported.pop(step, None)
-        log.debug("digest agreed", step=step, by=by)
+        del self.tallies[step]
 
-    def _provisional(self, peer: Peer, step: int) -> bool:
-        """Whether `peer` is the run's only worker and has reported a digest for `step`."""
-        return step in peer.reported and self.ready_count() == 1
+    def _provisional(self, peer: Peer, step: int) -> int | None:
+        """The digest `peer` reported for `step` if it is the run's only worker, else None."""
+        if self.ready_count() != 1:
+            return None
+        for digest, voters in self.tallies.get(step, {}).items():
+            if peer.id in voters:
+                return digest
+        return None
 
     # ------------------------------------------------------------------ jobs
 
@@ -478,6 +482,8 @@ class RunCore:
                 out.append(Send(peer.id, message))
         self._log_step(step, jobs)
         self.jobs = self._open_step(self.step)
+        for old in [s for s in self.tallies if s < self.step - 2]:
+            del self.tallies[old]  # reports this old are never agreed: workers moved on
         if self.snapshot_every and self.step % self.snapshot_every == 0:
             self.snapshot_wanted = self.step
         every = self.cfg.validation.every_steps
@@ -554,7 +560,7 @@ class RunCore:
         wanted = self.snapshot_wanted
         if wanted is None or self.snapshot_source is not None or peer.replica_step != wanted:
             return []
-        if self.store.digests.get(wanted) is None and not self._provisional(peer, wanted):
+        if self.store.digests.get(wanted) is None and self._provisional(peer, wanted) is None:
             return []  # only a state the run agrees on is worth keeping
         self.snapshot_source, self.snapshot_requested = peer.id, wanted
         peer.snapshot, peer.snapshot_total = bytearray(), 0
@@ -603,8 +609,8 @@ class RunCore:
         if state is not None:
             step = state.step
             agreed = self.store.digests.get(step)
-            if agreed is None and peer is not None and self._provisional(peer, step):
-                agreed = peer.reported[step]  # the sole worker's report, checked by its state
+            if agreed is None and peer is not None:
+                agreed = self._provisional(peer, step)  # the sole worker's, checked by its state
             if (
                 state.config.digest() != self.cfg.digest()
                 or step != self.snapshot_requested
@@ -613,7 +619,7 @@ class RunCore:
             ):
                 reason = "config, step or digest does not match the run"
             elif step not in self.store.digests:
-                self._agree(step, agreed, "the sole worker and its snapshot")
+                self._agree(step, agreed)
         if reason:
             log.warning("snapshot rejected", worker=name, reason=reason)
             self._release_snapshot_source(peer_id)

@@ -240,6 +240,8 @@ class Coordinator:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # drain() waits only above this: `_drain` bounds that wait with the write timeout.
+        writer.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         peer = writer.get_extra_info("peername")
         address = f"{peer[0]}:{peer[1]}" if peer else "?"
         busy = self._over_cap(peer[0] if peer else "?")
@@ -319,11 +321,11 @@ class Coordinator:
                 await self._carry_out(self.core.receive(link.peer, msg))
                 # One reply at a time for a peer that does not read (e.g. a flood of
                 # FITNESS_REQUESTs): memory stays bounded, and it is dropped if it stalls.
-                if link.writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
-                    await self._drain(link)
-            await self._drain(link)
+                await self._drain(link)
 
     async def _drain(self, link: _Link) -> None:
+        if link.writer.transport.get_write_buffer_size() <= WRITE_HIGH_BYTES:
+            return  # drain() would not wait: below the transport's high-water mark
         try:
             await asyncio.wait_for(link.writer.drain(), self.opt.write_timeout_s)
         except TimeoutError:

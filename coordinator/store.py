@@ -68,6 +68,7 @@ class RunStore:
         self.config = config
         self._lock_fd = lock_fd
         self.digests = self._load_digests()
+        self._digests_fd: int | None = None  # digests.log, opened for appending on first use
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -139,6 +140,9 @@ class RunStore:
         return run, stored
 
     def close(self) -> None:
+        if self._digests_fd is not None:
+            os.close(self._digests_fd)
+            self._digests_fd = None
         os.close(self._lock_fd)
 
     # ------------------------------------------------------------------ run metadata
@@ -175,14 +179,14 @@ class RunStore:
     def record_digest(self, step: int, digest: int) -> None:
         """Durably remember the agreed digest of the replica state at `step`."""
         self.digests[step] = digest
-        path = self.path / "digests.log"
-        new = not path.exists()
-        with open(path, "ab") as f:
-            f.write(b"%d %016x\n" % (step, digest))
-            f.flush()
-            os.fsync(f.fileno())
-        if new:
-            fsync_dir(self.path)
+        if self._digests_fd is None:
+            path = self.path / "digests.log"
+            new = not path.exists()
+            self._digests_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if new:
+                fsync_dir(self.path)
+        os.write(self._digests_fd, b"%d %016x\n" % (step, digest))
+        os.fdatasync(self._digests_fd)
 
     # ---------------------------------------------------------------------- snapshots
 
