@@ -388,7 +388,8 @@ class RunCore:
             if step >= peer.broadcast_from:
                 return []  # the STEPs it lacks are on their way; it asks again after them
             return [self._fitness_range(peer, step, CATCHUP_STEPS)]
-        self.weights_changed = msg.weights_changed
+        if self.store.digests.get(step) == msg.replica_digest or len(self.peers) == 1:
+            self.weights_changed = msg.weights_changed  # from an agreed replica only
         out = self._maybe_request_snapshot(peer) + self._maybe_request_validation(peer)
         if self.finished:
             return [*out, Send(peer.id, Wait(WAIT_MS))]

@@ -566,10 +566,11 @@ def test_e10_a_zero_filled_last_record_is_repaired(
 class Impostor:
     """A fake coordinator that accepts any MAC, then sends what the test gives it."""
 
-    def __init__(self, then: list[Message]) -> None:
+    def __init__(self, then: list[Message], on_snapshot_request: list[Message] = ()) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.then = then
+        self.on_snapshot_request = list(on_snapshot_request)
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -587,6 +588,9 @@ class Impostor:
                             sock.sendall(conn.send(Challenge(os.urandom(32))))
                         elif isinstance(msg, Auth):
                             for out in self.then:
+                                sock.sendall(conn.send(out))
+                        elif isinstance(msg, SnapshotRequest):
+                            for out in self.on_snapshot_request:
                                 sock.sendall(conn.send(out))
             except Exception:
                 return
@@ -610,11 +614,42 @@ def _worker_against(port: int, data_dir: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_e11_an_impostor_cannot_crash_or_swell_a_worker(words_data: Path, token_env) -> None:
+def test_e11_an_impostor_cannot_crash_or_swell_a_worker(
+    words_data: Path, config_file: Path, token_env
+) -> None:
     nested = Impostor([Welcome(bytes(16), b"[" * 60000, 0, -1, 16)])
     done = _worker_against(nested.port, words_data)
     assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "RecursionError" not in done.stderr
+    assert "RecursionError" not in done.stderr and "nest too deeply" in done.stderr
+    # A snapshot announced far larger than any checkpoint of the run: refused at once.
+    cfg = load_config(config_file)
+    welcome = Welcome(bytes(16), cfg.canonical_bytes(), 5, 5, cfg.pairs)
+    huge = Impostor([welcome], [SnapshotChunk(5, 2**40, 0, bytes(1 << 20))])
+    worker = subprocess.Popen(
+        [
+            command("eggroll-worker"),
+            f"127.0.0.1:{huge.port}",
+            "--data-dir",
+            str(words_data),
+            "--log-format",
+            "json",
+            "--max-retry-s",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            if "snapshot of 1099511627776 bytes" in line:
+                break
+        else:
+            raise AssertionError("the worker did not refuse the snapshot")
+    finally:
+        worker.kill()
+        worker.wait(10)
 
 
 # ------------------------------------------------------------------------------ H6: TLS

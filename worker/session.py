@@ -72,7 +72,7 @@ from ..protocol import (
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
-from ..shared.replica import ReplicaState
+from ..shared.replica import ReplicaState, checkpoint_bytes
 from .backend import BackendFactory, ChunkResult
 from .backend import Validation as Score
 
@@ -585,6 +585,12 @@ class Session:
         if d.step is None:
             if chunk.offset != 0:
                 raise PeerViolation(f"first SNAPSHOT_CHUNK starts at offset {chunk.offset}")
+            assert self.config is not None
+            size = checkpoint_bytes(self.config)
+            if chunk.total_bytes != size:  # never hold more than a snapshot of this run
+                raise PeerViolation(
+                    f"snapshot of {chunk.total_bytes} bytes; this run's checkpoints have {size}"
+                )
             d.step, d.total = chunk.step, chunk.total_bytes
         elif (chunk.step, chunk.total_bytes, chunk.offset) != (d.step, d.total, d.received):
             raise PeerViolation(
