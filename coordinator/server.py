@@ -7,9 +7,8 @@ accepting, ask for a last snapshot, tell every worker, wait a bounded time, canc
 All run state is touched from the event loop only, so no locks are needed.
 
 Every peer is bounded: a cap on connections (in all and per address), a deadline for the
-handshake, and writes that must drain within `write_timeout_s` once more than
-`WRITE_HIGH_BYTES` are queued (a peer that does not read is dropped). A failed commit
-(`Fatal`) stops the coordinator at once: nothing after it is trusted to reach the disk.
+handshake, and bounded writes (`link.py`). A failed commit (`Fatal`) stops the coordinator
+at once: nothing after it is trusted to reach the disk.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import ssl
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -39,6 +36,7 @@ from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING
 from ..shared.replica import CheckpointError, decode_checkpoint
+from .link import Link
 from .metrics import Metrics
 from .run import Command, Fatal, Refused, RunCore, Send, ServeSnapshot, StoreSnapshot
 from .store import RunStore
@@ -46,7 +44,6 @@ from .store import RunStore
 log = structlog.get_logger("eggroll.coordinator")
 
 READ_BYTES = 1 << 16
-WRITE_HIGH_BYTES = 1 << 20  # queued for one peer beyond this, wait for it to read
 
 
 @dataclass
@@ -67,17 +64,6 @@ class Options:
     write_timeout_s: float = 30.0  # a peer must read what it is sent within this
     max_connections: int = 256
     max_connections_per_address: int = 32
-
-
-@dataclass(eq=False)
-class _Link:
-    """The I/O half of one worker connection."""
-
-    peer: int
-    address: str
-    writer: asyncio.StreamWriter
-    conn: Connection = field(default_factory=lambda: Connection(Role.COORDINATOR))
-    counted_in: Counter = field(default_factory=Counter)  # bytes received, per type, counted
 
 
 class Coordinator:
@@ -101,7 +87,7 @@ class Coordinator:
             metrics=self.metrics,
             clock=clock,
         )
-        self.links: dict[int, _Link] = {}
+        self.links: dict[int, Link] = {}
         self.stopping = asyncio.Event()
         self._changed = asyncio.Event()  # something happened that may move a deadline
         self._snapshot_stored = asyncio.Event()
@@ -237,11 +223,6 @@ class Coordinator:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # drain() waits only above this: `_drain` bounds that wait with the write timeout.
-        writer.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         peer = writer.get_extra_info("peername")
         address = f"{peer[0]}:{peer[1]}" if peer else "?"
         busy = self._over_cap(peer[0] if peer else "?")
@@ -252,7 +233,9 @@ class Coordinator:
                 writer.close()
             self._handlers.discard(task)
             return
-        link = _Link(self.core.connect(address), address, writer)
+        link = Link(
+            self.core.connect(address), address, writer, self.metrics, self.opt.write_timeout_s
+        )
         self.links[link.peer] = link
         try:
             await self._serve(link, reader)
@@ -261,7 +244,7 @@ class Coordinator:
             log.critical("commit failed", error=str(exc))
             self.request_stop()
         except Refused as exc:
-            self._write_error(link, exc.code, exc.message)
+            self.core.traffic(sent=link.write_error(exc.code, exc.message))
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(exc.error_code.name).inc()
             log.warning(
@@ -277,7 +260,7 @@ class Coordinator:
             pass
         except Exception:  # a bug must cost one connection, never the run
             log.exception("session failed", worker=self._name(link), peer=address)
-            self._write_error(link, ErrorCode.INTERNAL, "coordinator error")
+            link.write_error(ErrorCode.INTERNAL, "coordinator error")
         finally:
             self.links.pop(link.peer, None)
             await self._carry_out(self.core.peer_left(link.peer))
@@ -290,12 +273,12 @@ class Coordinator:
         """Why a new connection from `host` is turned away ("" if it is not)."""
         if len(self.links) >= self.opt.max_connections:
             return f"the coordinator serves at most {self.opt.max_connections} connections"
-        same = sum(1 for link in self.links.values() if link.address.rsplit(":", 1)[0] == host)
+        same = sum(1 for link in self.links.values() if link.host == host)
         if same >= self.opt.max_connections_per_address:
             return f"at most {self.opt.max_connections_per_address} connections per address"
         return ""
 
-    async def _serve(self, link: _Link, reader: asyncio.StreamReader) -> None:
+    async def _serve(self, link: Link, reader: asyncio.StreamReader) -> None:
         loop = asyncio.get_running_loop()
         handshake_end = loop.time() + self.opt.handshake_timeout_s
         while not link.conn.closed:
@@ -317,53 +300,18 @@ class Coordinator:
             self.core.traffic(received=len(data))
             link.conn.receive_data(data)
             while not link.conn.closed and (msg := link.conn.next_event()) is not None:
-                self._count_in(link)
+                link.count_in()
                 await self._carry_out(self.core.receive(link.peer, msg))
                 # One reply at a time for a peer that does not read (e.g. a flood of
                 # FITNESS_REQUESTs): memory stays bounded, and it is dropped if it stalls.
-                await self._drain(link)
+                await link.drain(self._name(link))
 
-    async def _drain(self, link: _Link) -> None:
-        if link.writer.transport.get_write_buffer_size() <= WRITE_HIGH_BYTES:
-            return  # drain() would not wait: below the transport's high-water mark
-        try:
-            await asyncio.wait_for(link.writer.drain(), self.opt.write_timeout_s)
-        except TimeoutError:
-            log.warning(
-                "worker not reading, dropping it",
-                worker=self._name(link),
-                queued_bytes=link.writer.transport.get_write_buffer_size(),
-                seconds=self.opt.write_timeout_s,
-            )
-            link.writer.transport.abort()
-            raise ConnectionResetError("peer not reading") from None
-
-    def _name(self, link: _Link) -> str:
+    def _name(self, link: Link) -> str:
         peer = self.core.peers.get(link.peer)
         return peer.name if peer is not None else "?"
 
-    def _count_in(self, link: _Link) -> None:
-        """Add the bytes of newly decoded messages to the per-type network counter."""
-        for msg_type, total in link.conn.bytes_received.items():
-            new = total - link.counted_in[msg_type]
-            if new:
-                self.metrics.network_bytes.labels("in", msg_type.name).inc(new)
-                link.counted_in[msg_type] = total
-
-    def _write(self, link: _Link, msg: Message) -> None:
-        if not link.conn.can_send(msg.TYPE):
-            return  # closing: the connection's state machine allows nothing more
-        data = link.conn.send(msg)
-        link.writer.write(data)
-        self.core.traffic(sent=len(data))
-        self.metrics.network_bytes.labels("out", msg.TYPE.name).inc(len(data))
-
-    def _write_error(self, link: _Link, code: ErrorCode, message: str) -> None:
-        with contextlib.suppress(Exception):
-            data = link.conn.send_error(code, message)
-            link.writer.write(data)
-            self.core.traffic(sent=len(data))
-            self.metrics.network_bytes.labels("out", "ERROR").inc(len(data))
+    def _write(self, link: Link, msg: Message) -> None:
+        self.core.traffic(sent=link.write(msg))
 
     # ------------------------------------------------------------------ commands
 
@@ -382,7 +330,7 @@ class Coordinator:
         self._changed.set()
         self._check_finish()
 
-    async def _serve_snapshot(self, link: _Link, step: int) -> None:
+    async def _serve_snapshot(self, link: Link, step: int) -> None:
         """Stream the file a piece at a time: one peer never pins a whole snapshot."""
         try:
             f = await asyncio.to_thread(open, self.store.snapshot_path(step), "rb")
@@ -397,12 +345,12 @@ class Coordinator:
                     break
                 self._write(link, SnapshotChunk(step, size, offset, piece))
                 offset += len(piece)
-                await self._drain(link)
+                await link.drain(self._name(link))
                 if offset >= size:
                     break
         self.core.snapshot_served(link.peer, step, size)
 
-    async def _store_snapshot(self, link: _Link, blob: bytes) -> None:
+    async def _store_snapshot(self, link: Link, blob: bytes) -> None:
         try:
             state = await asyncio.to_thread(decode_checkpoint, blob)
         except CheckpointError as exc:
