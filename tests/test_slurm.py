@@ -305,7 +305,10 @@ class Job:
         return self.log.read_text() if self.log.exists() else "(no job log)"
 
     def events(self) -> list[dict]:
-        return [json.loads(line) for line in self.text().splitlines() if line.startswith("{")]
+        """The coordinator's JSON lines. The job log interleaves several processes, and a line
+        can run into another's: take the object each line starts with."""
+        decoder = json.JSONDecoder()
+        return [decoder.raw_decode(line)[0] for line in self.text().splitlines() if line[:1] == "{"]
 
     def state(self) -> tuple[str, str]:
         """JobState and ExitCode ("status:signal") as scontrol shows them."""
