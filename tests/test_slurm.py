@@ -10,6 +10,7 @@ installs them. By hand: `apt-get install slurm-wlm munge`, then
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -307,8 +308,12 @@ class Job:
     def events(self) -> list[dict]:
         """The coordinator's JSON lines. The job log interleaves several processes, and a line
         can run into another's: take the object each line starts with."""
-        decoder = json.JSONDecoder()
-        return [decoder.raw_decode(line)[0] for line in self.text().splitlines() if line[:1] == "{"]
+        decoder, events = json.JSONDecoder(), []
+        for line in self.text().splitlines():
+            if line[:1] == "{":
+                with contextlib.suppress(ValueError):  # cut short by another process's line
+                    events.append(decoder.raw_decode(line)[0])
+        return events
 
     def state(self) -> tuple[str, str]:
         """JobState and ExitCode ("status:signal") as scontrol shows them."""
