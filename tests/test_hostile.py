@@ -689,3 +689,54 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
             pass
     spawn("eggroll-worker", *worker(ca, ca)[1:])
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
+
+
+# ---------------------------------------------------------------------------- E12, E14
+
+
+def test_e12_a_second_coordinator_on_the_same_save_dir_is_refused(
+    spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
+) -> None:
+    coord, port = start_coordinator(spawn, tmp_path / "run", config_file)
+    second = subprocess.run(
+        [
+            command("eggroll-coordinator"),
+            "--save-dir",
+            str(tmp_path / "run"),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode != 0 and "another coordinator is running" in second.stderr
+    assert "Traceback" not in second.stderr
+    honest_worker(spawn, port, words_data)
+    finishes_undisturbed(coord, tmp_path / "run", undisturbed)
+
+
+def test_e14_an_unusable_save_dir_is_one_line(tmp_path: Path, config_file: Path) -> None:
+    (tmp_path / "run" / ".lock").mkdir(parents=True)  # what an immutable directory refuses
+    (tmp_path / "file").write_text("")
+    for save_dir in (tmp_path / "run", tmp_path / "file" / "run"):
+        done = subprocess.run(
+            [
+                command("eggroll-coordinator"),
+                "--save-dir",
+                str(save_dir),
+                "--config",
+                str(config_file),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and "cannot use --save-dir" in lines[0]
