@@ -35,8 +35,8 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
 - Samples (--sample-every): a want too, but served by a worker with nothing to evaluate
   (told to WAIT), so text is never written on the step's critical path; the run's only
   worker at the step is asked after the chunk it was just leased. A sample counts only from
-  the worker asked, for the step asked; one not written by the step's end is wanted again
-  at the next step.
+  the worker asked, for the step asked; one not yet asked for when the step is committed
+  is wanted at the next step.
 - Liveness: a departed worker's leases are re-queued at once, expired ones by `expire()`.
 
 To add a request/reply pair (as VALIDATE/VALIDATION): a want on the core, a
