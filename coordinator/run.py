@@ -229,8 +229,12 @@ class RunCore:
 
     @property
     def done(self) -> bool:
-        """--max-steps reached and its final snapshot stored: time to stop."""
-        return self.finished and (self.step == 0 or self.store.latest_snapshot == self.step)
+        """--max-steps reached, its final snapshot stored and its sample (when one is due at
+        the final step) written: time to stop."""
+        if not self.finished or (self.step and self.store.latest_snapshot != self.step):
+            return False
+        asked = self.sample_asked
+        return self.sample_wanted != self.step and (asked is None or asked[1] != self.step)
 
     def ready_count(self) -> int:
         return sum(1 for p in self.peers.values() if p.ready)
@@ -520,7 +524,7 @@ class RunCore:
     def _finish(self) -> None:
         """--max-steps reached: stop leasing and want the final snapshot."""
         self.finished = True
-        if not self.done:
+        if self.step and self.store.latest_snapshot != self.step:
             self.snapshot_wanted = self.step
 
     def _open_step(self, step: int) -> StepJobs:

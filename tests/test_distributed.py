@@ -180,7 +180,8 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
     # Samples written by a worker are what eggroll-sample writes at that step, seed = step.
     log = (save_dir / "logs" / "coordinator.log").read_text().splitlines()
     samples = [e for e in map(json.loads, log) if e["event"] == "sample"]
-    assert samples and all(10 <= s["step"] <= 30 for s in samples)
+    assert all(10 <= s["step"] <= 30 for s in samples)
+    assert samples[-1]["step"] == 30  # the run ends once the final step's sample is in
     for s in samples:
         step = str(s["step"])
         args = ["--data-dir", str(words_data), "--step", step, "--seed", step, "--json"]

@@ -836,6 +836,19 @@ def test_a_sample_asked_of_a_worker_that_leaves_is_asked_of_another(
     assert net.core.latest_sample is not None and net.core.latest_sample["worker"] == "other"
 
 
+def test_the_run_ends_after_the_final_steps_sample(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, sample_every=2, max_steps=2)
+    w = net.join("only")
+    net.train(2)
+    net.run()
+    core = net.core
+    assert core.done and core.latest_sample is not None and core.latest_sample["step"] == 2
+    core.sample_asked = (w.peer, 2)  # as if its answer were still on its way
+    assert not core.done
+    core.receive(w.peer, SampleText(2, 2, b"prompt", b"text"))
+    assert core.done
+
+
 def test_only_the_asked_worker_for_the_asked_step_writes_the_sample(
     store: RunStore, dataset: Dataset
 ) -> None:
