@@ -107,6 +107,13 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     show_default=True,
     help="Snapshot the replica state every K steps (0: only at the end).",
 )
+@click.option(
+    "--sample-every",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Log a sample of the model's writing every N steps, written by an idle worker (0: never).",
+)
 @click.option("--keep-snapshots", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option(
     "--chunk-timeout",
@@ -204,6 +211,7 @@ def main(
     config_path: str | None,
     max_steps: int | None,
     snapshot_every: int,
+    sample_every: int,
     keep_snapshots: int,
     chunk_timeout: float | None,
     metrics_port: int,
@@ -261,6 +269,7 @@ def main(
         write_timeout_s=write_timeout_s,
         max_steps=max_steps,
         snapshot_every=snapshot_every,
+        sample_every=sample_every,
         keep_snapshots=keep_snapshots,
         chunk_timeout_s=chunk_timeout,
     )

@@ -74,6 +74,11 @@ class Metrics:
             "Held-out bits per token of the unperturbed model.",
             registry=r,
         )
+        self.sample = Info(
+            "eggroll_sample",
+            "The latest sample of the model's writing (escaped, one line each).",
+            registry=r,
+        )
         self.valid_step = Gauge(
             "eggroll_valid_step", "Step at which the held-out bits were measured.", registry=r
         )
@@ -196,6 +201,9 @@ class Metrics:
     def validated(self, step: int, bits_per_token: float) -> None:
         self.valid_bits.set(bits_per_token)
         self.valid_step.set(step)
+
+    def sampled(self, step: int, worker: str, prompt: str, text: str) -> None:
+        self.sample.info({"step": str(step), "worker": worker, "prompt": prompt, "text": text})
 
     def snapshot_stored(self) -> None:
         self.snapshot_transfers.labels("in").inc()

@@ -32,6 +32,11 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
   held-out score counts only from the worker asked, for the step asked.
+- Samples (--sample-every): a want too, but served by a worker with nothing to evaluate
+  (told to WAIT), so text is never written on the step's critical path; the run's only
+  worker at the step is asked after the chunk it was just leased. A sample counts only from
+  the worker asked, for the step asked; one not yet asked for when the step is committed
+  is wanted at the next step.
 - Liveness: a departed worker's leases are re-queued at once, expired ones by `expire()`.
 
 To add a request/reply pair (as VALIDATE/VALIDATION): a want on the core, a
@@ -64,6 +69,8 @@ from ..protocol import (
     Message,
     MsgType,
     Result,
+    Sample,
+    SampleText,
     SnapshotChunk,
     SnapshotRequest,
     Step,
@@ -74,8 +81,10 @@ from ..protocol import (
     verify_mac,
 )
 from ..shared.fitness import chunk_loss_range
-from ..shared.logs import STEP
+from ..shared.logs import SAMPLE, STEP
 from ..shared.replica import ReplicaState, checkpoint_bytes
+from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
+from ..shared.vocab import escape
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .metrics import Metrics
 from .store import RunStore
@@ -165,6 +174,7 @@ class RunCore:
         data_digest: bytes | None = None,
         max_steps: int | None = None,
         snapshot_every: int = 100,
+        sample_every: int = 0,
         chunk_timeout_s: float | None = None,
         metrics: Metrics | None = None,
         clock: Clock = time.monotonic,
@@ -199,6 +209,10 @@ class RunCore:
         self.snapshot_requested: int | None = None  # the step it was asked for
         self.validation_wanted: int | None = None  # step whose held-out score is wanted
         self.validation_asked: tuple[int, int] | None = None  # (peer, step) asked for it
+        self.sample_every = sample_every  # 0: no samples
+        self.sample_wanted: int | None = None  # step whose sample is wanted
+        self.sample_asked: tuple[int, int] | None = None  # (peer, step) asked for it
+        self.latest_sample: dict[str, object] | None = None  # step, worker, prompt, text
         self.finished = False  # --max-steps reached: no more leases
         self.weights_changed: int | None = None  # reported by the last worker at the open step
         self.net_in = self.net_out = 0  # bytes, counted by the shell
@@ -215,8 +229,12 @@ class RunCore:
 
     @property
     def done(self) -> bool:
-        """--max-steps reached and its final snapshot stored: time to stop."""
-        return self.finished and (self.step == 0 or self.store.latest_snapshot == self.step)
+        """--max-steps reached, its final snapshot stored and its sample (when one is due at
+        the final step) written: time to stop."""
+        if not self.finished or (self.step and self.store.latest_snapshot != self.step):
+            return False
+        asked = self.sample_asked
+        return self.sample_wanted != self.step and (asked is None or asked[1] != self.step)
 
     def ready_count(self) -> int:
         return sum(1 for p in self.peers.values() if p.ready)
@@ -238,6 +256,8 @@ class RunCore:
             self.metrics.worker_left(peer.name)
         if self.snapshot_source == peer_id:
             self.snapshot_source = self.snapshot_requested = None
+        if self.sample_asked is not None and self.sample_asked[0] == peer_id:
+            self.sample_asked, self.sample_wanted = None, self.step  # another worker writes it
         for votes in self.tallies.values():
             for voters in votes.values():
                 voters.discard(peer_id)
@@ -392,8 +412,11 @@ class RunCore:
             self.weights_changed = msg.weights_changed  # from an agreed replica only
         out = self._maybe_request_snapshot(peer) + self._maybe_request_validation(peer)
         if self.finished:
-            return [*out, Send(peer.id, Wait(WAIT_MS))]
-        return [*out, self._lease_to(peer)]
+            reply, idle = Send(peer.id, Wait(WAIT_MS)), True
+        else:
+            reply = self._lease_to(peer)
+            idle = peer.waiting
+        return [*out, reply, *self._maybe_request_sample(peer, idle)]
 
     def _lease_to(self, peer: Peer) -> Send:
         chunk = self.jobs.lease(peer.id)
@@ -490,6 +513,10 @@ class RunCore:
         every = self.cfg.validation.every_steps
         if every and self.step % every == 0:
             self.validation_wanted = self.step
+        if self.sample_wanted is not None or (
+            self.sample_every and self.step % self.sample_every == 0
+        ):
+            self.sample_wanted = self.step  # one not yet asked for is written at this step
         if self.max_steps is not None and self.step >= self.max_steps:
             self._finish()
         return out
@@ -497,7 +524,7 @@ class RunCore:
     def _finish(self) -> None:
         """--max-steps reached: stop leasing and want the final snapshot."""
         self.finished = True
-        if not self.done:
+        if self.step and self.store.latest_snapshot != self.step:
             self.snapshot_wanted = self.step
 
     def _open_step(self, step: int) -> StepJobs:
@@ -670,6 +697,49 @@ class RunCore:
         )
         return []
 
+    # ------------------------------------------------------------------ samples
+
+    def _maybe_request_sample(self, peer: Peer, idle: bool) -> list[Command]:
+        """Ask `peer` for the wanted sample (SPEC §8) if it has nothing to evaluate, or if it
+        is the only worker at the step (it answers after its chunk)."""
+        step = self.sample_wanted
+        if step is None or peer.replica_step != step:
+            return []
+        others = [p.replica_step for p in self.peers.values() if p is not peer and p.ready]
+        if not idle and any(s is not None and s >= step - 1 for s in others):
+            return []  # another worker at (or just reaching) the step will be told to WAIT
+        self.sample_wanted = None
+        self.sample_asked = (peer.id, step)
+        settings = SampleSettings()
+        request = Sample(
+            step=step,
+            seed=step,  # as eggroll-train: `eggroll-sample SAVE_DIR --step S --seed S`
+            prompt_index=0,
+            prompt_tokens=PROMPT_TOKENS,
+            new_tokens=NEW_TOKENS,
+            temperature=settings.temperature,
+            min_p=settings.min_p,
+            top_k=settings.top_k,
+            presence_penalty=settings.presence_penalty,
+            frequency_penalty=settings.frequency_penalty,
+        )
+        return [Send(peer.id, request)]
+
+    def _on_sample_text(self, peer: Peer, msg: SampleText) -> list[Command]:
+        if self.sample_asked != (peer.id, msg.step) or msg.seed != msg.step:
+            return []  # only the worker asked writes the run's sample
+        self.sample_asked = None
+        # Model bytes: decoded with replacement characters, then one line with every control
+        # character escaped, so no worker can write terminal escapes into an operator's log.
+        prompt, text = (
+            escape(b.decode("utf-8", errors="replace"), keep_newlines=False)
+            for b in (msg.prompt, msg.text)
+        )
+        self.latest_sample = {"step": msg.step, "worker": peer.name, "prompt": prompt, "text": text}
+        self.metrics.sampled(msg.step, peer.name, prompt, text)
+        log.info(SAMPLE, step=msg.step, worker=peer.name, prompt=prompt, text=text)
+        return []
+
     # ------------------------------------------------------------------ the rest
 
     def _on_heartbeat(self, peer: Peer, msg: Heartbeat) -> list[Command]:
@@ -695,6 +765,7 @@ _HANDLERS: dict[MsgType, Callable[[RunCore, Peer, Message], list[Command]]] = {
     MsgType.SNAPSHOT_REQUEST: RunCore._on_snapshot_request,
     MsgType.SNAPSHOT_CHUNK: RunCore._on_snapshot_chunk,
     MsgType.VALIDATION: RunCore._on_validation,
+    MsgType.SAMPLE_TEXT: RunCore._on_sample_text,
     MsgType.HEARTBEAT: RunCore._on_heartbeat,
     MsgType.LOG: RunCore._on_log,
     MsgType.ERROR: RunCore._on_error,

@@ -55,6 +55,7 @@ class Options:
     data_digest: bytes | None = None  # from the operator (--data-dir, --data-digest)
     max_steps: int | None = None
     snapshot_every: int = 100  # 0: only the final snapshot
+    sample_every: int = 0  # 0: no samples
     keep_snapshots: int = 3
     chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
     final_snapshot_timeout_s: float = 120.0
@@ -83,6 +84,7 @@ class Coordinator:
             data_digest=options.data_digest,
             max_steps=options.max_steps,
             snapshot_every=options.snapshot_every,
+            sample_every=options.sample_every,
             chunk_timeout_s=options.chunk_timeout_s,
             metrics=self.metrics,
             clock=clock,

@@ -34,9 +34,11 @@ class _Stderr:
 # The coordinator's events that eggroll-local (worker/local.py) acts on, with their fields.
 LISTENING = "listening"  # the server is up: the port it bound, the open step
 STEP = "step"  # a step was committed
+SAMPLE = "sample"  # a worker wrote a sample (prompt and text escaped, one line each)
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     LISTENING: ("port", "step"),
     STEP: ("step", "loss_bits", "step_s", "member_tok_s", "workers", "requeued"),
+    SAMPLE: ("step", "worker", "prompt", "text"),
 }
 # Further events eggroll-local shows as they come (with every warning and error).
 SHOWN_EVENTS = ("worker joined", "worker left", "snapshot stored", "chunks requeued")

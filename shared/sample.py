@@ -43,6 +43,9 @@ MAX_PENALTY = 100 * MILLI  # 100 bits: more than any logit range
 MAX_TOP_K = 1 << 20
 MAX_NEW_TOKENS = 1 << 16
 TOP_WEIGHT = 1 << 30
+# The default sample: a held-out prompt of 32 tokens (as d-eggs) continued by 64 tokens.
+PROMPT_TOKENS = 32
+NEW_TOKENS = 64
 
 
 class SampleError(ValueError):

@@ -15,6 +15,7 @@ import pytest
 from eggroll_dist.shared.config import load_config
 from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.shared.vocab import escape
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.train import train
 
@@ -141,6 +142,8 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
             str(summary),
             "--metrics-port",
             "0",
+            "--sample-every",
+            "10",
         ],
         capture_output=True,
         text=True,
@@ -148,6 +151,7 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "held-out" in done.stdout and "unigram" in done.stdout
+    assert "sample at step " in done.stdout
     train_summary = tmp_path / "train.json"
     single = subprocess.run(
         [
@@ -173,6 +177,24 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
     assert info["step"] == 30 and info["log_ok"]
     assert info["replica_digest"] == want
     assert json.loads(summary.read_text())["replica_digest"] == want
+    # Samples written by a worker are what eggroll-sample writes at that step, seed = step.
+    log = (save_dir / "logs" / "coordinator.log").read_text().splitlines()
+    samples = [e for e in map(json.loads, log) if e["event"] == "sample"]
+    assert all(10 <= s["step"] <= 30 for s in samples)
+    assert samples[-1]["step"] == 30  # the run ends once the final step's sample is in
+    for s in samples:
+        step = str(s["step"])
+        args = ["--data-dir", str(words_data), "--step", step, "--seed", step, "--json"]
+        written = subprocess.run(
+            [command("eggroll-sample"), str(save_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert written.returncode == 0, written.stderr
+        record = json.loads(written.stdout)
+        assert escape(record["prompt"], keep_newlines=False) == s["prompt"]
+        assert escape(record["text"], keep_newlines=False) == s["text"]
 
 
 def test_worker_sigkill_mid_step_loses_nothing(

@@ -36,6 +36,8 @@ from eggroll_dist.protocol import (
     Message,
     Result,
     Role,
+    Sample,
+    SampleText,
     SnapshotChunk,
     SnapshotRequest,
     Step,
@@ -49,7 +51,7 @@ from eggroll_dist.protocol import (
 )
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
-from eggroll_dist.shared.logs import EVENT_FIELDS, SHOWN_EVENTS, STEP
+from eggroll_dist.shared.logs import EVENT_FIELDS, SAMPLE, SHOWN_EVENTS, STEP
 from eggroll_dist.shared.replica import (
     CheckpointError,
     ReplicaState,
@@ -57,10 +59,12 @@ from eggroll_dist.shared.replica import (
     encode_checkpoint,
     replay,
 )
+from eggroll_dist.shared.vocab import NEWLINE_MARK, escape
 from eggroll_dist.worker import session as session_module
 from eggroll_dist.worker.backend import Backend
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.prepare import prepare_data_dir
+from eggroll_dist.worker.replica import write_sample
 from eggroll_dist.worker.session import (
     Apply,
     Command,
@@ -72,12 +76,14 @@ from eggroll_dist.worker.session import (
     Identity,
     InstallSnapshot,
     Phase,
+    RunSample,
     RunValidation,
     Session,
     StartReplica,
     WorkerFatal,
 )
 from eggroll_dist.worker.session import Send as WorkerSend
+from eggroll_dist.worker.train import TrainingSamples
 
 # 16 members in 2 chunks of 8; validation only when a test asks for it.
 CFG = RunConfig(
@@ -202,6 +208,10 @@ class Worker:
                 case RunValidation(step=step):
                     assert r.backend is not None
                     self.carry_out(self.session.validated(step, r.backend.validate(), 0.001))
+                case RunSample(request=request):
+                    assert r.backend is not None
+                    prompt, text = write_sample(r.backend.state, r.dataset, request)
+                    self.carry_out(self.session.sampled(request, prompt, text, 0.001))
 
     def _evaluate(self, job: Job) -> None:
         assert self.replica.backend is not None
@@ -739,6 +749,159 @@ def test_validate_for_a_step_the_replica_has_left_gets_no_answer(
     assert w.replica.step == 1
     assert w.session.receive(Validate(0)) == []
     assert w.session.receive(Validate(1)) == [RunValidation(1)]
+
+
+# --- Samples while training ---------------------------------------------------------------
+
+
+def sample_texts(w: Worker) -> list[SampleText]:
+    return [m for m in w.sent if isinstance(m, SampleText)]
+
+
+def two_busy_workers(net: Network) -> list[Worker]:
+    """Two workers in the run from step 0, each holding one of a step's two chunks."""
+    busy = []
+    for name in ("busy-1", "busy-2"):
+        busy.append(net.join(name))
+        net.run()
+    return busy
+
+
+def what_eggroll_sample_writes(store: RunStore, dataset: Dataset, step: int) -> tuple[str, str]:
+    """The text `eggroll-sample SAVE_DIR --step S --seed S` writes, escaped to one line."""
+    state = replay(
+        ReplicaState.initial(CFG),
+        [unpack_ternary(p, CFG.pairs) for p in store.fitness_log.read(0, step)],
+    )
+    prompt, text = TrainingSamples(0, dataset.valid, dataset.decoding).write(state)
+    return escape(prompt, keep_newlines=False), escape(text, keep_newlines=False)
+
+
+def test_the_sample_is_asked_of_a_waiting_worker_not_the_busy_ones(
+    store: RunStore, dataset: Dataset
+) -> None:
+    with structlog.testing.capture_logs() as events:
+        net = Network(store, dataset, sample_every=1)
+        busy = two_busy_workers(net)
+        net.train(1)  # step 1 wants a sample; its two chunks are held by the busy workers
+        net.run()
+        assert all(w.busy() for w in busy)
+        assert not any(isinstance(m, Sample) for w in busy for m in w.got)
+        idle = net.join("idle")
+        net.run()
+    assert idle.session.phase is Phase.WAITING  # told to WAIT, and asked to write meanwhile
+    (asked,) = [m for m in idle.got if isinstance(m, Sample)]
+    assert (asked.step, asked.seed, asked.prompt_index) == (1, 1, 0)
+    assert (asked.prompt_tokens, asked.new_tokens) == (32, 64)
+    assert (asked.temperature, asked.min_p, asked.presence_penalty) == (600, 80, 200)
+    (answer,) = sample_texts(idle)
+    assert (answer.step, answer.seed) == (1, 1) and answer.text
+    prompt, text = what_eggroll_sample_writes(store, dataset, 1)
+    latest = net.core.latest_sample
+    assert latest == {"step": 1, "worker": "idle", "prompt": prompt, "text": text}
+    (logged,) = [e for e in events if e["event"] == SAMPLE]
+    assert set(EVENT_FIELDS[SAMPLE]) <= logged.keys() and logged["text"] == text
+    assert net.core.metrics.sample._value["step"] == "1"
+
+
+def test_the_only_worker_is_asked_after_its_chunk(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, sample_every=2)
+    w = net.join("only")
+    net.train(2)
+    net.run()
+    assert w.busy() and not sample_texts(w)  # asked with its chunk of step 2, still on it
+    assert kinds(w.got[-2:]) == ["JOB", "SAMPLE"]
+    net.train(1)
+    (answer,) = sample_texts(w)
+    assert answer.step == 2
+    first = w.sent.index(answer)
+    assert any(isinstance(m, Result) and m.step == 2 for m in w.sent[:first])  # chunk first
+    assert net.core.latest_sample is not None and net.core.latest_sample["step"] == 2
+    net.train(1)  # step 3: no sample due
+    assert len(sample_texts(w)) == 1
+
+
+def test_a_sample_asked_of_a_worker_that_leaves_is_asked_of_another(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset, sample_every=1)
+    w = net.join("only")
+    net.train(1)
+    net.run()
+    assert net.core.sample_asked == (w.peer, 1)
+    w.close("gone")
+    other = net.join("other")
+    net.train(1)
+    assert [m.step for m in sample_texts(other)][:1] == [1]
+    assert net.core.latest_sample is not None and net.core.latest_sample["worker"] == "other"
+
+
+def test_the_run_ends_after_the_final_steps_sample(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, sample_every=2, max_steps=2)
+    w = net.join("only")
+    net.train(2)
+    net.run()
+    core = net.core
+    assert core.done and core.latest_sample is not None and core.latest_sample["step"] == 2
+    core.sample_asked = (w.peer, 2)  # as if its answer were still on its way
+    assert not core.done
+    core.receive(w.peer, SampleText(2, 2, b"prompt", b"text"))
+    assert core.done
+
+
+def test_only_the_asked_worker_for_the_asked_step_writes_the_sample(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset, sample_every=1)
+    busy = two_busy_workers(net)
+    net.train(1)
+    net.run()
+    core = net.core
+    core.receive(busy[0].peer, SampleText(1, 1, b"forged", b"text"))  # not asked
+    assert core.latest_sample is None
+    idle = net.join("idle")
+    net.run()
+    assert core.latest_sample is not None
+    core.receive(idle.peer, SampleText(1, 1, b"again", b"text"))  # answered already
+    core.receive(idle.peer, SampleText(0, 0, b"old", b"text"))
+    assert core.latest_sample["prompt"] != "again"
+
+
+def test_sample_text_is_logged_on_one_line_without_control_characters(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset, sample_every=1)
+    w = net.join("only")
+    net.train(1)
+    net.run()
+    assert net.core.sample_asked == (w.peer, 1)
+    net.core.receive(w.peer, SampleText(1, 1, b"a\nb", b"\x1b]0;title\x07\x9b2J\xff\r\n"))
+    latest = net.core.latest_sample
+    assert latest is not None and latest["prompt"] == f"a{NEWLINE_MARK}b"
+    assert latest["text"].isprintable() and NEWLINE_MARK in latest["text"]
+    assert "\ufffd" in latest["text"]  # bytes that are not UTF-8
+
+
+def test_a_sample_for_a_step_the_replica_has_left_gets_no_answer(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    net.join("first")
+    net.train(1)
+    w = idle_worker(net)
+    assert w.replica.step == 1
+    stale = Sample(0, 0, 0, 32, 64, 600, 80, 0, 200, 0)
+    current = Sample(1, 1, 0, 32, 64, 600, 80, 0, 200, 0)
+    assert w.session.receive(stale) == []
+    assert w.session.receive(current) == [RunSample(current)]
+
+
+def test_no_samples_unless_asked_for(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    a, b = net.join("a"), net.join("b")
+    net.train(3)
+    net.run()
+    assert not any(isinstance(m, Sample) for w in (a, b) for m in w.got)
 
 
 def test_heartbeats_change_nothing_and_shutdown_is_not_permanent(

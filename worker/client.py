@@ -290,6 +290,10 @@ class _Link:
                 case flow.RunValidation(step=step):
                     score = await replica.validate()
                     await self._carry_out(session.validated(step, score, time.monotonic() - t0))
+                case flow.RunSample(request=request):
+                    prompt, text = await replica.sample(request)
+                    seconds = time.monotonic() - t0
+                    await self._carry_out(session.sampled(request, prompt, text, seconds))
 
     # --- I/O ---------------------------------------------------------------------------
 

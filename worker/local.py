@@ -24,8 +24,9 @@ import click
 from ..shared.cli import config_options
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
-from ..shared.logs import LISTENING, SHOWN_EVENTS, STEP
+from ..shared.logs import LISTENING, SAMPLE, SHOWN_EVENTS, STEP
 from ..shared.replica import load_checkpoint
+from ..shared.vocab import escape
 from .backend import get_backend
 from .prepare import builtin_documents, builtin_source, prepare_data_dir
 
@@ -74,6 +75,14 @@ class CoordinatorProcess:
                         f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
                         f"requeued {event['requeued']}"
                     )
+                elif event.get("event") == SAMPLE:
+                    # Escaped by the coordinator already; again here, as it costs nothing.
+                    prompt, text = (
+                        escape(event[k], keep_newlines=False) for k in ("prompt", "text")
+                    )
+                    click.echo(f"sample at step {event['step']} by {event['worker']}")
+                    click.echo(f"  prompt: {prompt}")
+                    click.echo(f"  text:   {text}")
                 elif (
                     event.get("level") in ("warning", "error") or event.get("event") in SHOWN_EVENTS
                 ):
@@ -142,6 +151,13 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
 )
 @click.option("--snapshot-every", default=100, show_default=True, type=click.IntRange(min=0))
 @click.option(
+    "--sample-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Print a sample of the model's writing every N steps (0: never).",
+)
+@click.option(
     "--metrics-port",
     default=12346,
     show_default=True,
@@ -157,6 +173,7 @@ def main(
     save_dir: Path,
     data_dir: Path,
     snapshot_every: int,
+    sample_every: int,
     metrics_port: int,
     summary_json: Path | None,
 ) -> None:
@@ -187,6 +204,8 @@ def main(
         str(steps),
         "--snapshot-every",
         str(snapshot_every),
+        "--sample-every",
+        str(sample_every),
         "--metrics-port",
         str(metrics_port),
         "--log-format",

@@ -32,6 +32,8 @@ from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.model import EggGenerator
 from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint, replay
 from ..shared.sample import (
+    NEW_TOKENS,
+    PROMPT_TOKENS,
     SampleError,
     SampleSettings,
     fit_prompt,
@@ -43,8 +45,6 @@ from ..shared.vocab import BYTE_VOCAB_SIZE, Detokenizer, VocabError, decode, enc
 from ..shared.vocab import escape as escape_text
 from ..shared.window import held_out_prompt
 
-PROMPT_TOKENS = 32  # held-out prompt length, as d-eggs
-NEW_TOKENS = 64
 MAX_PROMPT_FILE_BYTES = 1 << 20  # only the last `context` tokens are used anyway
 
 

@@ -3,8 +3,9 @@
 No asyncio, no sockets, no backend calls. `Session` reads the replica through `ReplicaView`
 (plain attributes) and answers every event with a list of commands for the shell
 (`client.py`) to carry out in order: send a message, evaluate a job, apply steps, drop or
-start the replica, decode or install a snapshot, export one, validate. A command's result
-comes back as a call (`evaluated`, `snapshot_decoded`, `validated`), which may return more
+start the replica, decode or install a snapshot, export one, validate, write a sample. A
+command's result comes back as a call (`evaluated`, `snapshot_decoded`, `validated`,
+`sampled`), which may return more
 commands. The shell carries out one command at a time, so the session never sees a message
 while a command of its own is in flight.
 
@@ -59,6 +60,8 @@ from ..protocol import (
     Message,
     MsgType,
     Result,
+    Sample,
+    SampleText,
     SnapshotChunk,
     SnapshotRequest,
     Step,
@@ -91,6 +94,7 @@ __all__ = [
     "PeerViolation",
     "Phase",
     "ReplicaView",
+    "RunSample",
     "RunValidation",
     "Send",
     "Session",
@@ -210,6 +214,14 @@ class RunValidation:
     step: int
 
 
+@dataclass(frozen=True)
+class RunSample:
+    """Write the sample asked for with the unperturbed replica; then
+    `sampled(request, prompt, text, seconds)`."""
+
+    request: Sample
+
+
 Command = (
     Send
     | Evaluate
@@ -220,6 +232,7 @@ Command = (
     | InstallSnapshot
     | ExportSnapshot
     | RunValidation
+    | RunSample
 )
 
 
@@ -415,6 +428,15 @@ class Session:
             seconds=round(seconds, 3),
         )
         return [Send(Validation(step, v.tokens, v.loss_16, v.bits_per_token))]
+
+    def sampled(self, request: Sample, prompt: bytes, text: bytes, seconds: float) -> list[Command]:
+        log.info(
+            "sample written",
+            step=request.step,
+            tokens=request.new_tokens,
+            seconds=round(seconds, 3),
+        )
+        return [Send(SampleText(request.step, request.seed, prompt, text))]
 
     # --- handshake -------------------------------------------------------------------------
 
@@ -614,6 +636,11 @@ class Session:
         """Score the replica if it is still at the asked step (SPEC §8); else no answer."""
         return [RunValidation(msg.step)] if msg.step == self.replica.step else []
 
+    def _on_sample(self, msg: Sample) -> list[Command]:
+        """Write the sample if the replica is still at the asked step (SPEC §8); else no
+        answer: the text of another step is not what was asked for."""
+        return [RunSample(msg)] if msg.step == self.replica.step else []
+
     def _ignore(self, msg: Message) -> list[Command]:
         return []
 
@@ -674,6 +701,7 @@ _RUNNING: dict[MsgType, Handler] = {
     MsgType.SNAPSHOT_REQUEST: Session._on_snapshot_request,
     MsgType.SNAPSHOT_CHUNK: Session._stray_chunk,
     MsgType.VALIDATE: Session._on_validate,
+    MsgType.SAMPLE: Session._on_sample,
 }  # type: ignore[dict-item]
 _TABLE: dict[Phase, dict[MsgType, Handler]] = {
     Phase.HELLO_SENT: {MsgType.CHALLENGE: Session._on_challenge},  # type: ignore[dict-item]
@@ -686,6 +714,7 @@ _TABLE: dict[Phase, dict[MsgType, Handler]] = {
         MsgType.FITNESS_RANGE: Session._ignore_range,
         MsgType.SNAPSHOT_REQUEST: Session._on_snapshot_request,
         MsgType.VALIDATE: Session._ignore,
+        MsgType.SAMPLE: Session._ignore,
     },  # type: ignore[dict-item]
     Phase.IDLE: _RUNNING,
     Phase.CATCHING_UP: _RUNNING,

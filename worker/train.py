@@ -27,34 +27,44 @@ from ..shared.fitness_log import FitnessLog
 from ..shared.logs import configure_logging
 from ..shared.model import EggGenerator
 from ..shared.replica import ReplicaState, save_checkpoint
-from ..shared.sample import SampleSettings, fit_prompt, generate
+from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
 from ..shared.vocab import decode, escape
 from ..shared.window import held_out_prompt
 from .backend import Backend, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
-SAMPLE_PROMPT_TOKENS = 32
-SAMPLE_NEW_TOKENS = 64
-
 
 @dataclass(frozen=True)
 class TrainingSamples:
-    """Every `every` steps, the unperturbed model continues held-out document 0 with seed =
-    step: `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
+    """Every `every` steps (0: only when asked, as a worker is by SAMPLE), the unperturbed
+    model continues a held-out document, by default document 0 with seed = step:
+    `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
 
     every: int
     valid: np.ndarray
     pieces: list[bytes]
     settings: SampleSettings = field(default_factory=SampleSettings)
 
+    def tokens(
+        self,
+        state: ReplicaState,
+        seed: int | None = None,
+        document: int = 0,
+        prompt_tokens: int = PROMPT_TOKENS,
+        new_tokens: int = NEW_TOKENS,
+    ) -> tuple[list[int], list[int]]:
+        """(kept prompt, continuation) as token ids; the seed defaults to the state's step."""
+        model = EggGenerator(state.config, state.params)
+        prompt = held_out_prompt(self.valid, document, min(prompt_tokens, model.context))
+        kept = fit_prompt(prompt, model.context, model.vocab_size)
+        seed = state.step if seed is None else seed
+        return kept, list(generate(model, kept, new_tokens, self.settings, seed=seed))
+
     def write(self, state: ReplicaState) -> tuple[str, str]:
         """(prompt, continuation) as text, unescaped."""
-        model = EggGenerator(state.config, state.params)
-        prompt = held_out_prompt(self.valid, 0, min(SAMPLE_PROMPT_TOKENS, model.context))
-        kept = fit_prompt(prompt, model.context, model.vocab_size)
-        out = generate(model, kept, SAMPLE_NEW_TOKENS, self.settings, seed=state.step)
-        return decode(kept, self.pieces), decode(list(out), self.pieces)
+        kept, out = self.tokens(state)
+        return decode(kept, self.pieces), decode(out, self.pieces)
 
 
 @dataclass
