@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..shared.cli import command
 from ..shared.config import ConfigError, from_dict
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.replica import CheckpointError, load_checkpoint
@@ -62,7 +63,7 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--last", default=5, show_default=True, help="How many recent digests to show.")

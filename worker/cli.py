@@ -21,7 +21,7 @@ import structlog
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, client_tls_context, load_token
-from ..shared.cli import log_format_option
+from ..shared.cli import command, log_format_option, threads_option
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
@@ -72,7 +72,7 @@ async def _serve(client: WorkerClient) -> None:
     await client.run()
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.argument("coordinator", metavar="HOST[:PORT]", envvar="EGGROLL_COORDINATOR")
 @click.option(
     "--port",
@@ -86,8 +86,8 @@ async def _serve(client: WorkerClient) -> None:
 @click.option(
     "--data-dir",
     type=click.Path(path_type=Path),
-    default=Path("."),
-    show_default="the current directory",
+    default=Path("data"),
+    show_default=True,
     envvar="EGGROLL_DATA_DIR",
     show_envvar=True,
     help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
@@ -158,6 +158,7 @@ async def _serve(client: WorkerClient) -> None:
     show_envvar=True,
     help="Longest wait between reconnect attempts, in seconds.",
 )
+@threads_option
 def main(
     coordinator: str,
     port: int,
@@ -171,6 +172,7 @@ def main(
     log_format: str,
     batch_members: int,
     max_retry_s: float,
+    threads: int | None,
 ) -> None:
     """Serve the coordinator at HOST[:PORT]: evaluate chunks, apply every committed step.
 
@@ -198,7 +200,7 @@ def main(
     except (TokenError, OSError, ValueError) as exc:
         raise RefusedError(str(exc)) from None
     try:
-        factory = get_backend(backend, batch_members)
+        factory = get_backend(backend, batch_members, threads)
         dataset = load_data_dir(data_dir)
     except (BackendUnavailable, DataError) as exc:
         error = click.ClickException(str(exc))
@@ -220,6 +222,7 @@ def main(
         coordinator=f"{host}:{port}",
         backend=factory.name,
         device=factory.device,
+        threads=factory.threads,
         data_dir=str(data_dir),
         data_sha256=dataset.digest.hex()[:16],
         vocab=dataset.meta.vocab_size,

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import click
 
+from ..shared.cli import command
 from ..shared.data import (
     BYTE_VOCAB_SIZE,
     DECODING_FILE,
@@ -300,7 +301,7 @@ def _progress(line: str) -> None:
     click.echo(line, err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@command(group=True)
 def main() -> None:
     """Build and inspect eggroll data directories (input.bin, valid.bin, decoding.bin,
     meta.json)."""

@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 
 from ..protocol.ternary import pack_ternary
-from ..shared.cli import config_options, log_format_option
+from ..shared.cli import command, config_options, log_format_option, threads_option
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
@@ -30,7 +30,7 @@ from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import SampleSettings, fit_prompt, generate
 from ..shared.vocab import decode, escape
 from ..shared.window import held_out_prompt
-from .backend import Backend, Validation, get_backend
+from .backend import Backend, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
@@ -161,12 +161,13 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option(
     "--data-dir",
-    required=True,
+    default=Path("data"),
+    show_default=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Directory with input.bin, valid.bin, decoding.bin, meta.json.",
+    help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
 )
 @config_options()
 @click.option(
@@ -195,6 +196,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     help="Log a sample of the model's writing every N steps (0 = never).",
 )
 @log_format_option
+@threads_option
 def main(
     data_dir: Path,
     preset_name: str | None,
@@ -204,13 +206,15 @@ def main(
     save_dir: Path | None,
     sample_every: int,
     log_format: str,
+    threads: int | None,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
     configure_logging(log_format)
     try:
         cfg = resolve_config(preset_name, config_path)
         dataset = load_data_dir(data_dir)
-    except (ConfigError, DataError) as exc:
+        factory = get_backend("numpy", threads=threads)
+    except (ConfigError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     if dataset.meta.vocab_size != cfg.model.vocab_size:
         raise click.ClickException(
@@ -234,9 +238,10 @@ def main(
         layers=cfg.model.n_layer,
         width=cfg.model.d_model,
         steps=steps,
+        threads=factory.threads,
         config_digest=cfg.digest().hex()[:16],
     )
-    backend = get_backend("numpy").build(dataset, ReplicaState.initial(cfg))
+    backend = factory.build(dataset, ReplicaState.initial(cfg))
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
     result = train(cfg, backend, steps, fitness_log, samples)
     if save_dir is not None:
