@@ -3,9 +3,11 @@
 Every option can also be set from the environment (EGGROLL_PORT, EGGROLL_DATA_DIR,
 EGGROLL_BACKEND, EGGROLL_NAME, EGGROLL_TOKEN, EGGROLL_LOG_FORMAT, EGGROLL_BATCH_MEMBERS,
 EGGROLL_MAX_RETRY_S), and the coordinator address from EGGROLL_COORDINATOR, which suits
-service files and containers. Exit codes: 0 after SIGINT/SIGTERM, 1 for a local problem
-(missing data, bad option), 2 when the coordinator refuses the worker for good (wrong
-token, other data, other protocol version, a config it cannot run).
+service files and containers. Exit codes: 0 after SIGINT/SIGTERM or when the run is
+complete, 1 for a local problem (missing data, bad option), 2 when the coordinator refuses
+the worker for good (wrong token, other data, other protocol version, a config it cannot
+run) or cannot be found (a host name that does not resolve, a port that is not a
+coordinator's).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
 from .client import WorkerClient, WorkerFatal, default_worker_name
+from .session import RunFinished
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -231,6 +234,9 @@ def main(
         asyncio.run(_serve(client))
     except WorkerFatal as exc:
         raise RefusedError(str(exc)) from None
+    except RunFinished as exc:
+        log.info("stopped", reason=str(exc))
+        return
     except KeyboardInterrupt:
         pass  # platforms without loop signal handlers: Ctrl-C is a normal stop too
     log.info("stopped")
