@@ -198,14 +198,14 @@ def main(
     threads: int | None,
 ) -> None:
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
+    if steps is not None and more is not None:
+        raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
     try:
         cfg = resolve_config(preset_name, config_path)
         _ensure_data(data_dir)
         dataset = load_data_dir(data_dir)
     except (ConfigError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
-    if steps is not None and more is not None:
-        raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
     done = _committed_steps(save_dir)
     steps = done + more if more is not None else steps or cfg.steps
     if done >= steps:
