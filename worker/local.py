@@ -27,6 +27,7 @@ from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.logs import LISTENING, SHOWN_EVENTS, STEP
 from ..shared.replica import load_checkpoint
+from ..shared.window import data_too_short
 from .backend import get_backend
 from .prepare import builtin_documents, builtin_source, prepare_data_dir
 
@@ -206,6 +207,9 @@ def main(
         dataset = load_data_dir(data_dir)
     except (ConfigError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
+    short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
+    if short is not None:
+        raise click.ClickException(f"data in {data_dir}: {short}")
     done = _committed_steps(save_dir)
     steps = done + more if more is not None else steps or cfg.steps
     if done >= steps:

@@ -29,7 +29,7 @@ from ..shared.model import EggGenerator
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import SampleSettings, fit_prompt, generate
 from ..shared.vocab import decode, escape
-from ..shared.window import held_out_prompt
+from ..shared.window import data_too_short, held_out_prompt
 from .backend import Backend, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
@@ -221,6 +221,9 @@ def main(
             f"data in {data_dir} has vocabulary {dataset.meta.vocab_size}, the model expects "
             f"{cfg.model.vocab_size}"
         )
+    short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
+    if short is not None:
+        raise click.ClickException(f"data in {data_dir}: {short}")
     steps = steps or cfg.steps
     fitness_log = None
     if save_dir is not None:
