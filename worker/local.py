@@ -332,6 +332,7 @@ def _summarise(
     }
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
     click.echo(
         f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
         f"held-out {validation.bits_per_token:.3f} bits/token (unigram {base['unigram']:.3f}, "

@@ -66,6 +66,7 @@ class TrainResult:
     curve: list[dict[str, Any]] = field(default_factory=list)  # validations
     samples: list[dict[str, Any]] = field(default_factory=list)  # step, prompt, text
     train_loss: list[float] = field(default_factory=list)  # bits per token per step
+    step_seconds: list[float] = field(default_factory=list)
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
 
 
@@ -121,6 +122,7 @@ def train(
         changed = backend.apply_step(fitness)
         dt = time.perf_counter() - t0
         result.train_seconds += dt
+        result.step_seconds.append(dt)
         result.member_tokens += tokens_per_step
         result.fitness.append(packed)
         bits = loss_sum / 16 / tokens_per_step
@@ -158,6 +160,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         "member_tokens_per_second": result.member_tokens / max(result.train_seconds, 1e-9),
         "seconds": result.seconds,
         "curve": result.curve,
+        "step_seconds": [round(t, 4) for t in result.step_seconds],
     }
 
 
@@ -252,6 +255,8 @@ def main(
     summary = _summary(cfg, preset_name, result, dataset.meta)
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    if save_dir is not None:  # for eggroll-inspect
+        (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     base = dataset.meta.baselines
     click.echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
