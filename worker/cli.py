@@ -72,7 +72,16 @@ async def _serve(client: WorkerClient) -> None:
         # Not on every platform; there Ctrl-C arrives as KeyboardInterrupt instead.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig.name)
-    await client.run()
+    try:
+        await client.run()
+    finally:
+        # The worker is ending (a finished run, a stop, an error): a stop signal now, such
+        # as a launcher stopping every worker as the run ends, must not kill the exit with
+        # status 143. Closing the loop would restore the default action; ignore it instead.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
 
 
 @command()
