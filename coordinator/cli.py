@@ -17,7 +17,7 @@ from ..protocol.security import (
     new_token,
     server_tls_context,
 )
-from ..shared.cli import config_options, log_format_option
+from ..shared.cli import command, config_options, log_format_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
@@ -71,9 +71,7 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
         uvloop.run(serve())
 
 
-@click.command(
-    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "EGGROLL"}
-)
+@command()
 @click.option(
     "--save-dir",
     default=None,

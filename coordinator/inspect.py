@@ -9,10 +9,78 @@ from typing import Any
 
 import click
 
-from ..shared.config import ConfigError, from_dict
+from ..shared.cli import command
+from ..shared.config import PRESETS, ConfigError, RunConfig, from_dict
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.replica import CheckpointError, load_checkpoint
 from .store import StoreError, read_digests
+
+
+def preset_of(config: RunConfig) -> str | None:
+    """The preset whose config this is, or None for any other config."""
+    digest = config.digest()
+    return next((name for name, cfg in PRESETS.items() if cfg.digest() == digest), None)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    """The JSON log lines of `path` that parse (a log may end in a torn line)."""
+    events = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+    return events
+
+
+def history(save_dir: Path) -> dict[str, Any]:
+    """Train loss, held-out bits and step times, from what the save dir keeps of them: the
+    summary eggroll-train writes, or the coordinator log eggroll-local keeps. None where
+    neither is there (a coordinator started by hand logs them to its stderr only)."""
+    found: dict[str, Any] = {
+        "source": None,
+        "train_loss_bits": None,
+        "valid_bits_per_token": None,
+        "valid_step": None,
+        "step_s_mean": None,
+        "step_s_last": None,
+        "steps_timed": 0,
+    }
+    summary, log = save_dir / "summary.json", save_dir / "logs" / "coordinator.log"
+    sources, times = [], []
+    try:
+        if log.is_file():  # eggroll-local: every step, and the coordinator's validations
+            events = _events(log)
+            steps = [e for e in events if e.get("event") == "step"]
+            valid = [e for e in events if e.get("event") == "validation"]
+            times = [float(e["step_s"]) for e in steps if "step_s" in e]
+            sources.append(f"logs/{log.name}")
+            if steps:
+                found.update(train_loss_bits=steps[-1].get("loss_bits"))
+            if valid:
+                found.update(valid_bits_per_token=valid[-1].get("valid_bits"))
+                found.update(valid_step=valid[-1].get("step"))
+        if summary.is_file():  # eggroll-train, or eggroll-local's final held-out score
+            data = json.loads(summary.read_text())
+            sources.append(summary.name)
+            times = [float(t) for t in data.get("step_seconds", [])] or times
+            if data.get("train_loss_bits") is not None:
+                found.update(train_loss_bits=data["train_loss_bits"])
+            if data.get("valid_bits_per_token") is not None:
+                found.update(valid_bits_per_token=data["valid_bits_per_token"])
+                found.update(valid_step=data.get("steps"))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        found.update(source=f"unreadable: {exc}")
+        return found
+    found.update(source=" + ".join(sources) or None)
+    if times:
+        found.update(
+            step_s_mean=sum(times) / len(times), step_s_last=times[-1], steps_timed=len(times)
+        )
+    return found
 
 
 def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
@@ -50,6 +118,7 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
     return {
         "save_dir": str(save_dir),
         "run_id": run.get("run_id"),
+        "preset": preset_of(config),
         "config_digest": config.digest().hex(),
         "data_digest": run.get("data_digest"),
         "step": steps,
@@ -59,10 +128,34 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
         "snapshots": snapshots,
         "log_ok": log_ok,
         "log_error": log_error,
+        "history": history(save_dir),
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+def _number(value: Any, form: str) -> str:
+    return "unknown" if value is None else format(value, form)
+
+
+def _history_line(info: dict[str, Any]) -> str:
+    h = info["history"]
+    head = f"preset {info['preset'] or 'none (own config)'}"
+    if h["source"] is None:
+        return (
+            f"{head}; train loss, held-out bits and step times unknown: the save dir keeps "
+            "none (eggroll-train and eggroll-local keep them; a coordinator logs them to stderr)"
+        )
+    valid = _number(h["valid_bits_per_token"], ".3f")
+    if h["valid_step"] is not None:
+        valid += f" (step {h['valid_step']})"
+    return (
+        f"{head}; last train loss {_number(h['train_loss_bits'], '.3f')} bits/token, "
+        f"held-out {valid} bits/token, step time {_number(h['step_s_mean'], '.2f')} s mean "
+        f"/ {_number(h['step_s_last'], '.2f')} s last over {h['steps_timed']} steps "
+        f"(from {h['source']})"
+    )
+
+
+@command()
 @click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--last", default=5, show_default=True, help="How many recent digests to show.")
@@ -76,6 +169,7 @@ def main(save_dir: Path, as_json: bool, last: int) -> None:
             f"run {info['run_id']}  config {info['config_digest'][:16]}  "
             f"data {str(info['data_digest'])[:16]}"
         )
+        click.echo(_history_line(info))
         state = "ok" if info["log_ok"] else f"BROKEN: {info['log_error']}"
         click.echo(f"steps committed: {info['step']}  fitness log: {state}")
         click.echo(f"replica digest after step {info['step']}: {info['replica_digest'] or '?'}")

@@ -32,6 +32,7 @@ from ..protocol import (
     Role,
     SnapshotChunk,
 )
+from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING
@@ -177,7 +178,7 @@ class Coordinator:
             return
         if not self.core.finished and self.store.latest_snapshot != self.step:
             await self._final_snapshot(timeout_s=10.0)
-        message = "run complete" if self.core.finished else "coordinator shutting down"
+        message = RUN_COMPLETE if self.core.finished else "coordinator shutting down"
         for link in list(self.links.values()):
             with contextlib.suppress(Exception):
                 link.writer.write(link.conn.send_error(ErrorCode.SHUTTING_DOWN, message))

@@ -38,6 +38,11 @@ class ErrorCode(IntEnum):
     BUSY = 15  # the coordinator serves no more connections (from this address): retry later
 
 
+# The message of the SHUTTING_DOWN error that ends a run which reached its last step: the
+# worker stops for good instead of reconnecting.
+RUN_COMPLETE = "run complete"
+
+
 class ProtocolError(Exception):
     """A violation of the wire protocol; `error_code` says which kind."""
 

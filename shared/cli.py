@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import click
 
@@ -46,4 +47,56 @@ def log_format_option(f: F) -> F:
         envvar="EGGROLL_LOG_FORMAT",
         show_envvar=True,
         help="auto: text on a terminal, JSON lines otherwise.",
+    )(f)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("eggroll-distributed")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _EnvCommand(click.Command):
+    """A command whose every option without an explicit variable reads EGGROLL_<FLAG> (so
+    --data-dir reads EGGROLL_DATA_DIR), and whose --help names each variable."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, click.Option) and param.expose_value:
+                long = [o for o in param.opts if o.startswith("--")]
+                if param.envvar is None and long:  # named after the flag: --data-dir
+                    param.envvar = "EGGROLL_" + long[0][2:].replace("-", "_").upper()
+                param.show_envvar = True
+
+
+class _EnvGroup(click.Group):
+    command_class = _EnvCommand
+
+
+def command(group: bool = False) -> Callable[[F], Any]:
+    """`click.command` (or group) of every eggroll command: -h/--help, --version, and each
+    option also from an EGGROLL_* variable shown in --help."""
+
+    def decorate(f: F) -> Any:
+        f = click.version_option(_version(), "--version", message="%(prog)s %(version)s")(f)
+        return click.command(
+            cls=_EnvGroup if group else _EnvCommand,
+            context_settings={"help_option_names": ["-h", "--help"]},
+        )(f)
+
+    return decorate
+
+
+def threads_option(f: F) -> F:
+    """`--threads N` (passed as threads): CPU threads of the NumPy backend."""
+    return click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=None,
+        envvar="EGGROLL_THREADS",
+        show_envvar=True,
+        show_default="usable cores / EGGROLL_WORKERS_PER_HOST",
+        help="BLAS threads of the NumPy backend (per worker).",
     )(f)

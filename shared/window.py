@@ -43,3 +43,22 @@ def held_out_prompt(valid: np.ndarray, index: int, length: int) -> list[int]:
     window = valid[first : first + length]
     end = np.flatnonzero(window == 0)
     return [int(t) for t in window[: end[0] if len(end) else length]]
+
+
+def data_too_short(cfg: RunConfig, train_tokens: int, valid_tokens: int) -> str | None:
+    """Why splits of these sizes cannot feed `cfg`'s windows (one line), or None."""
+    need = cfg.es.seq_len + 1
+    splits = (("train", train_tokens), ("valid", valid_tokens))
+    short = [f"the {name} split has {n:,} tokens" for name, n in splits if n < need]
+    if not short:
+        return None
+    return (
+        f"{' and '.join(short)}; windows of seq_len {cfg.es.seq_len} need at least {need:,} "
+        "in each: prepare more text"
+    )
+
+
+def step_tokens(cfg: RunConfig) -> int:
+    """Tokens one step's windows read: a train split shorter than this is read over and over
+    within every step, and the model learns it by heart."""
+    return cfg.pairs * (cfg.es.seq_len + 1)

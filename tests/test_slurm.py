@@ -381,6 +381,23 @@ def workers_stopped_cleanly(job: Job, node: str) -> None:
         ), log
 
 
+def workers_finished_with_the_run(job: Job, node: str) -> None:
+    """The run reached its last step: each worker stopped by itself, or on the SIGTERM the
+    batch script sends once the coordinator has exited (whichever came first), all with 0."""
+    log = job.text()
+    assert job.joined() and job.joined() <= {f"{node}-gpu0", f"{node}-gpu1"}, log
+    assert "exit status 143" not in log and "exit code" not in log, log
+    assert (
+        "coordinator exited with status 0; stopping the workers" in log
+        or "every worker exited with status 0" in log
+    ), log
+    for gpu in ("gpu0", "gpu1"):
+        assert any(
+            line.startswith(f"0: [{gpu}] ") and '"event": "stopped"' in line
+            for line in log.splitlines()
+        ), log
+
+
 def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_eggroll_train(
     cluster: Cluster, words_data: Path, tmp_path: Path
 ) -> None:
@@ -431,8 +448,7 @@ def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_
     workers_stopped_cleanly(first, cluster.node)
     resumed = [e for e in second.events() if e.get("event") == "listening"]
     assert resumed and resumed[0]["step"] == stopped_at, second.text()
-    assert "coordinator exited with status 0; stopping the workers" in second.text()
-    workers_stopped_cleanly(second, cluster.node)
+    workers_finished_with_the_run(second, cluster.node)
 
     # The token was in both commands' environment, on no command line, in no output.
     assert watch.with_token == {"eggroll-coordinator", "eggroll-worker"}

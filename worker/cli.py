@@ -3,9 +3,11 @@
 Every option can also be set from the environment (EGGROLL_PORT, EGGROLL_DATA_DIR,
 EGGROLL_BACKEND, EGGROLL_NAME, EGGROLL_TOKEN, EGGROLL_LOG_FORMAT, EGGROLL_BATCH_MEMBERS,
 EGGROLL_MAX_RETRY_S), and the coordinator address from EGGROLL_COORDINATOR, which suits
-service files and containers. Exit codes: 0 after SIGINT/SIGTERM, 1 for a local problem
-(missing data, bad option), 2 when the coordinator refuses the worker for good (wrong
-token, other data, other protocol version, a config it cannot run).
+service files and containers. Exit codes: 0 after SIGINT/SIGTERM or when the run is
+complete, 1 for a local problem (missing data, bad option), 2 when the coordinator refuses
+the worker for good (wrong token, other data, other protocol version, a config it cannot
+run) or cannot be found (a host name that does not resolve, a port that is not a
+coordinator's).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import structlog
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, client_tls_context, load_token
-from ..shared.cli import log_format_option
+from ..shared.cli import command, log_format_option, threads_option
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
 from .client import WorkerClient, WorkerFatal, default_worker_name
+from .session import RunFinished
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -72,10 +75,19 @@ async def _serve(client: WorkerClient) -> None:
         # Not on every platform; there Ctrl-C arrives as KeyboardInterrupt instead.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig.name)
-    await client.run()
+    try:
+        await client.run()
+    finally:
+        # The worker is ending (a finished run, a stop, an error): a stop signal now, such
+        # as a launcher stopping every worker as the run ends, must not kill the exit with
+        # status 143. Closing the loop would restore the default action; ignore it instead.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.argument("coordinator", metavar="HOST[:PORT]", envvar="EGGROLL_COORDINATOR")
 @click.option(
     "--port",
@@ -89,8 +101,8 @@ async def _serve(client: WorkerClient) -> None:
 @click.option(
     "--data-dir",
     type=click.Path(path_type=Path),
-    default=Path("."),
-    show_default="the current directory",
+    default=Path("data"),
+    show_default=True,
     envvar="EGGROLL_DATA_DIR",
     show_envvar=True,
     help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
@@ -161,6 +173,7 @@ async def _serve(client: WorkerClient) -> None:
     show_envvar=True,
     help="Longest wait between reconnect attempts, in seconds.",
 )
+@threads_option
 def main(
     coordinator: str,
     port: int,
@@ -174,6 +187,7 @@ def main(
     log_format: str,
     batch_members: int,
     max_retry_s: float,
+    threads: int | None,
 ) -> None:
     """Serve the coordinator at HOST[:PORT]: evaluate chunks, apply every committed step.
 
@@ -201,7 +215,7 @@ def main(
     except (TokenError, OSError, ValueError) as exc:
         raise RefusedError(str(exc)) from None
     try:
-        factory = get_backend(backend, batch_members)
+        factory = get_backend(backend, batch_members, threads)
         dataset = load_data_dir(data_dir)
     except (BackendUnavailable, DataError) as exc:
         error = click.ClickException(str(exc))
@@ -223,6 +237,7 @@ def main(
         coordinator=f"{host}:{port}",
         backend=factory.name,
         device=factory.device,
+        threads=factory.threads,
         data_dir=str(data_dir),
         data_sha256=dataset.digest.hex()[:16],
         vocab=dataset.meta.vocab_size,
@@ -234,6 +249,9 @@ def main(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except WorkerFatal as exc:
         raise RefusedError(str(exc)) from None
+    except RunFinished as exc:
+        log.info("stopped", reason=str(exc))
+        return
     except KeyboardInterrupt:
         pass  # platforms without loop signal handlers: Ctrl-C is a normal stop too
     log.info("stopped")

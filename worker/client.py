@@ -20,6 +20,8 @@ import time
 import structlog
 
 from ..protocol import (
+    DEFAULT_PORT,
+    MAGIC,
     Connection,
     Error,
     ErrorCode,
@@ -49,6 +51,7 @@ INITIAL_RETRY_S = 0.2
 STABLE_CONNECTION_S = 10.0
 _READ_BYTES = 1 << 16
 TLS_REFUSALS = 3  # TLS connections closed before any frame, in a row, before giving up
+RESOLVE_ATTEMPTS = 8  # host-name lookups failed in a row before giving up (~25 s of backoff)
 _CLOSE_TIMEOUT_S = 2.0
 
 
@@ -94,6 +97,7 @@ class WorkerClient:
         heartbeat_s: float = 5.0,
         reply_timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
+        hello_timeout_s: float = 10.0,
     ) -> None:
         self.host = host
         self.port = port
@@ -108,7 +112,9 @@ class WorkerClient:
         self.heartbeat_s = heartbeat_s
         self.reply_timeout_s = reply_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.hello_timeout_s = hello_timeout_s  # a coordinator answers HELLO at once
         self.connections = 0  # handshakes completed
+        self.resolve_failures = 0  # host-name lookups failed in a row
         self._stop = asyncio.Event()
         self._rng = random.Random()  # backoff jitter only; nothing a replica depends on
 
@@ -167,7 +173,9 @@ class WorkerClient:
                 f"({exc.verify_message}): check --tls-ca and the host name"
             ) from None
         except (OSError, TimeoutError) as exc:
+            self._count_resolve_failure(exc)
             return f"cannot connect to {self.host}:{self.port}: {_describe(exc)}", 0.0
+        self.resolve_failures = 0
         sock = writer.get_extra_info("socket")
         if sock is not None:
             # Small request/reply frames: no Nagle delay. Keepalive finds a dead peer.
@@ -178,6 +186,20 @@ class WorkerClient:
         reason = await link.run()
         ready_s = 0.0 if link.ready_at is None else time.monotonic() - link.ready_at
         return reason, ready_s
+
+    def _count_resolve_failure(self, exc: BaseException) -> None:
+        """Give up on a host name that does not resolve RESOLVE_ATTEMPTS times in a row: a
+        typo does not fix itself, and retrying forever would hide it."""
+        if not isinstance(exc, socket.gaierror):
+            self.resolve_failures = 0
+            return
+        self.resolve_failures += 1
+        if self.resolve_failures >= RESOLVE_ATTEMPTS:
+            raise WorkerFatal(
+                f"cannot resolve the host name {self.host!r} ({_describe(exc)}), "
+                f"{self.resolve_failures} tries in a row: check its spelling and this host's "
+                "DNS, or give the coordinator's IP address"
+            )
 
 
 class _Link:
@@ -194,6 +216,7 @@ class _Link:
         self.session = flow.Session(client.identity, client.replica)
         self.inbox: asyncio.Queue[Message | Ended | WorkerFatal] = asyncio.Queue()
         self.ready_at: float | None = None  # when WELCOME arrived
+        self.bytes_read = 0
         self.last_sent = time.monotonic()
         self._reader_task: asyncio.Task[None] | None = None
 
@@ -247,12 +270,22 @@ class _Link:
             if waiting
             else self.client.reply_timeout_s
         )
+        silent = not self.bytes_read and bool(self.conn.messages_sent)
+        if silent:
+            timeout = self.client.hello_timeout_s
         if not self.inbox.empty():
             item = self.inbox.get_nowait()
         else:
             try:
                 item = await asyncio.wait_for(self.inbox.get(), timeout)
             except TimeoutError:
+                if silent and not self.bytes_read:
+                    raise WorkerFatal(
+                        f"{self.client.identity.coordinator} accepted the connection but said "
+                        f"nothing for {timeout:g} s after HELLO: it is not an eggroll coordinator "
+                        "(a web server, such as the metrics endpoint, waits like this); give "
+                        f"the coordinator's own port (default {DEFAULT_PORT})"
+                    ) from None
                 if not waiting:
                     raise Ended(f"no answer from the coordinator for {timeout:g} s") from None
                 session.retry_due()
@@ -304,6 +337,10 @@ class _Link:
                 if not data:
                     self.inbox.put_nowait(self._closed())
                     return
+                if not self.bytes_read and not MAGIC.startswith(data[: len(MAGIC)]):
+                    self.inbox.put_nowait(self._not_a_coordinator(data))
+                    return
+                self.bytes_read += len(data)
                 self.client.tls_refusals = 0
                 self.conn.receive_data(data)
                 while (msg := self.conn.next_event()) is not None:
@@ -329,6 +366,19 @@ class _Link:
                 self.inbox.put_nowait(Ended(f"connection lost: {_describe(exc)}"))
         except OSError as exc:
             self.inbox.put_nowait(Ended(f"connection lost: {_describe(exc)}"))
+
+    def _not_a_coordinator(self, first: bytes) -> WorkerFatal:
+        """The peer's first bytes are no frame: it is some other service (a web server, the
+        coordinator's metrics endpoint); retrying will not change that."""
+        where = self.client.identity.coordinator
+        if first.startswith(b"HTTP/"):
+            what = "answered in HTTP: it is a web server (the metrics endpoint?)"
+        else:
+            what = f"does not speak the eggroll protocol (it sent {first[:16]!r})"
+        return WorkerFatal(
+            f"{where} {what}, not an eggroll coordinator: give the coordinator's own port "
+            f"(default {DEFAULT_PORT})"
+        )
 
     def _closed(self) -> Ended | WorkerFatal:
         """Why the coordinator closed the connection. Over TLS, a close before any frame is

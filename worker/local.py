@@ -21,12 +21,14 @@ from pathlib import Path
 
 import click
 
-from ..shared.cli import config_options
+from ..shared.cli import command, config_options, threads_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
+from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.logs import LISTENING, SAMPLE, SHOWN_EVENTS, STEP
 from ..shared.replica import load_checkpoint
 from ..shared.vocab import escape
+from ..shared.window import data_too_short
 from .backend import get_backend
 from .prepare import builtin_documents, builtin_source, prepare_data_dir
 
@@ -89,7 +91,8 @@ class CoordinatorProcess:
                     fields = {
                         k: v for k, v in event.items() if k not in ("event", "level", "timestamp")
                     }
-                    click.echo(f"  coordinator: {event['event']} {fields}")
+                    text = " ".join(f"{k}={v}" for k, v in fields.items())
+                    click.echo(f"  coordinator: {event['event']} {text}")
         self.ready.set()  # the process ended (maybe before listening)
 
 
@@ -104,6 +107,15 @@ def _port_free(port: int) -> bool:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _committed_steps(save_dir: Path) -> int:
+    """Steps the run in `save_dir` has committed (0 for a new run; a damaged log is left
+    to the coordinator to repair or report)."""
+    try:
+        return FitnessLog.open(save_dir / "fitness.log", repair=False).steps
+    except (OSError, FitnessLogError):
+        return 0
 
 
 def _ensure_data(data_dir: Path) -> None:
@@ -126,13 +138,25 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
             p.wait()
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64))
+@command()
+@click.option(
+    "--workers",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Workers to start; they share this machine's cores.",
+)
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
     default=None,
-    help="Train until this many steps are committed (default: the config's).",
+    help="Train until this many steps are committed in total (default: the config's).",
+)
+@click.option(
+    "--more",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Train this many steps beyond those the run already has (instead of --steps).",
 )
 @config_options()
 @click.option(
@@ -149,7 +173,13 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Data directory (the built-in corpus is prepared there if missing).",
 )
-@click.option("--snapshot-every", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--snapshot-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Steps between snapshots (0: only the final one).",
+)
 @click.option(
     "--sample-every",
     default=100,
@@ -164,10 +194,17 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     type=click.IntRange(0, 65535),
     help="The coordinator's Prometheus endpoint (0: off).",
 )
-@click.option("--summary-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--summary-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the run summary here as JSON.",
+)
+@threads_option
 def main(
     workers: int,
     steps: int | None,
+    more: int | None,
     preset_name: str | None,
     config_path: str | None,
     save_dir: Path,
@@ -176,15 +213,28 @@ def main(
     sample_every: int,
     metrics_port: int,
     summary_json: Path | None,
+    threads: int | None,
 ) -> None:
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
+    if steps is not None and more is not None:
+        raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
     try:
         cfg = resolve_config(preset_name, config_path)
         _ensure_data(data_dir)
         dataset = load_data_dir(data_dir)
     except (ConfigError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
-    steps = steps or cfg.steps
+    short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
+    if short is not None:
+        raise click.ClickException(f"data in {data_dir}: {short}")
+    done = _committed_steps(save_dir)
+    steps = done + more if more is not None else steps or cfg.steps
+    if done >= steps:
+        click.echo(
+            f"the run in {save_dir} already has {done} steps (the target is {steps}): nothing "
+            f"to train; pass --more N, or --steps above {done}"
+        )
+        return
     if metrics_port and not _port_free(metrics_port):
         click.echo(
             f"metrics port {metrics_port} is busy: metrics are off for this run "
@@ -227,15 +277,10 @@ def main(
             f"coordinator on 127.0.0.1:{coordinator.port}, run in {save_dir} "
             f"(from step {coordinator.start_step}); starting {workers} workers"
         )
-        # Workers share this machine's cores: one BLAS pool each of cores/workers threads
-        # avoids oversubscription (unless the user chose).
-        threads = str(max(1, (os.cpu_count() or 1) // workers))
-        env = {
-            "OPENBLAS_NUM_THREADS": threads,
-            "OMP_NUM_THREADS": threads,
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-        }
+        # Workers share this machine's cores: each sizes its BLAS pool to its share.
+        env = {**os.environ, "EGGROLL_WORKERS_PER_HOST": str(workers), "PYTHONUNBUFFERED": "1"}
+        if threads is not None:
+            env["EGGROLL_THREADS"] = str(threads)
         for i in range(workers):
             with open(logs / f"worker-{i}.log", "a") as out:
                 procs.append(
@@ -306,6 +351,7 @@ def _summarise(
     }
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
     click.echo(
         f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
         f"held-out {validation.bits_per_token:.3f} bits/token (unigram {base['unigram']:.3f}, "

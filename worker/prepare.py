@@ -38,6 +38,8 @@ from pathlib import Path
 
 import click
 
+from ..shared.cli import command
+from ..shared.config import PRESETS
 from ..shared.data import (
     BYTE_VOCAB_SIZE,
     DECODING_FILE,
@@ -55,6 +57,7 @@ from ..shared.data import (
     write_meta,
     write_tokens,
 )
+from ..shared.window import data_too_short, step_tokens
 from .baselines import BASELINE_NAMES, baselines
 
 SPLIT_ABOVE_BYTES = 64 * 1024
@@ -300,7 +303,7 @@ def _progress(line: str) -> None:
     click.echo(line, err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@command(group=True)
 def main() -> None:
     """Build and inspect eggroll data directories (input.bin, valid.bin, decoding.bin,
     meta.json)."""
@@ -361,6 +364,25 @@ def prepare(text_files: tuple[Path, ...], out: Path, builtin: bool, valid_fracti
         f"sha256 {meta.sha256[:16]}, unigram {b['unigram']:.3f} / bigram {b['bigram']:.3f} / "
         f"gzip9 {b['gzip9']:.3f} bits/token, {elapsed:.1f} s"
     )
+    for warning in size_warnings(meta.train_tokens, meta.valid_tokens):
+        click.echo(f"warning: {warning}", err=True)
+
+
+def size_warnings(train_tokens: int, valid_tokens: int) -> list[str]:
+    """One line per preset these splits are too small for, saying what is enough."""
+    lines = []
+    for name, cfg in PRESETS.items():
+        short = data_too_short(cfg, train_tokens, valid_tokens)
+        enough = step_tokens(cfg)
+        if short is not None:
+            lines.append(f"too little data for the {name} preset: {short}")
+        elif train_tokens < enough:
+            lines.append(
+                f"the train split ({train_tokens:,} tokens) is smaller than what one step of "
+                f"the {name} preset reads ({enough:,}): it would learn the text by heart; "
+                f"give at least {enough:,} bytes of text, better a hundred times more"
+            )
+    return lines
 
 
 @main.command()

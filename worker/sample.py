@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from ..protocol.ternary import unpack_ternary
+from ..shared.cli import command
 from ..shared.config import ConfigError, from_dict
 from ..shared.data import (
     DECODING_FILE,
@@ -163,7 +164,7 @@ def _terminal_styles() -> tuple[str, str]:
     return "", ""
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option(
     "--data-dir",

@@ -72,6 +72,7 @@ from ..protocol import (
     auth_mac,
     unpack_ternary,
 )
+from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
@@ -126,6 +127,10 @@ class WorkerFatal(Exception):
         super().__init__(message)
         self.code = code
         self.tell = tell
+
+
+class RunFinished(Exception):
+    """The coordinator ended the run at its last step: nothing is left to do (one line)."""
 
 
 class Ended(Exception):
@@ -656,6 +661,8 @@ class Session:
             log.warning("replica dropped", reason=f"the coordinator says it diverged{said}")
             return Ended(f"replica diverged from the run{said}; it starts again from step 0", True)
         if code is ErrorCode.SHUTTING_DOWN:
+            if error.message == RUN_COMPLETE:
+                raise RunFinished(f"the run at {self.me.coordinator} is complete: nothing left")
             return Ended("the coordinator is shutting down")
         return Ended(f"the coordinator ended the connection with {code.name}{said}")
 

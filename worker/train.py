@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 
 from ..protocol.ternary import pack_ternary
-from ..shared.cli import config_options, log_format_option
+from ..shared.cli import command, config_options, log_format_option, threads_option
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
@@ -29,8 +29,8 @@ from ..shared.model import EggGenerator
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
 from ..shared.vocab import decode, escape
-from ..shared.window import held_out_prompt
-from .backend import Backend, Validation, get_backend
+from ..shared.window import data_too_short, held_out_prompt
+from .backend import Backend, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
@@ -76,6 +76,7 @@ class TrainResult:
     curve: list[dict[str, Any]] = field(default_factory=list)  # validations
     samples: list[dict[str, Any]] = field(default_factory=list)  # step, prompt, text
     train_loss: list[float] = field(default_factory=list)  # bits per token per step
+    step_seconds: list[float] = field(default_factory=list)
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
 
 
@@ -131,6 +132,7 @@ def train(
         changed = backend.apply_step(fitness)
         dt = time.perf_counter() - t0
         result.train_seconds += dt
+        result.step_seconds.append(dt)
         result.member_tokens += tokens_per_step
         result.fitness.append(packed)
         bits = loss_sum / 16 / tokens_per_step
@@ -168,15 +170,17 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         "member_tokens_per_second": result.member_tokens / max(result.train_seconds, 1e-9),
         "seconds": result.seconds,
         "curve": result.curve,
+        "step_seconds": [round(t, 4) for t in result.step_seconds],
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command()
 @click.option(
     "--data-dir",
-    required=True,
+    default=Path("data"),
+    show_default=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Directory with input.bin, valid.bin, decoding.bin, meta.json.",
+    help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
 )
 @config_options()
 @click.option(
@@ -205,6 +209,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     help="Log a sample of the model's writing every N steps (0 = never).",
 )
 @log_format_option
+@threads_option
 def main(
     data_dir: Path,
     preset_name: str | None,
@@ -214,19 +219,24 @@ def main(
     save_dir: Path | None,
     sample_every: int,
     log_format: str,
+    threads: int | None,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
     configure_logging(log_format)
     try:
         cfg = resolve_config(preset_name, config_path)
         dataset = load_data_dir(data_dir)
-    except (ConfigError, DataError) as exc:
+        factory = get_backend("numpy", threads=threads)
+    except (ConfigError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     if dataset.meta.vocab_size != cfg.model.vocab_size:
         raise click.ClickException(
             f"data in {data_dir} has vocabulary {dataset.meta.vocab_size}, the model expects "
             f"{cfg.model.vocab_size}"
         )
+    short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
+    if short is not None:
+        raise click.ClickException(f"data in {data_dir}: {short}")
     steps = steps or cfg.steps
     fitness_log = None
     if save_dir is not None:
@@ -244,9 +254,10 @@ def main(
         layers=cfg.model.n_layer,
         width=cfg.model.d_model,
         steps=steps,
+        threads=factory.threads,
         config_digest=cfg.digest().hex()[:16],
     )
-    backend = get_backend("numpy").build(dataset, ReplicaState.initial(cfg))
+    backend = factory.build(dataset, ReplicaState.initial(cfg))
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
     result = train(cfg, backend, steps, fitness_log, samples)
     if save_dir is not None:
@@ -254,6 +265,8 @@ def main(
     summary = _summary(cfg, preset_name, result, dataset.meta)
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    if save_dir is not None:  # for eggroll-inspect
+        (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     base = dataset.meta.baselines
     click.echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "

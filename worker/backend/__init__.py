@@ -82,11 +82,13 @@ class BackendUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class BackendFactory:
-    """Builds the replica's backend; `name` and `device` are announced in HELLO."""
+    """Builds the replica's backend; `name` and `device` are announced in HELLO, `threads`
+    (the CPU threads of its compute; None where a device does the work) is logged."""
 
     name: str
     device: str
     build: Callable[[Dataset, ReplicaState], Backend]
+    threads: int | None = None
 
 
 # name -> "module:function(batch_members, threads)" returning a BackendFactory; imported

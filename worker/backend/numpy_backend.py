@@ -177,4 +177,5 @@ def factory(batch_members: int = 1024, threads: int | None = None) -> BackendFac
         NumpyBackend.name,
         NumpyBackend.device,
         lambda dataset, state: NumpyBackend(dataset, state, batch_members, threads),
+        threads,
     )

@@ -1,0 +1,89 @@
+"""eggroll-inspect shows the preset, the last train loss, the held-out bits and step times
+from what the save dir keeps, and says so when it keeps none."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from eggroll_dist.coordinator.inspect import history, preset_of
+from eggroll_dist.shared.config import preset, resolve_config
+from eggroll_dist.shared.fitness_log import FitnessLog
+
+SMALL = """
+[model]
+n_layer = 1
+d_model = 32
+[es]
+population = 128
+chunk_size = 64
+seq_len = 16
+[validation]
+every_steps = 0
+max_tokens = 256
+"""
+
+
+def _exe(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def _inspect(save_dir: Path, *args: str) -> str:
+    done = subprocess.run(
+        [_exe("eggroll-inspect"), str(save_dir), *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_presets_are_recognised() -> None:
+    assert preset_of(preset("tiny")) == "tiny" and preset_of(preset("egg-paper")) == "egg-paper"
+
+
+def test_a_train_run_shows_loss_held_out_bits_and_step_times(
+    words_data: Path, tmp_path: Path
+) -> None:
+    config, save_dir = tmp_path / "small.toml", tmp_path / "run"
+    config.write_text(SMALL)
+    done = subprocess.run(
+        [
+            *(_exe("eggroll-train"), "--data-dir", str(words_data), "--config", str(config)),
+            *("--steps", "2", "--save-dir", str(save_dir), "--log-format", "json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((save_dir / "summary.json").read_text())
+    h = json.loads(_inspect(save_dir, "--json"))["history"]
+    assert h["train_loss_bits"] == summary["train_loss_bits"]
+    assert h["valid_bits_per_token"] == summary["valid_bits_per_token"] and h["valid_step"] == 2
+    assert h["steps_timed"] == 2 and h["step_s_last"] == summary["step_seconds"][-1]
+    line = _inspect(save_dir).splitlines()[1]
+    assert line.startswith("preset none (own config); last train loss ")
+    assert f"held-out {summary['valid_bits_per_token']:.3f} (step 2)" in line
+
+
+def test_a_coordinator_log_gives_loss_and_times(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    lines = [
+        {"event": "step", "step": 1, "loss_bits": 7.5, "step_s": 0.5},
+        {"event": "validation", "step": 1, "valid_bits": 7.25},
+        {"event": "step", "step": 2, "loss_bits": 7.0, "step_s": 1.5},
+    ]
+    text = "\n".join(json.dumps(e) for e in lines) + '\n{"event": "st'  # a torn last line
+    (tmp_path / "logs" / "coordinator.log").write_text(text)
+    h = history(tmp_path)
+    assert h["train_loss_bits"] == 7.0 and h["valid_bits_per_token"] == 7.25
+    assert h["step_s_mean"] == 1.0 and h["step_s_last"] == 1.5 and h["steps_timed"] == 2
+
+
+def test_a_save_dir_without_history_says_unknown(tmp_path: Path) -> None:
+    cfg = resolve_config("tiny", None)
+    (tmp_path / "run.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    FitnessLog.create(tmp_path / "fitness.log", cfg.pairs, cfg.digest())
+    line = _inspect(tmp_path).splitlines()[1]
+    assert line.startswith("preset tiny; train loss, held-out bits and step times unknown")

@@ -1,0 +1,146 @@
+"""A worker never waits in silence: a finished run, a peer that is not a coordinator and a
+host name that does not resolve each end it with one line, within a bounded time."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.worker.client import WorkerClient, WorkerFatal
+
+# A small run: eight chunks a step, no validation.
+FAST = """
+[model]
+n_layer = 1
+d_model = 32
+[es]
+population = 512
+chunk_size = 64
+seq_len = 48
+[validation]
+every_steps = 0
+max_tokens = 480
+"""
+
+EXE = str(Path(sys.executable).with_name("eggroll-worker"))
+
+
+def _worker(address: str, data_dir: Path, *extra: str, timeout: float):
+    """Run eggroll-worker to its end: (exit code, stderr lines, seconds)."""
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [EXE, address, "--data-dir", str(data_dir), "--log-format", "text", *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - t0
+
+
+def test_workers_exit_0_when_the_run_is_complete(spawn, words_data: Path, tmp_path: Path) -> None:
+    config = tmp_path / "fast.toml"
+    config.write_text(FAST)
+    coord = spawn(
+        "eggroll-coordinator",
+        *("--save-dir", tmp_path / "run", "--config", config, "--max-steps", "2"),
+        *("--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-format", "json"),
+    )
+    port = coord.wait_for(lambda e: e.get("event") == "listening", 30)["port"]
+    worker = spawn(
+        "eggroll-worker",
+        f"127.0.0.1:{port}",
+        *("--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"),
+    )
+    assert coord.wait(120) == 0
+    t0 = time.monotonic()
+    assert worker.wait(30) == 0
+    assert time.monotonic() - t0 < 30
+    stopped = worker.wait_for(lambda e: e.get("event") == "stopped", 5)
+    assert "is complete" in stopped["reason"]
+    assert worker.count(lambda e: e.get("event") == "reconnecting") == 0
+
+
+@pytest.fixture
+def http_responder():
+    """A tiny HTTP server that answers whatever it is sent with a 400, as web servers do."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    server.close()
+
+
+def test_an_http_peer_is_named_at_once(http_responder: int, words_data: Path) -> None:
+    code, lines, seconds = _worker(f"127.0.0.1:{http_responder}", words_data, timeout=30)
+    assert code == 2, lines
+    assert seconds < 20
+    assert "answered in HTTP" in lines[-1] and "12345" in lines[-1]
+    assert not any("reconnecting" in line for line in lines)
+
+
+def test_a_silent_web_server_is_named_after_the_hello_deadline(
+    words_data: Path, tmp_path: Path
+) -> None:
+    # `python -m http.server` waits for a request line that a HELLO frame never completes.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "http.server did not start"
+                time.sleep(0.1)
+        client = WorkerClient(
+            "127.0.0.1", port, load_data_dir(words_data), hello_timeout_s=1.0, max_retry_s=0.2
+        )
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFatal, match="said nothing for 1 s after HELLO"):
+            asyncio.run(asyncio.wait_for(client.run(), 20))
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_an_unresolvable_host_name_gives_up_with_a_hint(words_data: Path) -> None:
+    code, lines, seconds = _worker(
+        "no-such-host.invalid", words_data, "--max-retry-s", "0.1", timeout=60
+    )
+    assert code == 2, lines
+    assert seconds < 45
+    assert "cannot resolve the host name 'no-such-host.invalid'" in lines[-1]
+    assert "IP address" in lines[-1]
