@@ -67,9 +67,6 @@ async def _serve(client: WorkerClient) -> None:
     def on_signal(name: str) -> None:
         log.info("stopping", signal=name)
         client.stop()
-        # A stop is under way: a second SIGTERM (a launcher signalling the whole process
-        # group, srun, systemd) must not kill it half-way or after the loop has closed.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         # Not on every platform; there Ctrl-C arrives as KeyboardInterrupt instead.
@@ -244,9 +241,6 @@ def main(
     )
     try:
         asyncio.run(_serve(client))
-        # Closing the loop restored the default SIGTERM action: keep ignoring it while the
-        # process ends (a launcher may signal the whole group more than once).
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except WorkerFatal as exc:
         raise RefusedError(str(exc)) from None
     except RunFinished as exc:
