@@ -1,10 +1,9 @@
 """The worker's I/O shell: connect, reconnect with backoff, read frames, heartbeat, and carry
 out what the pure session (`session.py`) asks for.
 
-Per connection, one task reads frames into a queue and the serve loop hands them to the
-session in order, carrying out its commands one at a time; backend calls go through the
-replica façade (`replica.py`), whose single thread keeps heartbeats and frames flowing while
-a long chunk runs. The replica outlives connections.
+One connection at a time is a `Link` (`link.py`); this module dials, gives up on what no
+retry can fix (a host name that never resolves), and reconnects with jittered backoff. The
+replica (`replica.py`) outlives connections.
 """
 
 from __future__ import annotations
@@ -20,26 +19,15 @@ import time
 import structlog
 
 from ..protocol import (
-    DEFAULT_PORT,
-    MAGIC,
-    Connection,
-    Error,
-    ErrorCode,
-    Heartbeat,
-    Message,
-    MsgType,
-    RemoteProtocolError,
-    Role,
-    Step,
     clip_utf8,
-    iter_snapshot_chunks,
 )
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.data import Dataset
 from . import session as flow
 from .backend import Backend, BackendFactory, get_backend
+from .link import Link, describe
 from .replica import Replica
-from .session import Ended, PeerViolation, Phase, WorkerFatal
+from .session import WorkerFatal
 
 __all__ = ["WorkerClient", "WorkerFatal", "default_worker_name"]
 
@@ -49,10 +37,7 @@ INITIAL_RETRY_S = 0.2
 # A connection that stayed up this long resets the backoff; one dropped sooner (a coordinator
 # that accepts and then fails at once) keeps growing it.
 STABLE_CONNECTION_S = 10.0
-_READ_BYTES = 1 << 16
-TLS_REFUSALS = 3  # TLS connections closed before any frame, in a row, before giving up
 RESOLVE_ATTEMPTS = 8  # host-name lookups failed in a row before giving up (~25 s of backoff)
-_CLOSE_TIMEOUT_S = 2.0
 
 
 async def _cancel_until_done(task: asyncio.Task, timeout_s: float = 10.0) -> None:
@@ -174,7 +159,7 @@ class WorkerClient:
             ) from None
         except (OSError, TimeoutError) as exc:
             self._count_resolve_failure(exc)
-            return f"cannot connect to {self.host}:{self.port}: {_describe(exc)}", 0.0
+            return f"cannot connect to {self.host}:{self.port}: {describe(exc)}", 0.0
         self.resolve_failures = 0
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -182,7 +167,7 @@ class WorkerClient:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        link = _Link(self, reader, writer)
+        link = Link(self, reader, writer)
         reason = await link.run()
         ready_s = 0.0 if link.ready_at is None else time.monotonic() - link.ready_at
         return reason, ready_s
@@ -196,251 +181,7 @@ class WorkerClient:
         self.resolve_failures += 1
         if self.resolve_failures >= RESOLVE_ATTEMPTS:
             raise WorkerFatal(
-                f"cannot resolve the host name {self.host!r} ({_describe(exc)}), "
+                f"cannot resolve the host name {self.host!r} ({describe(exc)}), "
                 f"{self.resolve_failures} tries in a row: check its spelling and this host's "
                 "DNS, or give the coordinator's IP address"
             )
-
-
-class _Link:
-    """One connection to the coordinator, from HELLO until it closes."""
-
-    def __init__(
-        self, client: WorkerClient, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self.client = client
-        self.replica = client.replica
-        self.reader = reader
-        self.writer = writer
-        self.conn = Connection(Role.WORKER)
-        self.session = flow.Session(client.identity, client.replica)
-        self.inbox: asyncio.Queue[Message | Ended | WorkerFatal] = asyncio.Queue()
-        self.ready_at: float | None = None  # when WELCOME arrived
-        self.bytes_read = 0
-        self.last_sent = time.monotonic()
-        self._reader_task: asyncio.Task[None] | None = None
-
-    async def run(self) -> str:
-        """Serve until the connection ends; returns why. Raises WorkerFatal."""
-        self._reader_task = asyncio.create_task(self._read_loop())
-        heartbeat = asyncio.create_task(self._heartbeat_loop())
-        try:
-            await self._serve()
-            raise AssertionError("unreachable: _serve only ends by raising")
-        except Ended as exc:
-            if exc.drop_replica:
-                self.replica.drop()
-            return str(exc)
-        except WorkerFatal as exc:
-            if exc.tell and exc.code is not None:
-                self._send_error(exc.code, str(exc))
-            raise
-        except PeerViolation as exc:
-            self._send_error(ErrorCode.MALFORMED, str(exc))
-            return f"protocol error from the coordinator: {exc}"
-        except OSError as exc:
-            # A write failed: the reader may hold the coordinator's ERROR saying why.
-            return await self._why_closed(exc)
-        finally:
-            for task in (heartbeat, self._reader_task):
-                task.cancel()
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.writer.wait_closed(), _CLOSE_TIMEOUT_S)
-
-    async def _serve(self) -> None:
-        session = self.session
-        await self._carry_out(session.start())
-        while True:
-            msg = await self._next()
-            if msg is not None:
-                await self._carry_out(session.receive(msg))
-                if self.ready_at is None and session.welcomed:
-                    self.ready_at = time.monotonic()
-                    self.client.connections += 1
-            if self.inbox.empty():  # act on what has arrived first (a STEP changes the ask)
-                await self._carry_out(session.advance())
-
-    async def _next(self) -> Message | None:
-        """Next message; None when a WAIT has run out (time to ask again)."""
-        session = self.session
-        waiting = session.phase is Phase.WAITING and session.retry_at is not None
-        timeout = (
-            max(0.0, session.retry_at - time.monotonic())  # type: ignore[operator]
-            if waiting
-            else self.client.reply_timeout_s
-        )
-        silent = not self.bytes_read and bool(self.conn.messages_sent)
-        if silent:
-            timeout = self.client.hello_timeout_s
-        if not self.inbox.empty():
-            item = self.inbox.get_nowait()
-        else:
-            try:
-                item = await asyncio.wait_for(self.inbox.get(), timeout)
-            except TimeoutError:
-                if silent and not self.bytes_read:
-                    raise WorkerFatal(
-                        f"{self.client.identity.coordinator} accepted the connection but said "
-                        f"nothing for {timeout:g} s after HELLO: it is not an eggroll coordinator "
-                        "(a web server, such as the metrics endpoint, waits like this); give "
-                        f"the coordinator's own port (default {DEFAULT_PORT})"
-                    ) from None
-                if not waiting:
-                    raise Ended(f"no answer from the coordinator for {timeout:g} s") from None
-                session.retry_due()
-                return None
-        if isinstance(item, Ended | WorkerFatal):
-            raise item
-        return item
-
-    async def _carry_out(self, commands: list[flow.Command]) -> None:
-        session, replica = self.session, self.replica
-        for command in commands:
-            t0 = time.monotonic()
-            match command:
-                case flow.Send(msg=msg):
-                    await self._send(msg)
-                case flow.Evaluate(job=job):
-                    result = await replica.evaluate(job.step, job.first_member, job.member_count)
-                    await self._carry_out(session.evaluated(job, result, time.monotonic() - t0))
-                case flow.Apply(fitness=fitness):
-                    await replica.apply(fitness)
-                case flow.DropReplica():
-                    replica.drop()
-                case flow.StartReplica(config=config, run_id=run_id):
-                    await replica.start(config, run_id)
-                case flow.DecodeSnapshot(blob=blob, step=step):
-                    state, error = await replica.decode(blob)
-                    await self._carry_out(session.snapshot_decoded(step, state, error))
-                case flow.InstallSnapshot(state=state):
-                    await replica.load(state)
-                case flow.ExportSnapshot(requested=requested):
-                    step, blob = await replica.encode()
-                    for chunk in iter_snapshot_chunks(step, blob):
-                        await self._send(chunk)
-                    log.info("snapshot sent", step=step, requested=requested, bytes=len(blob))
-                case flow.RunValidation(step=step):
-                    score = await replica.validate()
-                    await self._carry_out(session.validated(step, score, time.monotonic() - t0))
-                case flow.RunSample(request=request):
-                    prompt, text = await replica.sample(request)
-                    seconds = time.monotonic() - t0
-                    await self._carry_out(session.sampled(request, prompt, text, seconds))
-
-    # --- I/O ---------------------------------------------------------------------------
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                data = await self.reader.read(_READ_BYTES)
-                if not data:
-                    self.inbox.put_nowait(self._closed())
-                    return
-                if not self.bytes_read and not MAGIC.startswith(data[: len(MAGIC)]):
-                    self.inbox.put_nowait(self._not_a_coordinator(data))
-                    return
-                self.bytes_read += len(data)
-                self.client.tls_refusals = 0
-                self.conn.receive_data(data)
-                while (msg := self.conn.next_event()) is not None:
-                    if isinstance(msg, Step):
-                        self.session.step_frame_seen(msg.step)
-                    self.inbox.put_nowait(msg)
-                    if isinstance(msg, Error):
-                        return
-        except RemoteProtocolError as exc:
-            # SPEC §5: tell the peer why before the connection ends.
-            with contextlib.suppress(OSError, RuntimeError):
-                self.writer.write(self.conn.error_frame(exc))
-            self.inbox.put_nowait(Ended(f"protocol error from the coordinator: {exc}"))
-        except ssl.SSLError as exc:
-            if "ALERT" in (exc.reason or ""):  # the coordinator refused our certificate
-                self.inbox.put_nowait(
-                    WorkerFatal(
-                        f"TLS: the coordinator refused this worker ({exc.reason}): give "
-                        "--tls-cert/--tls-key signed by the CA it trusts"
-                    )
-                )
-            else:
-                self.inbox.put_nowait(Ended(f"connection lost: {_describe(exc)}"))
-        except OSError as exc:
-            self.inbox.put_nowait(Ended(f"connection lost: {_describe(exc)}"))
-
-    def _not_a_coordinator(self, first: bytes) -> WorkerFatal:
-        """The peer's first bytes are no frame: it is some other service (a web server, the
-        coordinator's metrics endpoint); retrying will not change that."""
-        where = self.client.identity.coordinator
-        if first.startswith(b"HTTP/"):
-            what = "answered in HTTP: it is a web server (the metrics endpoint?)"
-        else:
-            what = f"does not speak the eggroll protocol (it sent {first[:16]!r})"
-        return WorkerFatal(
-            f"{where} {what}, not an eggroll coordinator: give the coordinator's own port "
-            f"(default {DEFAULT_PORT})"
-        )
-
-    def _closed(self) -> Ended | WorkerFatal:
-        """Why the coordinator closed the connection. Over TLS, a close before any frame is
-        how it refuses this worker's certificate: after a few in a row, give up."""
-        client = self.client
-        if client.tls is None or self.conn.messages_received:
-            return Ended("the coordinator closed the connection")
-        client.tls_refusals += 1
-        if client.tls_refusals >= TLS_REFUSALS:
-            return WorkerFatal(
-                f"TLS: the coordinator closed {client.tls_refusals} connections in a row before "
-                "saying anything: it does not accept this worker's certificate (give "
-                "--tls-cert/--tls-key signed by the CA it trusts)"
-            )
-        return Ended("the coordinator closed the TLS connection before the handshake")
-
-    async def _send(self, msg: Message) -> None:
-        if self.conn.closed:
-            raise ConnectionResetError("the connection is closed")
-        self.writer.write(self.conn.send(msg))
-        self.last_sent = time.monotonic()
-        await self.writer.drain()
-
-    def _send_error(self, code: ErrorCode, message: str) -> None:
-        with contextlib.suppress(OSError, RuntimeError):
-            self.writer.write(self.conn.send_error(code, message))
-
-    async def _heartbeat_loop(self) -> None:
-        period = self.client.heartbeat_s
-        while True:
-            await asyncio.sleep(max(0.05, self.last_sent + period - time.monotonic()))
-            if time.monotonic() - self.last_sent < period:
-                continue
-            if not self.conn.can_send(MsgType.HEARTBEAT):
-                if self.conn.closed:
-                    return
-                continue  # HELLO not sent yet
-            try:
-                await self._send(Heartbeat(int(time.time() * 1000)))
-            except OSError:
-                return  # the reader reports the lost connection
-
-    async def _why_closed(self, exc: OSError) -> str:
-        if self._reader_task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._reader_task), _CLOSE_TIMEOUT_S)
-        while not self.inbox.empty():
-            item = self.inbox.get_nowait()
-            if isinstance(item, Ended):
-                return str(item)
-            if isinstance(item, Error):
-                try:
-                    self.session.receive(item)
-                except Ended as ended:
-                    if ended.drop_replica:
-                        self.replica.drop()
-                    return str(ended)
-        return f"connection lost: {_describe(exc)}"
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    text = getattr(exc, "strerror", None) or str(exc)
-    return text or type(exc).__name__
