@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ..protocol import Connection, ErrorCode, Message, Role
+from ..protocol import Connection, ErrorCode, LocalProtocolError, Message, Role
 from .metrics import Metrics
 
 log = structlog.get_logger("eggroll.coordinator")
@@ -48,9 +48,10 @@ class Link:
 
     def write(self, msg: Message) -> int:
         """Frame and queue `msg`; returns the bytes queued (0 once the connection closes)."""
-        if not self.conn.can_send(msg.TYPE):
+        try:
+            data = self.conn.send(msg)
+        except LocalProtocolError:
             return 0  # closing: the connection's state machine allows nothing more
-        data = self.conn.send(msg)
         self.writer.write(data)
         self.metrics.network_bytes.labels("out", msg.TYPE.name).inc(len(data))
         return len(data)

@@ -149,6 +149,7 @@ class Connection:
         self._state = State.START
         self._decoder = FrameDecoder(max_payload_bytes, check_header=self._check_header)
         self._remote_error: RemoteProtocolError | None = None
+        self._incoming: tuple[type[Message], State] | None = None  # set by _check_header
         # Whole frames (header included) per message type, for metrics.
         self.bytes_sent: Counter[MsgType] = Counter()
         self.bytes_received: Counter[MsgType] = Counter()
@@ -191,7 +192,8 @@ class Connection:
             raise RemoteProtocolError(
                 ErrorCode.MALFORMED, f"flags {flags:#06x} set; version 1 defines none"
             )
-        if (self.role, self._state, Direction.RECEIVE, cls.TYPE) not in TRANSITIONS:
+        next_state = TRANSITIONS.get((self.role, self._state, Direction.RECEIVE, cls.TYPE))
+        if next_state is None:
             raise RemoteProtocolError(
                 ErrorCode.ILLEGAL_STATE,
                 f"{cls.TYPE.name} may not reach a {self.role.value} in state {self._state.name}",
@@ -206,13 +208,14 @@ class Connection:
                 f"{cls.TYPE.name} payload of {length} bytes exceeds the limit of {limit} "
                 f"in state {self._state.name}",
             )
+        self._incoming = (cls, next_state)  # the frame's class and where it leads, once in
 
     def _next_event(self) -> Message | None:
         frame = self._decoder.next_frame()  # its header passed _check_header
         if frame is None:
             return None
-        cls = message_class(frame.msg_type)
-        next_state = TRANSITIONS[self.role, self._state, Direction.RECEIVE, cls.TYPE]
+        assert self._incoming is not None
+        cls, next_state = self._incoming
         message = cls.decode(frame.payload)
         self.bytes_received[cls.TYPE] += HEADER_SIZE + len(frame.payload)
         self.messages_received[cls.TYPE] += 1
