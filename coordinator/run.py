@@ -81,7 +81,7 @@ from ..protocol import (
     verify_mac,
 )
 from ..shared.fitness import chunk_loss_range
-from ..shared.logs import SAMPLE, STEP
+from ..shared.logs import SAMPLE, STEP, VALIDATION
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
@@ -689,7 +689,7 @@ class RunCore:
         self.validation_asked = None
         self.metrics.validated(msg.step, msg.bits_per_token)
         log.info(
-            "validation",
+            VALIDATION,
             step=msg.step,
             valid_bits=round(msg.bits_per_token, 4),
             tokens=msg.tokens,

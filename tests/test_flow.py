@@ -51,7 +51,7 @@ from eggroll_dist.protocol import (
 )
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
-from eggroll_dist.shared.logs import EVENT_FIELDS, SAMPLE, SHOWN_EVENTS, STEP
+from eggroll_dist.shared.logs import EVENT_FIELDS, SAMPLE, SHOWN_EVENTS, STEP, VALIDATION
 from eggroll_dist.shared.replica import (
     CheckpointError,
     ReplicaState,
@@ -726,15 +726,19 @@ def test_validation_is_asked_of_one_worker_at_the_step(
     )
     run = RunStore.open(tmp_path / "validated", cfg)
     try:
-        net = Network(run, dataset)
-        a, b = net.join("a"), net.join("b")
-        net.train(2)
-        net.run()
+        with structlog.testing.capture_logs() as events:
+            net = Network(run, dataset)
+            a, b = net.join("a"), net.join("b")
+            net.train(2)
+            net.run()
         asked = [w for w in (a, b) if any(isinstance(m, Validate) for m in w.got)]
         assert len(asked) == 1
         (answer,) = [m for m in asked[0].sent if isinstance(m, Validation)]
         assert answer.step == 2 and answer.tokens > 0
         assert net.core.metrics.valid_step._value.get() == 2
+        # eggroll-local prints the coordinator's event (shared/logs.py's contract).
+        (shown,) = [e for e in events if e["event"] == VALIDATION and "worker" in e]
+        assert set(EVENT_FIELDS[VALIDATION]) <= shown.keys() and shown["step"] == 2
     finally:
         run.close()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 
 from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
@@ -17,6 +18,7 @@ from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, load_checkpoint
 from eggroll_dist.shared.replica import replay as replay_steps
+from eggroll_dist.worker import train as train_module
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.train import train
 
@@ -162,3 +164,16 @@ def test_member_noise_and_windows_are_shared_within_a_pair(data_dir: Path) -> No
     assert w.shape == (4, SMALL.es.seq_len + 1)
     assert np.array_equal(w, pair_windows(SMALL, dataset.train, 3, np.arange(4)))
     assert not np.array_equal(w, pair_windows(SMALL, dataset.train, 4, np.arange(4)))
+
+
+def test_long_steps_log_progress_and_every_step_an_eta(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(train_module, "PROGRESS_S", 0.0)  # every chunk counts as "long"
+    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(SMALL))
+    with structlog.testing.capture_logs() as events:
+        train(SMALL, backend, 2)
+    progress = [e["chunks_done"] for e in events if e["event"] == "evaluating"]
+    assert progress[: SMALL.chunks] == [f"{c + 1}/{SMALL.chunks}" for c in range(SMALL.chunks)]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2] and steps[-1]["eta_s"] == 0

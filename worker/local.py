@@ -25,7 +25,7 @@ from ..shared.cli import command, config_options, threads_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.logs import LISTENING, SAMPLE, SHOWN_EVENTS, STEP
+from ..shared.logs import LISTENING, SAMPLE, SHOWN_EVENTS, STEP, VALIDATION
 from ..shared.replica import load_checkpoint
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
@@ -52,6 +52,7 @@ class CoordinatorProcess:
         self.last_step = 0
         self.tail: deque[str] = deque(maxlen=20)
         self.total = total_steps
+        self._first: tuple[int, float] | None = None  # first step seen, and when (for the ETA)
         self.thread = threading.Thread(target=self._read, args=(log_path,), daemon=True)
         self.thread.start()
 
@@ -75,7 +76,11 @@ class CoordinatorProcess:
                         f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
                         f"bits/token  {event['step_s']:.2f} s  "
                         f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
-                        f"requeued {event['requeued']}"
+                        f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
+                    )
+                elif event.get("event") == VALIDATION:
+                    click.echo(
+                        f"held-out at step {event['step']}: {event['valid_bits']:.3f} bits/token"
                     )
                 elif event.get("event") == SAMPLE:
                     # Escaped by the coordinator already; again here, as it costs nothing.
@@ -94,6 +99,17 @@ class CoordinatorProcess:
                     text = " ".join(f"{k}={v}" for k, v in fields.items())
                     click.echo(f"  coordinator: {event['event']} {text}")
         self.ready.set()  # the process ended (maybe before listening)
+
+    def _eta(self, step: int) -> str:
+        """Time left at the mean pace of the steps committed in this session."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
+            return "?"
+        done, seconds = step - self._first[0], now - self._first[1]
+        left = max(self.total - step, 0) * seconds / max(done, 1)
+        minutes, secs = divmod(round(left), 60)
+        return f"{minutes}m{secs:02d}s"
 
 
 def _port_free(port: int) -> bool:

@@ -34,6 +34,8 @@ from .backend import Backend, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
+PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
+
 
 @dataclass(frozen=True)
 class TrainingSamples:
@@ -116,9 +118,9 @@ def train(
     tokens_per_step = cfg.es.population * cfg.es.seq_len
     every = cfg.validation.every_steps
     start = time.perf_counter()
-    for _ in range(steps):
+    for done in range(steps):
         step = backend.step
-        t0 = time.perf_counter()
+        t0 = said = time.perf_counter()
         fitness = np.empty(cfg.pairs, dtype=np.int8)
         loss_sum = 0
         for chunk in range(cfg.chunks):
@@ -126,6 +128,14 @@ def train(
             res = backend.evaluate_chunk(step, first, cfg.es.chunk_size)
             fitness[first // 2 : (first + cfg.es.chunk_size) // 2] = res.fitness
             loss_sum += res.loss_sum
+            if time.perf_counter() - said >= PROGRESS_S:  # a long step is not a silent one
+                said = time.perf_counter()
+                log.info(
+                    "evaluating",
+                    step=step + 1,
+                    chunks_done=f"{chunk + 1}/{cfg.chunks}",
+                    seconds=round(said - t0),
+                )
         packed = pack_ternary(fitness)
         if fitness_log is not None:
             fitness_log.append(step, packed)
@@ -144,6 +154,7 @@ def train(
             changed=changed,
             member_tok_s=round(tokens_per_step / dt),
             step_s=round(dt, 3),
+            eta_s=round(result.train_seconds / (done + 1) * (steps - done - 1)),
         )
         if every and backend.step % every == 0 and backend.step < steps:
             _validate(backend, result)
