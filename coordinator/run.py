@@ -81,7 +81,7 @@ from ..protocol import (
     verify_mac,
 )
 from ..shared.fitness import chunk_loss_range
-from ..shared.logs import SAMPLE, STEP, VALIDATION
+from ..shared.logs import PROGRESS, SAMPLE, STEP, VALIDATION
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
@@ -106,6 +106,7 @@ log = structlog.get_logger("eggroll.coordinator")
 
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
+PROGRESS_S = 10.0  # a step open this long (since its first lease) logs its progress this often
 
 
 class Fatal(Exception):
@@ -209,6 +210,7 @@ class RunCore:
         self.snapshot_requested: int | None = None  # the step it was asked for
         self.validation_wanted: int | None = None  # step whose held-out score is wanted
         self.validation_asked: tuple[int, int] | None = None  # (peer, step) asked for it
+        self._progress_said = 0.0  # when a step's progress was last logged
         self.sample_every = sample_every  # 0: no samples
         self.sample_wanted: int | None = None  # step whose sample is wanted
         self.sample_asked: tuple[int, int] | None = None  # (peer, step) asked for it
@@ -269,7 +271,19 @@ class RunCore:
         return self._push_jobs()
 
     def expire(self) -> list[Command]:
-        """Re-queue chunks past their deadline and push them to idle workers."""
+        """Re-queue chunks past their deadline and push them to idle workers; log how far a
+        long step has come every PROGRESS_S."""
+        now = self.clock()
+        due = self._progress_due()
+        if due is not None and now >= due:
+            self._progress_said = now
+            log.info(
+                PROGRESS,
+                step=self.step + 1,
+                chunks_done=len(self.jobs.results),
+                chunks=self.jobs.chunks,
+                seconds=round(now - (self.jobs.first_lease or now)),
+            )
         requeued = self.jobs.expire()
         if not requeued:
             return []
@@ -278,7 +292,15 @@ class RunCore:
         return self._push_jobs()
 
     def next_deadline(self) -> float | None:
-        return self.jobs.next_deadline()
+        """When `expire` could next have something to do."""
+        times = [t for t in (self.jobs.next_deadline(), self._progress_due()) if t is not None]
+        return min(times, default=None)
+
+    def _progress_due(self) -> float | None:
+        started = self.jobs.first_lease
+        if started is None or self.jobs.complete:
+            return None
+        return max(started, self._progress_said) + PROGRESS_S
 
     def traffic(self, received: int = 0, sent: int = 0) -> None:
         self.net_in += received

@@ -36,11 +36,13 @@ LISTENING = "listening"  # the server is up: the port it bound, the open step
 STEP = "step"  # a step was committed
 SAMPLE = "sample"  # a worker wrote a sample (prompt and text escaped, one line each)
 VALIDATION = "validation"  # the held-out score of the unperturbed model at a step
+PROGRESS = "step progress"  # a step still open after a while: how many chunks are in
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     LISTENING: ("port", "step"),
     STEP: ("step", "loss_bits", "step_s", "member_tok_s", "workers", "requeued"),
     SAMPLE: ("step", "worker", "prompt", "text"),
     VALIDATION: ("step", "valid_bits"),
+    PROGRESS: ("step", "chunks_done", "chunks", "seconds"),
 }
 # Further events eggroll-local shows as they come (with every warning and error).
 SHOWN_EVENTS = ("worker joined", "worker left", "snapshot stored", "chunks requeued")

@@ -51,7 +51,14 @@ from eggroll_dist.protocol import (
 )
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
-from eggroll_dist.shared.logs import EVENT_FIELDS, SAMPLE, SHOWN_EVENTS, STEP, VALIDATION
+from eggroll_dist.shared.logs import (
+    EVENT_FIELDS,
+    PROGRESS,
+    SAMPLE,
+    SHOWN_EVENTS,
+    STEP,
+    VALIDATION,
+)
 from eggroll_dist.shared.replica import (
     CheckpointError,
     ReplicaState,
@@ -1065,3 +1072,41 @@ def test_only_the_worker_asked_sets_the_held_out_score(store: RunStore, dataset:
     core = net.core
     core.receive(w.peer, Validation(1, 100, 30.0, 1.5))  # nobody asked
     assert core.metrics.valid_step._value.get() != 1
+
+
+def test_a_long_step_logs_its_progress_every_ten_seconds(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, chunk_timeout_s=600.0)
+    for name in ("a", "b"):
+        net.join(name)
+    net.run()  # each holds one chunk of step 0: the step stays open
+    assert net.core.next_deadline() == pytest.approx(net.clock.now + 10.0)
+    with structlog.testing.capture_logs() as events:
+        net.advance(5.0)
+        net.advance(5.0)
+        net.advance(9.0)
+        net.advance(1.0)
+    shown = [e for e in events if e["event"] == PROGRESS]
+    assert [(e["step"], e["chunks_done"], e["chunks"], e["seconds"]) for e in shown] == [
+        (1, 0, 2, 10),
+        (1, 0, 2, 20),
+    ]
+    assert set(EVENT_FIELDS[PROGRESS]) <= shown[0].keys()
+
+
+def test_a_long_snapshot_download_logs_its_progress(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset, snapshot_every=2)
+    net.join("a")
+    net.train(2)
+    late = net.join("late")
+    net.run()  # it joins (and loads the snapshot at network speed)
+    blob = store.snapshot_path(2).read_bytes()
+    session = late.session  # now a slow download of the same snapshot, chunk by chunk:
+    session._download = session_module._Download(net.clock.now)  # as after SNAPSHOT_REQUEST
+    session.phase = Phase.LOADING_SNAPSHOT
+    with structlog.testing.capture_logs() as events:
+        for chunk in iter_snapshot_chunks(2, blob, chunk_bytes=len(blob) // 4 + 1):
+            net.clock.now += 6.0
+            session.receive(chunk)
+    shown = [e["bytes"] for e in events if e["event"] == "downloading snapshot"]
+    quarter = len(blob) // 4 + 1
+    assert shown == [f"{2 * quarter}/{len(blob)}"]  # after 12 s; the next 6 s later ends it

@@ -25,7 +25,7 @@ from ..shared.cli import command, config_options, threads_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.logs import LISTENING, SAMPLE, SHOWN_EVENTS, STEP, VALIDATION
+from ..shared.logs import LISTENING, PROGRESS, SAMPLE, SHOWN_EVENTS, STEP, VALIDATION
 from ..shared.replica import load_checkpoint
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
@@ -77,6 +77,11 @@ class CoordinatorProcess:
                         f"bits/token  {event['step_s']:.2f} s  "
                         f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
                         f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
+                    )
+                elif event.get("event") == PROGRESS:
+                    click.echo(
+                        f"  step {event['step']}: {event['chunks_done']}/{event['chunks']} chunks "
+                        f"in, {event['seconds']} s so far"
                     )
                 elif event.get("event") == VALIDATION:
                     click.echo(

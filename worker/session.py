@@ -116,6 +116,7 @@ FATAL_CODES = frozenset(
 )
 # Steps asked for per FITNESS_REQUEST: one progress line per batch while catching up.
 FITNESS_STEPS_PER_REQUEST = 256
+PROGRESS_S = 10.0  # a snapshot download this long logs its progress this often
 
 
 class WorkerFatal(Exception):
@@ -299,6 +300,7 @@ class _Download:
     total: int | None = None
     received: int = 0
     parts: list[bytes] = field(default_factory=list)
+    said: float = 0.0  # when progress was last logged
 
 
 class Session:
@@ -627,6 +629,10 @@ class Session:
         d.parts.append(chunk.data)
         d.received += len(chunk.data)
         if not chunk.is_last:
+            now = self.clock()
+            if now - max(d.started, d.said) >= PROGRESS_S:  # a long transfer is not silent
+                d.said = now
+                log.info("downloading snapshot", step=d.step, bytes=f"{d.received}/{d.total}")
             return []
         self._download, self.phase = None, Phase.IDLE
         blob = b"".join(d.parts)
