@@ -17,7 +17,7 @@ from ..protocol.security import (
     new_token,
     server_tls_context,
 )
-from ..shared.cli import command, config_options, log_format_option
+from ..shared.cli import OneLineError, command, config_options, log_format_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
@@ -25,12 +25,6 @@ from .metrics import Metrics
 from .run import Fatal
 from .server import Coordinator, Options
 from .store import RunStore, StoreError
-
-
-class _Refused(click.ClickException):
-    """A setting that can never work as given: one line, exit 2 (like a usage error)."""
-
-    exit_code = 2
 
 
 def _data_digest(data_dir: Path | None, hex_digest: str | None) -> bytes | None:
@@ -247,7 +241,7 @@ def main(
             tls = server_tls_context(tls_cert, tls_key, tls_client_ca)
         digest = _data_digest(data_dir, data_digest)
     except (TokenError, OSError, ValueError, DataError) as exc:
-        raise _Refused(str(exc)) from None
+        raise OneLineError(str(exc)) from None
     try:
         given = resolve_config(preset_name, config_path) if preset_name or config_path else None
         if given is None and not (save_dir / "run.json").exists():

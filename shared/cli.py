@@ -11,6 +11,13 @@ import click
 F = TypeVar("F", bound=Callable[..., object])
 
 
+class OneLineError(click.ClickException):
+    """A setting that can never work as given (a refused worker, a bad token file, a usage
+    mistake): one line without click's usage text, exit status 2."""
+
+    exit_code = 2
+
+
 def config_options(what: str = "") -> Callable[[F], F]:
     """`--preset NAME` and `--config FILE` (passed as preset_name, config_path); `what` ends
     the help text (e.g. " for a new run")."""

@@ -23,7 +23,7 @@ import structlog
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, client_tls_context, load_token
-from ..shared.cli import command, log_format_option, threads_option
+from ..shared.cli import OneLineError, command, log_format_option, threads_option
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
@@ -31,12 +31,6 @@ from .client import WorkerClient, WorkerFatal, default_worker_name
 from .session import RunFinished
 
 log = structlog.get_logger("eggroll.worker")
-
-
-class RefusedError(click.ClickException):
-    """The coordinator refused this worker for good: one line, exit status 2."""
-
-    exit_code = 2
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
@@ -210,7 +204,7 @@ def main(
         elif tls_cert is not None or tls_key is not None:
             raise TokenError("--tls-cert and --tls-key need --tls-ca (the coordinator's CA)")
     except (TokenError, OSError, ValueError) as exc:
-        raise RefusedError(str(exc)) from None
+        raise OneLineError(str(exc)) from None
     try:
         factory = get_backend(backend, batch_members, threads)
         dataset = load_data_dir(data_dir)
@@ -242,7 +236,7 @@ def main(
     try:
         asyncio.run(_serve(client))
     except WorkerFatal as exc:
-        raise RefusedError(str(exc)) from None
+        raise OneLineError(str(exc)) from None
     except RunFinished as exc:
         log.info("stopped", reason=str(exc))
         return

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import click
 
-from ..shared.cli import command
+from ..shared.cli import OneLineError, command
 from ..shared.config import PRESETS
 from ..shared.data import (
     BYTE_VOCAB_SIZE,
@@ -293,12 +293,6 @@ def prepare_data_dir(
 # --- CLI -----------------------------------------------------------------------------
 
 
-class _UsageLine(click.ClickException):
-    """A usage mistake reported as one line (click's UsageError adds the usage text)."""
-
-    exit_code = 2
-
-
 def _progress(line: str) -> None:
     click.echo(line, err=True)
 
@@ -333,9 +327,9 @@ def main() -> None:
 def prepare(text_files: tuple[Path, ...], out: Path, builtin: bool, valid_fraction: float) -> None:
     """Tokenize TEXT_FILES (UTF-8) or the built-in corpus as bytes into --out."""
     if builtin and text_files:
-        raise _UsageLine("give text files or --builtin, not both")
+        raise OneLineError("give text files or --builtin, not both")
     if not builtin and not text_files:
-        raise _UsageLine(
+        raise OneLineError(
             "nothing to prepare: give text files, or --builtin for the built-in corpus"
         )
     start = time.monotonic()
