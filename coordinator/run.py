@@ -261,8 +261,8 @@ class RunCore:
         if self.sample_asked is not None and self.sample_asked[0] == peer_id:
             self.sample_asked, self.sample_wanted = None, self.step  # another worker writes it
         for votes in self.tallies.values():
-            for voters in votes.values():
-                voters.discard(peer_id)
+            _forget(votes, peer_id)
+        _forget(self.data_votes, peer_id)  # a vote counts while its worker is connected
         requeued = self.jobs.release_worker(peer_id)
         if not requeued:
             return []
@@ -386,7 +386,11 @@ class RunCore:
                     f"replica digest at step {step} differs from the run's agreed one: resync",
                 )
             return
+        if step < self.step - 2:
+            return  # workers have moved on: a report this old is never agreed now
+        # One report per worker and step, so a peer cannot grow the tally without bound.
         votes = self.tallies.setdefault(step, {})
+        _forget(votes, peer.id)
         voters = votes.setdefault(digest, set())
         voters.add(peer.id)
         if len(voters) >= 2:
@@ -774,6 +778,14 @@ class RunCore:
     def _on_error(self, peer: Peer, msg: Error) -> list[Command]:
         log.warning("worker error", worker=peer.name, code=int(msg.code), text=msg.message)
         return []
+
+
+def _forget(votes: dict, peer_id: int) -> None:
+    """Take `peer_id` out of every voter set of `votes`, dropping the sets left empty."""
+    for key in [k for k, voters in votes.items() if peer_id in voters]:
+        votes[key].discard(peer_id)
+        if not votes[key]:
+            del votes[key]
 
 
 # Incoming message type -> handler. The connection's state machine (protocol/connection.py)

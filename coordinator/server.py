@@ -263,7 +263,7 @@ class Coordinator:
             pass
         except Exception:  # a bug must cost one connection, never the run
             log.exception("session failed", worker=self._name(link), peer=address)
-            link.write_error(ErrorCode.INTERNAL, "coordinator error")
+            self.core.traffic(sent=link.write_error(ErrorCode.INTERNAL, "coordinator error"))
         finally:
             self.links.pop(link.peer, None)
             await self._carry_out(self.core.peer_left(link.peer))

@@ -1110,3 +1110,18 @@ def test_a_long_snapshot_download_logs_its_progress(store: RunStore, dataset: Da
     shown = [e["bytes"] for e in events if e["event"] == "downloading snapshot"]
     quarter = len(blob) // 4 + 1
     assert shown == [f"{2 * quarter}/{len(blob)}"]  # after 12 s; the next 6 s later ends it
+
+
+def test_digest_and_data_votes_stay_bounded_by_the_workers_connected(
+    store: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store, dataset)
+    odd = net.join("odd", data_digest=b"\x42" * 32)
+    net.run()
+    core = net.core
+    assert core.data_votes == {b"\x42" * 32: {odd.peer}}
+    for digest in range(1000):  # a report per request, each different
+        core.receive(odd.peer, JobRequest(0, digest, 0))
+    assert core.tallies == {0: {999: {odd.peer}}}  # one report per worker and step
+    odd.close("gone")
+    assert core.tallies == {0: {}} and core.data_votes == {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -478,8 +480,6 @@ def test_e8_worker_text_cannot_write_terminal_escapes(
 
 def _spawn_limited(save: Path, config: Path, fsize: int) -> subprocess.Popen:
     """A coordinator whose files may not grow past `fsize` bytes (RLIMIT_FSIZE)."""
-    import resource
-    import signal
 
     def limit() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails with EFBIG
