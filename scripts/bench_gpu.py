@@ -121,7 +121,7 @@ def bench_population(population: int, seq_len: int, repeats: int) -> dict[str, f
         t = time.perf_counter()
         backend.apply_step(fitness)
         update.append(time.perf_counter() - t)
-        backend.load_state(ReplicaState(cfg, 0, backend.state.params))
+        backend.load_state(ReplicaState(cfg, 0, backend.state.params, backend.state.opt))
     d, v, layers = cfg.model.d_model, cfg.model.vocab_size, cfg.model.n_layer
     member_tokens = population * seq_len
     return {

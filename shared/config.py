@@ -9,7 +9,7 @@ a TOML file whose tables mirror the dataclasses below:
     [model]  arch, vocab_size, n_layer, d_model, init_seed
     [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed
     [fitness] chunk_mean_filter, adaptive_threshold
-    [update] rule, alpha, alpha_decay_steps
+    [update] rule, alpha, alpha_decay_steps, momentum_shift
     [data]   data_seed
     [validation] every_steps, max_tokens
 """
@@ -59,11 +59,12 @@ class FitnessConfig:
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    rule: str = "ztest"
+    rule: str = "ztest"  # "ztest" (stateless) or "momentum" (an accumulator per weight)
     # alpha > 1 (an integer): level a_t = 1 / ((2**alpha - 1) * t / alpha_decay_steps + 1);
     # alpha <= 1: a constant level. About a_t of the weights move by one step each update.
     alpha: float = 4.0
     alpha_decay_steps: int = 1000
+    momentum_shift: int = 3  # momentum: decay beta = 1 - 2**-momentum_shift per step
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,14 @@ def validate(cfg: RunConfig) -> None:
         es.noise in ("uniform", "gaussian"),
         f"es.noise={es.noise!r} must be 'uniform' or 'gaussian'",
     )
-    _check(up.rule == "ztest", f"update.rule={up.rule!r}: only 'ztest' is implemented")
+    _check(
+        up.rule in ("ztest", "momentum"),
+        f"update.rule={up.rule!r} must be 'ztest' or 'momentum'",
+    )
+    _check(
+        1 <= up.momentum_shift <= 12,
+        f"update.momentum_shift={up.momentum_shift} must be 1..12",
+    )
     _check(up.alpha > 0, f"update.alpha={up.alpha} must be > 0")
     _check(
         up.alpha <= 1 or (float(up.alpha).is_integer() and up.alpha <= 30),

@@ -1,22 +1,28 @@
-"""Replica state (weights at a step), its 64-bit digest, and the checkpoint file format.
+"""Replica state (weights and optimizer state at a step), its 64-bit digest, and the
+checkpoint file format.
 
 The state at step s is a pure function of (run config, fitness of steps 0..s-1): `replay`
 says so in code, and the digest proves two replicas agree. It is BLAKE2b-64 of
 
     b"eggroll-replica/1" | config digest (32 B) | step (u64 BE) |
-    for each tensor in param_specs order: its int8 bytes (C order)
+    for each tensor in param_specs order: its int8 bytes (C order) |
+    for each optimizer-state tensor in state_specs order: its little-endian bytes (C order)
+
+(a stateless rule such as `ztest` adds nothing, so its digests are those of format 1).
 
 Checkpoint file (all integers big-endian):
 
     offset  size  field
     0       8     magic b"EGGCKPT\\0"
-    8       4     format version (1)
+    8       4     format version (2; version 1, weights only, still loads)
     12      4     config length C
     16      C     canonical run-config bytes
     16+C    8     step
     24+C    4     tensor count N
             ...   N times: u16 name length, name (UTF-8), u8 ndim, ndim x u32 shape,
-                  u8 dtype (1 = int8), u64 byte count, the bytes (C order)
+                  u8 dtype, u64 byte count, the bytes (C order, little-endian)
+                  N = the weights in param_specs order, then the optimizer state in
+                  state_specs order; dtype 1 = int8, 2 = int16, 3 = int32, 4 = int64
             8     replica digest (u64)
             4     CRC-32 (zlib) of everything before it
 
@@ -30,7 +36,7 @@ import hashlib
 import struct
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +44,12 @@ import numpy as np
 from .atomic_file import write_atomic
 from .config import ConfigError, RunConfig, from_canonical_bytes
 from .model import init_params, param_specs
-from .update import apply_update
+from .update import apply_update, initial_opt_state, state_specs
 
 MAGIC = b"EGGCKPT\0"
-FORMAT_VERSION = 1
-_DTYPES = {1: np.int8}
+FORMAT_VERSION = 2
+_DTYPES = {1: np.dtype(np.int8), 2: np.dtype("<i2"), 3: np.dtype("<i4"), 4: np.dtype("<i8")}
+_DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
 class CheckpointError(ValueError):
@@ -51,24 +58,20 @@ class CheckpointError(ValueError):
 
 @dataclass
 class ReplicaState:
-    """int8 weights after `step` committed updates (no optimizer state for `ztest`)."""
+    """int8 weights after `step` committed updates, and the update rule's state (none for
+    `ztest`; `update.state_specs` says what)."""
 
     config: RunConfig
     step: int
     params: dict[str, np.ndarray]
+    opt: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def initial(cls, config: RunConfig) -> ReplicaState:
-        return cls(config, 0, init_params(config.model))
+        return cls(config, 0, init_params(config.model), initial_opt_state(config))
 
     def digest(self) -> int:
-        h = hashlib.blake2b(digest_size=8)
-        h.update(b"eggroll-replica/1")
-        h.update(self.config.digest())
-        h.update(struct.pack(">Q", self.step))
-        for spec in param_specs(self.config.model):
-            h.update(np.ascontiguousarray(self.params[spec.name]).tobytes())
-        return int.from_bytes(h.digest(), "big")
+        return _digest(self, self.config.digest())
 
     def digest_hex(self) -> str:
         return f"{self.digest():016x}"
@@ -77,31 +80,55 @@ class ReplicaState:
 def replay(state: ReplicaState, fitness: Iterable[np.ndarray]) -> ReplicaState:
     """Apply committed steps' fitness (int8 in {-1, 0, 1}, one array per step, all pairs) to
     a state: the replica every worker reaches, whatever its backend (no data needed)."""
-    cfg, params, step = state.config, state.params, state.step
+    cfg, params, opt, step = state.config, state.params, state.opt, state.step
     for values in fitness:
-        params, _ = apply_update(cfg, step, params, values)
+        updated = apply_update(cfg, step, params, opt, values)
+        params, opt = updated.params, updated.opt
         step += 1
-    return ReplicaState(cfg, step, params)
+    return ReplicaState(cfg, step, params, opt)
+
+
+def _digest(state: ReplicaState, config_digest: bytes) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"eggroll-replica/1")
+    h.update(config_digest)
+    h.update(struct.pack(">Q", state.step))
+    for spec in param_specs(state.config.model):
+        h.update(np.ascontiguousarray(state.params[spec.name]).tobytes())
+    for spec in state_specs(state.config):
+        h.update(np.ascontiguousarray(state.opt[spec.name], dtype=_le(spec.dtype)).tobytes())
+    return int.from_bytes(h.digest(), "big")
+
+
+def _le(dtype: type) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def _tensors(state: ReplicaState) -> list[tuple[str, np.ndarray]]:
+    """Every tensor a checkpoint holds, in file order."""
+    out = [(s.name, state.params[s.name]) for s in param_specs(state.config.model)]
+    out += [(s.name, state.opt[s.name]) for s in state_specs(state.config)]
+    return out
 
 
 def encode_checkpoint(state: ReplicaState) -> bytes:
     cfg = state.config.canonical_bytes()
-    specs = param_specs(state.config.model)
+    tensors = _tensors(state)
     parts = [
         MAGIC,
         struct.pack(">II", FORMAT_VERSION, len(cfg)),
         cfg,
-        struct.pack(">QI", state.step, len(specs)),
+        struct.pack(">QI", state.step, len(tensors)),
     ]
-    for spec in specs:
-        data = np.ascontiguousarray(state.params[spec.name], dtype=np.int8)
-        name = spec.name.encode()
+    for tensor_name, tensor in tensors:
+        data = np.ascontiguousarray(tensor, dtype=_le(tensor.dtype.type))
+        name = tensor_name.encode()
         parts += [
             struct.pack(">H", len(name)),
             name,
             struct.pack(">B", data.ndim),
             struct.pack(f">{data.ndim}I", *data.shape),
-            struct.pack(">BQ", 1, data.nbytes),
+            struct.pack(">BQ", _DTYPE_CODES[data.dtype], data.nbytes),
             data.tobytes(),
         ]
     parts.append(struct.pack(">Q", state.digest()))
@@ -113,9 +140,11 @@ def checkpoint_bytes(config: RunConfig) -> int:
     """The exact size of every checkpoint of this run: what a peer may send or ask us to
     hold for a snapshot, and not a byte more."""
     size = len(MAGIC) + 8 + len(config.canonical_bytes()) + 12
-    for spec in param_specs(config.model):
-        n = int(np.prod(spec.shape, dtype=np.int64))
-        size += 2 + len(spec.name.encode()) + 1 + 4 * len(spec.shape) + 9 + n
+    specs = [(s.name, s.shape, np.int8) for s in param_specs(config.model)]
+    specs += [(s.name, s.shape, s.dtype) for s in state_specs(config)]
+    for name, shape, dtype in specs:
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        size += 2 + len(name.encode()) + 1 + 4 * len(shape) + 9 + n
     return size + 8 + 4
 
 
@@ -138,42 +167,52 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
     """Parse and verify a checkpoint (CRC, layout, config, digest)."""
     if len(data) < len(MAGIC) + 12 or data[: len(MAGIC)] != MAGIC:
         raise CheckpointError("not an eggroll checkpoint (bad magic)")
+    (version,) = struct.unpack(">I", data[len(MAGIC) : len(MAGIC) + 4])
+    if version not in (1, FORMAT_VERSION):  # before the CRC: a newer layout may move it
+        raise CheckpointError(
+            f"checkpoint format {version} cannot be read here (this version reads formats "
+            f"1 to {FORMAT_VERSION}): load it with the release that wrote it"
+        )
     body, (crc,) = data[:-4], struct.unpack(">I", data[-4:])
     if zlib.crc32(body) != crc:
         raise CheckpointError("checkpoint CRC mismatch: the file is corrupt")
     r = _Reader(body)
     r.take(len(MAGIC))
     version, cfg_len = r.unpack(">II")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint format {version} is not supported")
+    raw_config = r.take(cfg_len)
     try:
-        config = from_canonical_bytes(r.take(cfg_len))
+        config = from_canonical_bytes(raw_config)
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint holds an invalid config: {exc}") from None
     step, count = r.unpack(">QI")
-    specs = {s.name: s for s in param_specs(config.model)}
+    specs = {s.name: (s.shape, np.dtype(np.int8)) for s in param_specs(config.model)}
+    specs |= {s.name: (s.shape, _le(s.dtype)) for s in state_specs(config)}
     if count != len(specs):
         raise CheckpointError(f"checkpoint has {count} tensors, the config needs {len(specs)}")
-    params = {}
+    tensors = {}
     for _ in range(count):
         (name_len,) = r.unpack(">H")
         name = r.take(name_len).decode("utf-8", errors="replace")
         (ndim,) = r.unpack(">B")
         shape = r.unpack(f">{ndim}I")
         dtype_code, nbytes = r.unpack(">BQ")
-        spec = specs.get(name)
-        if spec is None or tuple(shape) != spec.shape or dtype_code not in _DTYPES:
+        want_shape, want_dtype = specs.get(name, (None, None))
+        if tuple(shape) != want_shape or _DTYPES.get(dtype_code) != want_dtype or name in tensors:
             raise CheckpointError(f"checkpoint tensor {name!r} {shape} does not fit the config")
-        if nbytes != int(np.prod(shape)):
+        if nbytes != int(np.prod(shape)) * want_dtype.itemsize:
             raise CheckpointError(f"checkpoint tensor {name!r} has a wrong byte count")
-        params[name] = (
-            np.frombuffer(r.take(nbytes), dtype=_DTYPES[dtype_code]).reshape(shape).copy()
-        )
+        data = np.frombuffer(r.take(nbytes), dtype=want_dtype).reshape(shape)
+        tensors[name] = data.astype(want_dtype.newbyteorder("="))
     (digest,) = r.unpack(">Q")
     if r.pos != len(body):
         raise CheckpointError("checkpoint has trailing bytes")
-    state = ReplicaState(config, step, params)
-    if state.digest() != digest:
+    params = {s.name: tensors[s.name] for s in param_specs(config.model)}
+    opt = {s.name: tensors[s.name] for s in state_specs(config)}
+    state = ReplicaState(config, step, params, opt)
+    # Format 1 was written before the config grew fields: its digest covers the config
+    # bytes as stored, which re-encoding would change.
+    stored = _digest(state, hashlib.sha256(raw_config).digest()) if version == 1 else state.digest()
+    if stored != digest:
         raise CheckpointError("checkpoint digest mismatch: weights do not match their digest")
     return state
 

@@ -1,4 +1,7 @@
-"""The `ztest` update rule (nano-egg, stateless): int8 weights move by at most one step.
+"""Update rules: how a step's fitness moves the int8 weights (at most one step each).
+
+`ztest` (nano-egg, stateless) and `momentum` (an integer accumulator per weight, replica
+state). Both start from the same exact Z per weight.
 
 For every matrix (and the embedding) with the + member's noise a_k (out), b_k (in):
 
@@ -15,10 +18,23 @@ two-sided z-test at level alpha_t passes:
 Everything is exact integer or rational arithmetic: the normal tail is the pinned table
 below (not libm), alpha_t is a Fraction, E[v^2] is exact (noise.second_moment). Z == 0
 never moves a weight (nano-egg moves it by -1 at alpha = 1, a quirk we do not keep).
+
+`momentum` keeps what the z-test throws away: sub-threshold Z accumulates, with decay, in an
+int32 M per weight (shift d = update.momentum_shift, beta = 1 - 2**-d):
+
+    M = M - sign(M) * (|M| >> d) + Z                  then clipped to +-(2**31 - 1)
+    where |M| >= T_M:  w += sign(M) (clipped to [-127, 127]);  M -= sign(M) * T_M
+
+Under random fitness M has the stationary variance Var(Z) / (1 - beta**2), so T_M is the
+z-test threshold for that variance: the least integer with
+256 * T_M**2 * (2**(d+1) - 1) >= k**2 * P * E[a^2] * E[b^2] * 2**(2d). A move spends T_M of
+the accumulated evidence (sigma-delta style), so a steady signal moves a weight again only
+once it has built up again. M is in the replica digest and the checkpoints.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 from math import isqrt
 
@@ -70,10 +86,13 @@ def z_sixteenths(alpha: Fraction) -> int:
     return len(TAIL_2POW32) - 1
 
 
-def move_threshold(pairs: int, alpha: Fraction, noise_kind: str) -> int:
-    """The least |Z| that moves a weight (see the module docstring)."""
+def move_threshold(
+    pairs: int, alpha: Fraction, noise_kind: str, variance_gain: Fraction = Fraction(1)
+) -> int:
+    """The least |Z| (or |M|, whose variance is `variance_gain` times Z's) that moves a
+    weight (see the module docstring)."""
     k = z_sixteenths(alpha)
-    var = second_moment(noise_kind) ** 2 * pairs * k * k / 256  # T^2 must reach this
+    var = second_moment(noise_kind) ** 2 * pairs * k * k * variance_gain / 256  # T^2 >= var
     need = -(-var.numerator // var.denominator)  # ceil: T^2 is an integer
     root = isqrt(need)
     return root if root * root == need else root + 1
@@ -98,18 +117,87 @@ def accumulate_z(cfg: RunConfig, step: int, fitness: np.ndarray) -> dict[str, np
     return z
 
 
+@dataclass(frozen=True)
+class StateSpec:
+    """One tensor of optimizer state: replica state beside the weights."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: type
+
+
+@dataclass(frozen=True)
+class Updated:
+    params: dict[str, np.ndarray]
+    opt: dict[str, np.ndarray]
+    changed: int  # int8 weights that moved
+
+
+MOMENTUM_LIMIT = (1 << 31) - 1
+
+
+def momentum_gain(shift: int) -> Fraction:
+    """Var(M) / Var(Z) at stationarity: 1 / (1 - beta**2) with beta = 1 - 2**-shift."""
+    return Fraction(1 << (2 * shift), (1 << (shift + 1)) - 1)
+
+
+def state_specs(cfg: RunConfig) -> tuple[StateSpec, ...]:
+    """The optimizer state of the config's update rule, in digest and checkpoint order."""
+    if cfg.update.rule == "momentum":
+        return tuple(
+            StateSpec(f"momentum.{s.name}", s.shape, np.int32) for s in param_specs(cfg.model)
+        )
+    return ()
+
+
+def initial_opt_state(cfg: RunConfig) -> dict[str, np.ndarray]:
+    return {s.name: np.zeros(s.shape, dtype=s.dtype) for s in state_specs(cfg)}
+
+
+def _move(w: np.ndarray, direction: np.ndarray) -> np.ndarray:
+    return np.clip(w.astype(np.int16) + direction, -127, 127).astype(np.int8)
+
+
+def update_from_z(
+    cfg: RunConfig,
+    step: int,
+    params: dict[str, np.ndarray],
+    opt: dict[str, np.ndarray],
+    z: dict[str, np.ndarray],
+) -> Updated:
+    """Apply Z (from `accumulate_z`, or a device that computed the same) by the config's rule."""
+    alpha, rule = alpha_at(cfg.update, step), cfg.update.rule
+    new: dict[str, np.ndarray] = {}
+    new_opt: dict[str, np.ndarray] = {}
+    changed = 0
+    if rule == "ztest":
+        threshold = move_threshold(cfg.pairs, alpha, cfg.es.noise)
+        for name, zt in z.items():
+            new[name] = _move(params[name], np.where(np.abs(zt) >= threshold, np.sign(zt), 0))
+    elif rule == "momentum":
+        shift = cfg.update.momentum_shift
+        threshold = move_threshold(cfg.pairs, alpha, cfg.es.noise, momentum_gain(shift))
+        for name, zt in z.items():
+            m = opt[f"momentum.{name}"].astype(np.int64)
+            m = np.clip(m - np.sign(m) * (np.abs(m) >> shift) + zt, -MOMENTUM_LIMIT, MOMENTUM_LIMIT)
+            direction = np.where(np.abs(m) >= threshold, np.sign(m), 0)
+            new[name] = _move(params[name], direction)
+            new_opt[f"momentum.{name}"] = (m - direction * threshold).astype(np.int32)
+    else:
+        raise ValueError(f"update rule {rule!r} is not implemented")
+    for name, w in new.items():
+        changed += int(np.count_nonzero(w != params[name]))
+    return Updated(new, new_opt, changed)
+
+
 def apply_update(
-    cfg: RunConfig, step: int, params: dict[str, np.ndarray], fitness: np.ndarray
-) -> tuple[dict[str, np.ndarray], int]:
-    """The parameters after step `step`'s update, and how many int8 weights changed."""
+    cfg: RunConfig,
+    step: int,
+    params: dict[str, np.ndarray],
+    opt: dict[str, np.ndarray],
+    fitness: np.ndarray,
+) -> Updated:
+    """The parameters and optimizer state after step `step`'s update."""
     if fitness.shape != (cfg.pairs,):
         raise ValueError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
-    threshold = move_threshold(cfg.pairs, alpha_at(cfg.update, step), cfg.es.noise)
-    new: dict[str, np.ndarray] = {}
-    changed = 0
-    for name, z in accumulate_z(cfg, step, fitness).items():
-        move = np.where(np.abs(z) >= threshold, np.sign(z), 0)
-        updated = np.clip(params[name].astype(np.int16) + move, -127, 127).astype(np.int8)
-        changed += int(np.count_nonzero(updated != params[name]))
-        new[name] = updated
-    return new, changed
+    return update_from_z(cfg, step, params, opt, accumulate_z(cfg, step, fitness))

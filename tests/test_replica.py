@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eggroll_dist.shared.config import preset
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig, preset
 from eggroll_dist.shared.replica import (
     CheckpointError,
     ReplicaState,
@@ -15,6 +15,7 @@ from eggroll_dist.shared.replica import (
     decode_checkpoint,
     encode_checkpoint,
     load_checkpoint,
+    replay,
     save_checkpoint,
 )
 
@@ -60,3 +61,47 @@ def test_checkpoint_bytes_is_the_exact_size() -> None:
     for name in ("tiny", "egg-paper"):
         state = ReplicaState.initial(preset(name))
         assert checkpoint_bytes(state.config) == len(encode_checkpoint(state))
+
+
+def _momentum_state(steps: int = 3) -> ReplicaState:
+    cfg = RunConfig(
+        model=ModelConfig(vocab_size=16, n_layer=1, d_model=8),
+        es=ESConfig(population=8, chunk_size=4, seq_len=4, noise="gaussian"),
+        update=UpdateConfig(rule="momentum", momentum_shift=2),
+    )
+    fitness = np.array([1, -1, 0, 1], dtype=np.int8)
+    return replay(ReplicaState.initial(cfg), [fitness] * steps)
+
+
+def test_optimizer_state_is_in_the_digest_and_the_checkpoint() -> None:
+    state = _momentum_state()
+    assert any(np.count_nonzero(m) for m in state.opt.values())
+    blob = encode_checkpoint(state)
+    assert len(blob) == checkpoint_bytes(state.config)
+    loaded = decode_checkpoint(blob)
+    assert loaded.digest() == state.digest()
+    assert all(np.array_equal(loaded.opt[k], v) for k, v in state.opt.items())
+    opt = {k: v.copy() for k, v in state.opt.items()}
+    name = next(iter(opt))
+    opt[name].reshape(-1)[0] += 1
+    assert ReplicaState(state.config, state.step, state.params, opt).digest() != state.digest()
+
+
+def test_replay_in_pieces_equals_replay_at_once() -> None:
+    """Momentum state carries across replays exactly as across steps."""
+    fitness = [np.array([1, -1, 0, 1], dtype=np.int8)] * 5
+    whole = _momentum_state(5)
+    part = replay(decode_checkpoint(encode_checkpoint(_momentum_state(2))), fitness[2:])
+    assert part.digest() == whole.digest()
+
+
+def test_a_format_1_checkpoint_still_loads() -> None:
+    """Written by the previous release (weights only, before the config grew fields)."""
+    loaded = load_checkpoint(Path(__file__).parent / "fixtures" / "checkpoint-format1.ckpt")
+    assert loaded.step == 3 and loaded.opt == {}
+    again = replay(ReplicaState.initial(loaded.config), [np.array([1, -1, 0, 1], np.int8)] * 3)
+    assert all(np.array_equal(loaded.params[k], v) for k, v in again.params.items())
+    blob = bytearray(encode_checkpoint(loaded))
+    blob[8:12] = (3).to_bytes(4, "big")
+    with pytest.raises(CheckpointError, match="format 3 cannot be read here"):
+        decode_checkpoint(bytes(blob))

@@ -16,7 +16,10 @@ from eggroll_dist.shared.update import (
     accumulate_z,
     alpha_at,
     apply_update,
+    initial_opt_state,
+    momentum_gain,
     move_threshold,
+    update_from_z,
     z_sixteenths,
 )
 
@@ -59,7 +62,8 @@ def test_z_accumulates_across_pair_blocks(monkeypatch: pytest.MonkeyPatch) -> No
 def test_equal_fitness_gives_no_update() -> None:
     cfg = _cfg()
     params = init_params(cfg.model)
-    new, changed = apply_update(cfg, 5, params, np.zeros(cfg.pairs, dtype=np.int8))
+    up = apply_update(cfg, 5, params, {}, np.zeros(cfg.pairs, dtype=np.int8))
+    new, changed = up.params, up.changed
     assert changed == 0
     assert all(np.array_equal(new[k], params[k]) for k in params)
 
@@ -69,7 +73,8 @@ def test_update_moves_by_one_where_the_test_passes() -> None:
     params = init_params(cfg.model)
     fitness = np.random.default_rng(2).integers(-1, 2, size=cfg.pairs).astype(np.int8)
     step = 50
-    new, changed = apply_update(cfg, step, params, fitness)
+    up = apply_update(cfg, step, params, {}, fitness)
+    new, changed = up.params, up.changed
     z = accumulate_z(cfg, step, fitness)
     threshold = move_threshold(cfg.pairs, alpha_at(cfg.update, step), cfg.es.noise)
     total = 0
@@ -112,4 +117,66 @@ def test_z_threshold_and_move_threshold() -> None:
 def test_update_rejects_wrong_fitness_shape() -> None:
     cfg = _cfg()
     with pytest.raises(ValueError, match="fitness has shape"):
-        apply_update(cfg, 0, init_params(cfg.model), np.zeros(3, dtype=np.int8))
+        apply_update(cfg, 0, init_params(cfg.model), {}, np.zeros(3, dtype=np.int8))
+
+
+def _momentum_cfg(shift: int = 2) -> RunConfig:
+    cfg = _cfg("gaussian")
+    return cfg.replace(update=UpdateConfig(rule="momentum", momentum_shift=shift))
+
+
+def test_momentum_is_the_specified_integer_recurrence() -> None:
+    """Per weight, by hand in Python ints: decay, add Z, move past T_M, spend T_M."""
+    cfg = _momentum_cfg(shift=2)
+    params = init_params(cfg.model)
+    opt = initial_opt_state(cfg)
+    rng = np.random.default_rng(3)
+    for step in range(4):
+        fitness = rng.integers(-1, 2, size=cfg.pairs).astype(np.int8)
+        z = accumulate_z(cfg, step, fitness)
+        t = move_threshold(cfg.pairs, alpha_at(cfg.update, step), "gaussian", momentum_gain(2))
+        up = apply_update(cfg, step, params, opt, fitness)
+        for name, w in params.items():
+            m_old, w_new = opt[f"momentum.{name}"].reshape(-1), up.params[name].reshape(-1)
+            m_new = up.opt[f"momentum.{name}"].reshape(-1)
+            for i, (m, zi, wi) in enumerate(
+                zip(
+                    m_old.tolist(),
+                    z[name].reshape(-1).tolist(),
+                    w.reshape(-1).tolist(),
+                    strict=True,
+                )
+            ):
+                sign = (m > 0) - (m < 0)
+                m = max(-(2**31 - 1), min(2**31 - 1, m - sign * (abs(m) >> 2) + zi))
+                d = ((m > 0) - (m < 0)) if abs(m) >= t else 0
+                assert int(w_new[i]) == max(-127, min(127, wi + d))
+                assert int(m_new[i]) == m - d * t
+        params, opt = up.params, up.opt
+    assert any(np.count_nonzero(v) for v in opt.values())
+
+
+def test_momentum_threshold_scales_with_the_accumulated_variance() -> None:
+    assert momentum_gain(1) == Fraction(4, 3)  # 1 / (1 - (1/2)**2)
+    assert momentum_gain(3) == Fraction(64, 15)  # 1 / (1 - (7/8)**2)
+    alpha = Fraction(1, 20)
+    plain = move_threshold(4096, alpha, "gaussian")
+    for shift in (1, 3, 6):
+        t = move_threshold(4096, alpha, "gaussian", momentum_gain(shift))
+        assert abs(t - plain * math.sqrt(float(momentum_gain(shift)))) <= 2
+
+
+def test_momentum_moves_a_weight_that_a_steady_small_signal_never_moves() -> None:
+    """The same sub-threshold Z every step: ztest never moves, momentum does."""
+    cfg = _momentum_cfg(shift=3)
+    params = {n: np.zeros_like(w) for n, w in init_params(cfg.model).items()}
+    t_plain = move_threshold(cfg.pairs, alpha_at(cfg.update, 10), "gaussian")
+    z = {n: np.full(w.shape, t_plain // 2, dtype=np.int64) for n, w in params.items()}
+    plain = update_from_z(cfg.replace(update=UpdateConfig()), 10, params, {}, z)
+    assert plain.changed == 0
+    opt = initial_opt_state(cfg)
+    moved = 0
+    for _ in range(20):
+        up = update_from_z(cfg, 10, params, opt, z)
+        params, opt, moved = up.params, up.opt, moved + up.changed
+    assert moved > 0 and all((w >= 0).all() for w in params.values())

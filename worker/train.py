@@ -111,9 +111,11 @@ def train(
     steps: int,
     fitness_log: FitnessLog | None = None,
     samples: TrainingSamples | None = None,
+    max_seconds: float | None = None,
 ) -> TrainResult:
-    """Run `steps` steps from the backend's state; validate every K steps and at the end,
-    and write a sample every `samples.every` steps."""
+    """Run `steps` steps from the backend's state (fewer if `max_seconds` of wall time run
+    out first: the step under way finishes); validate every K steps and at the end, and
+    write a sample every `samples.every` steps."""
     result = TrainResult(backend.state)
     tokens_per_step = cfg.es.population * cfg.es.seq_len
     every = cfg.validation.every_steps
@@ -160,6 +162,9 @@ def train(
             _validate(backend, result)
         if samples and samples.every and backend.step % samples.every == 0:
             _sample(samples, backend.state, result)
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+            log.info("time budget spent", step=backend.step, seconds=round(max_seconds))
+            break
     _validate(backend, result)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
@@ -213,6 +218,12 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     help="Keep the fitness log and the final snapshot here (a new directory).",
 )
 @click.option(
+    "--max-minutes",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop after the step during which this much wall time has passed (then validate).",
+)
+@click.option(
     "--sample-every",
     type=click.IntRange(min=0),
     default=100,
@@ -228,6 +239,7 @@ def main(
     steps: int | None,
     summary_json: Path | None,
     save_dir: Path | None,
+    max_minutes: float | None,
     sample_every: int,
     log_format: str,
     threads: int | None,
@@ -270,7 +282,8 @@ def main(
     )
     backend = factory.build(dataset, ReplicaState.initial(cfg))
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
-    result = train(cfg, backend, steps, fitness_log, samples)
+    max_seconds = max_minutes * 60 if max_minutes is not None else None
+    result = train(cfg, backend, steps, fitness_log, samples, max_seconds)
     if save_dir is not None:
         save_checkpoint(save_dir / "snapshots" / f"step-{result.state.step:08d}.ckpt", result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)

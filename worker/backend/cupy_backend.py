@@ -36,7 +36,7 @@ from ...shared.fitness import pair_fitness
 from ...shared.model import _exp2_table, _log2_thresholds, param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.replica import ReplicaState
-from ...shared.update import alpha_at, move_threshold
+from ...shared.update import alpha_at, apply_update, move_threshold
 from ...shared.window import pair_windows
 from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
 from .numpy_backend import NumpyBackend
@@ -463,6 +463,13 @@ class CupyBackend:
         fitness = np.asarray(fitness)
         if fitness.shape != (cfg.pairs,):
             raise ValueError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
+        if cfg.update.rule != "ztest":
+            # A rule with optimizer state runs the NumPy reference on the host copy (exact,
+            # not yet fast): the device holds the weights only.
+            state = self._state
+            updated = apply_update(cfg, state.step, state.params, state.opt, fitness)
+            self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
+            return updated.changed
         threshold = move_threshold(cfg.pairs, alpha_at(cfg.update, self.step), cfg.es.noise)
         with self._scope():
             self._put_step_key(self.step)

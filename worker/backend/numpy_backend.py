@@ -148,9 +148,10 @@ class NumpyBackend:
         """Apply the committed fitness of step `self.step` (all pairs); returns weights changed."""
         cfg = self.config
         with self._compute():
-            params, changed = apply_update(cfg, self.step, self.state.params, np.asarray(fitness))
-        self.load_state(ReplicaState(cfg, self.step + 1, params))
-        return changed
+            state = self.state
+            updated = apply_update(cfg, state.step, state.params, state.opt, np.asarray(fitness))
+        self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
+        return updated.changed
 
     def validate(self, rows_per_batch: int = 512) -> Validation:
         """Unperturbed model over windows of valid.bin (seq_len + 1 tokens, stride seq_len)."""
