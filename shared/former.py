@@ -19,7 +19,8 @@ never a float rounding). The CuPy backend mirrors this file and must match it ex
     R(v)      = (254 * v + m) // (2 * m), m = max(max|v|, 1)  # max-abs to 127, round half up
     ATTN      per head, causal: s_c = q . k_c (c <= t), e_c = min((max_c s_c - s_c) >> 8, 255),
               w_c = SOFTMAX[e_c], out = (2 * sum w_c v_c + sum w_c) // (2 * sum w_c)   (int64)
-    ROPE      pairs (2i, 2i+1) of each head rotated by ROPE_COS/SIN[t, i] / 2**14, round half up
+    ROPE      each head's pairs (e, o) = (v[2i], v[2i+1]) at position t, c/s = ROPE_COS/SIN[t, i]:
+              ((e * c - o * s + 2**13) >> 14, (e * s + o * c + 2**13) >> 14)
 
 Tables (each pinned by golden tests):
     SOFTMAX[e] = floor(2**18 * 2**(-e/4)) = isqrt(isqrt(2**(72 - e))), 0 for e > 72
@@ -50,9 +51,9 @@ from math import isqrt
 import numpy as np
 
 from .config import ModelConfig, RunConfig
-from .matmul import exact_matmul
+from .matmul import F32_EXACT, exact_matmul
 from .model import MemberNoise, PairNoise, ParamSpec, floor_div, token_loss, true_bits
-from .noise import init_values, noise_block
+from .noise import init_values, max_abs, noise_block
 
 HEAD_DIM = 64  # d-eggs: 64, so width 256 has 4 heads
 SOFTMAX_BITS = 18  # SOFTMAX[0] = 2**18
@@ -146,7 +147,14 @@ def softmax_table() -> np.ndarray:
     """SOFTMAX[e] = floor(2**18 * 2**(-e/4)) for e in 0..255: floor of a fourth root is
     isqrt(isqrt(.)), exact; 2**(72 - e) < 1 gives 0 beyond e = 72."""
     top = 4 * SOFTMAX_BITS
-    return np.array([isqrt(isqrt(1 << (top - e))) if e <= top else 0 for e in range(256)])
+    return _frozen([isqrt(isqrt(1 << (top - e))) if e <= top else 0 for e in range(256)])
+
+
+def _frozen(values: list[int] | np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """A cached table, read-only so that no caller can change it for the others."""
+    table = np.array(values, dtype=dtype)
+    table.flags.writeable = False
+    return table
 
 
 def _round_half_up(x: Decimal) -> int:
@@ -193,7 +201,7 @@ def gelu_table() -> np.ndarray:
     with localcontext(_ctx()):
         pi = _pi()
         values = [_round_half_up(j * _phi(Decimal(j) / 16, pi)) for j in range(-128, 128)]
-    return np.clip(np.array(values, dtype=np.int32), -127, 127)
+    return _frozen(np.clip(values, -127, 127), np.int32)
 
 
 @cache
@@ -224,7 +232,7 @@ def rope_table(positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
                 cos[t, i] = _round_half_up(rc * scale)
                 sin[t, i] = _round_half_up(rs * scale)
                 rc, rs = rc * c - rs * s, rs * c + rc * s
-    return cos, sin
+    return _frozen(cos, np.int32), _frozen(sin, np.int32)
 
 
 # ---------------------------------------------------------------------- integer operations
@@ -314,8 +322,11 @@ class FormerModel:
         xf = x.astype(np.float32)
         acc = exact_matmul(xf.reshape(m * t, k), wt, 127, 127).reshape(m, t, -1)
         if noise is not None:
-            # x . b per member and position: a float64 GEMM of integers, exact.
-            xb = xf.astype(np.float64) @ noise.b[name][:, :, None].astype(np.float64)
+            # x . b per member and position: a batched GEMV of integers, exact in float32
+            # while k * 127 * max|b| <= 2**24 (see matmul.py), else in float64.
+            exact32 = k * 127 * max_abs(self.cfg.es.noise) <= F32_EXACT
+            dtype = np.float32 if exact32 else np.float64
+            xb = xf.astype(dtype, copy=False) @ noise.b[name][:, :, None].astype(dtype, copy=False)
             acc += (xb.astype(np.int32) * noise.a[name][:, None, :]) >> self.shift
         return _clip8(floor_div(acc, 16 * isqrt(k)))
 

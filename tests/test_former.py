@@ -90,6 +90,7 @@ def _random_vectors(cfg: RunConfig, params: dict[str, np.ndarray], seed: int) ->
 def test_softmax_table_is_golden_and_exact() -> None:
     table = softmax_table()
     assert len(table) == 256
+    assert not table.flags.writeable  # cached and shared: nobody may change it
     assert tuple(table[:73].tolist()) == SOFTMAX_GOLDEN
     assert not table[73:].any()
     for e, c in enumerate(table[:73].tolist()):  # c = floor(2**18 * 2**(-e/4))
