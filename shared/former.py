@@ -398,18 +398,20 @@ class FormerModel:
         members = max(1, BLOCK_POSITIONS // t)
         rows, cols = max(1, BLOCK_LOGITS // (v * t)), min(t, max(1, BLOCK_LOGITS // v))
         for lo in range(0, m, members):
-            part = _slice(noise, lo, min(lo + members, m))
-            h = self.hidden(tokens[lo : lo + members, :t], part)
-            for r in range(0, len(h), rows):  # head blocks: whole rows, or spans of one row
-                sub = _slice(part, r, r + rows)
+            hi = min(lo + members, m)
+            part = _slice(noise, lo, hi)
+            h = self.hidden(tokens[lo:hi, :t], part)
+            for r in range(lo, hi, rows):  # head blocks: whole rows, or spans of one row
+                r_hi = min(r + rows, hi)
+                sub = _slice(part, r - lo, r_hi - lo)
                 for c in range(0, t, cols):
-                    logits = self.head(h[r : r + rows, c : c + cols], sub).reshape(-1, v)
-                    at = np.s_[lo + r : lo + r + rows, c : c + cols]
-                    target = tokens[lo + r : lo + r + rows, c + 1 : c + cols + 1].reshape(-1)
-                    shape = loss[at].shape
-                    loss[at] = token_loss(logits, target).reshape(shape)
+                    c_hi = min(c + cols, t)
+                    logits = self.head(h[r - lo : r_hi - lo, c:c_hi], sub).reshape(-1, v)
+                    target = tokens[r:r_hi, c + 1 : c_hi + 1].reshape(-1)
+                    shape = (r_hi - r, c_hi - c)
+                    loss[r:r_hi, c:c_hi] = token_loss(logits, target).reshape(shape)
                     if bits is not None:
-                        bits[at] = true_bits(logits, target).reshape(shape)
+                        bits[r:r_hi, c:c_hi] = true_bits(logits, target).reshape(shape)
         return loss, bits
 
     def forward(

@@ -372,17 +372,19 @@ def test_forward_is_deterministic_and_independent_of_blocking(
 ) -> None:
     cfg = _config(d_model=16, vocab=40)
     params = init_params(cfg.model)
-    pn = pair_noise(cfg, 3, np.arange(4))
-    tokens = np.repeat(np.random.default_rng(4).integers(0, 40, size=(4, 7)), 2, axis=0)
+    pn = pair_noise(cfg, 3, np.arange(5))
+    tokens = np.repeat(np.random.default_rng(4).integers(0, 40, size=(5, 7)), 2, axis=0)
     noise = member_noise(pn, params, cfg.es.sigma_shift)
     first = FormerModel(cfg, params).position_losses(tokens, noise, float_bits=True)
     again = FormerModel(cfg, params).position_losses(tokens, noise, float_bits=True)
     assert first[0].tobytes() == again[0].tobytes() and first[1].tobytes() == again[1].tobytes()
-    # Tiny blocks: members one by one, the head in spans of part of a row.
-    monkeypatch.setattr(former, "BLOCK_POSITIONS", 1)
-    monkeypatch.setattr(former, "BLOCK_LOGITS", 40 * 4)
-    small = FormerModel(cfg, params).position_losses(tokens, noise, float_bits=True)
-    assert small[0].tobytes() == first[0].tobytes() and small[1].tobytes() == first[1].tobytes()
+    # Members one by one with the head in spans of part of a row; three members per block
+    # with head blocks of two rows or of more rows than the block has.
+    for positions, logits in ((1, 40 * 4), (18, 40 * 12), (18, 1 << 22), (6 * 4, 40 * 18)):
+        monkeypatch.setattr(former, "BLOCK_POSITIONS", positions)
+        monkeypatch.setattr(former, "BLOCK_LOGITS", logits)
+        loss, bits = FormerModel(cfg, params).position_losses(tokens, noise, float_bits=True)
+        assert loss.tobytes() == first[0].tobytes() and bits.tobytes() == first[1].tobytes()
 
 
 def test_later_tokens_do_not_change_earlier_losses() -> None:
