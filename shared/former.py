@@ -1,0 +1,453 @@
+"""The former: d-eggs' int8 transformer, NumPy reference, every number specified in integers.
+
+Activations are int8 in [-127, 127] (16 = 1.0 after a norm), weights int8, accumulation int32
+(int64 only where stated), floor shifts and floor division everywhere (never C truncation,
+never a float rounding). The CuPy backend mirrors this file and must match it exactly.
+
+    x = clip(EMB[token] + emb_bias)                           # (M, T, D), the tied embedding
+    x = MLP(x, "emb_mlp.")                                    # the embedding MLP
+    for each layer:
+        n = NORM(x, ln1)
+        q = R(ROPE(MM(n, wq))); k = R(ROPE(MM(n, wk))); v = R(MM(n, wv))
+        x = R(x + MM(ATTN(q, k, v), wo))
+        x = MLP(x, ...)
+    logits = MM(NORM(x, ln_f), EMB)                           # (M, T, V), the head is EMB
+
+    MLP(x)    = R(x + MM(GELU[clip(MM(NORM(x, ln), up) + up_bias)], down) + down_bias)
+    MM(x, W)  = clip((x @ W^T + (((x . b) * a) >> (4 + sigma_shift))) // (16 * isqrt(in)))
+    NORM(x)   = clip((x * w) // max(sum|x| // D, 1) + bias)   # mean-absolute-value norm
+    R(v)      = (254 * v + m) // (2 * m), m = max(max|v|, 1)  # max-abs to 127, round half up
+    ATTN      per head, causal: s_c = q . k_c (c <= t), e_c = min((max_c s_c - s_c) >> 8, 255),
+              w_c = SOFTMAX[e_c], out = (2 * sum w_c v_c + sum w_c) // (2 * sum w_c)   (int64)
+    ROPE      each head's pairs (e, o) = (v[2i], v[2i+1]) at position t, c/s = ROPE_COS/SIN[t, i]:
+              ((e * c - o * s + 2**13) >> 14, (e * s + o * c + 2**13) >> 14)
+
+Tables (each pinned by golden tests):
+    SOFTMAX[e] = floor(2**18 * 2**(-e/4)) = isqrt(isqrt(2**(72 - e))), 0 for e > 72
+                 (d-eggs: round(2**18 * exp(-e/6)); 2**(-1/4) per step is within 4% of exp(-1/6)
+                 and exact in integers)
+    GELU[j]    = round_half_up(16 * gelu(j / 16)) for j in -128..127, gelu(z) = z * Phi(z)
+    ROPE       = round_half_up(2**14 * cos / sin(t * 10000**(-2i / head_dim)))
+GELU and ROPE are computed in `decimal` arithmetic at 60 digits, which is software, the same
+on every machine (exp and ln correctly rounded; the series below are plain arithmetic).
+
+Noise is the EGG model's (shared.model): member m perturbs every matrix W by the rank-1
+`a_m b_m^T` (a carries the antithetic sign) and every vector p by `(sign * u1 * u2) >> shift`.
+The tied embedding has ONE stream used both ways: its row for the input token is the row of
+the perturbed matrix, `EMB[tok] + (a[tok] * b) >> shift`, and the head is MM with the same a, b
+(d-eggs perturbed the two uses differently: its W-A2). Both are `(2**s W + a b^T) >> s` applied
+exactly, which is what the tests materialise per member.
+
+Positions: RoPE positions are 0..seq_len-1 within a window; generation slides a window of at
+most seq_len tokens, so no position beyond the table is ever read (d-eggs read past its table).
+"""
+
+from __future__ import annotations
+
+from decimal import Context, Decimal, localcontext
+from functools import cache
+from math import isqrt
+
+import numpy as np
+
+from .config import ModelConfig, RunConfig
+from .matmul import F32_EXACT, exact_matmul
+from .model import MemberNoise, PairNoise, ParamSpec, floor_div, token_loss, true_bits
+from .noise import init_values, max_abs, noise_block
+
+HEAD_DIM = 64  # d-eggs: 64, so width 256 has 4 heads
+SOFTMAX_BITS = 18  # SOFTMAX[0] = 2**18
+SOFTMAX_SHIFT = 8  # score units per softmax table step
+ROPE_BITS = 14  # cos and sin in 1/2**14: |v * c| <= 127 * 2**14 keeps ROPE in int32
+ROPE_BASE = 10000
+# Positions (member rows x tokens) per block of the forward pass, and logits per block of
+# the head: bounds the memory of one call whatever the population and vocabulary.
+BLOCK_POSITIONS = 8192
+BLOCK_LOGITS = 1 << 22
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def n_head(m: ModelConfig) -> int:
+    """Heads: `model.n_head` if the config has one, else d_model // 64 (at least 1), lowered
+    until it divides d_model. The head dimension must be even (RoPE rotates pairs)."""
+    heads = getattr(m, "n_head", 0) or max(1, m.d_model // HEAD_DIM)
+    while m.d_model % heads:
+        heads -= 1
+    if (m.d_model // heads) % 2:
+        raise ValueError(f"head dimension {m.d_model // heads} must be even (RoPE pairs)")
+    return heads
+
+
+@cache
+def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
+    """d-eggs' tensors in its order (matrices are (out, in); the attention has no biases):
+    the embedding (vocab, D) and its bias, the embedding MLP (norm gain and bias, up (4D, D)
+    and its bias, down (D, 4D) and its bias), per layer a norm, Q, K, V, O (D, D) and an MLP
+    like the embedding's, then the final norm. At width 256, 4 layers and vocabulary 8192
+    that is d-eggs' 5,778,944 weights."""
+    d, f, v = m.d_model, 4 * m.d_model, m.vocab_size
+
+    def mlp(p: str, ln: str) -> list[tuple[str, tuple[int, ...], str, str]]:
+        return [
+            (p + ln, (d,), "vector", "sixteen"),
+            (p + ln + "_bias", (d,), "vector", "zero"),
+            (p + "up", (f, d), "matrix", "gaussian"),
+            (p + "up_bias", (f,), "vector", "zero"),
+            (p + "down", (d, f), "matrix", "gaussian"),
+            (p + "down_bias", (d,), "vector", "zero"),
+        ]
+
+    layout = [("emb", (v, d), "matrix", "gaussian"), ("emb_bias", (d,), "vector", "zero")]
+    layout += mlp("emb_mlp.", "ln")
+    for i in range(m.n_layer):
+        p = f"layers.{i}."
+        layout += [
+            (p + "ln1", (d,), "vector", "sixteen"),
+            (p + "ln1_bias", (d,), "vector", "zero"),
+            (p + "wq", (d, d), "matrix", "gaussian"),
+            (p + "wk", (d, d), "matrix", "gaussian"),
+            (p + "wv", (d, d), "matrix", "gaussian"),
+            (p + "wo", (d, d), "matrix", "gaussian"),
+        ]
+        layout += mlp(p, "ln2")
+    layout += [("ln_f", (d,), "vector", "sixteen"), ("ln_f_bias", (d,), "vector", "zero")]
+    return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
+
+
+def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
+    """Initial int8 weights, a pure function of the model config (as the EGG model's)."""
+    params = {}
+    for spec in param_specs(m):
+        size = int(np.prod(spec.shape))
+        if spec.init == "gaussian":
+            values = init_values(m.init_seed, spec.tensor_id, size)
+        else:
+            values = np.full(size, 16 if spec.init == "sixteen" else 0, dtype=np.int8)
+        params[spec.name] = np.clip(values, -127, 127).astype(np.int8).reshape(spec.shape)
+    return params
+
+
+def pair_noise(cfg: RunConfig, step: int, pairs: np.ndarray) -> PairNoise:
+    """The EGG model's noise layout over this model's tensors: a matrix's indices [0, out)
+    are a, then b; a vector's [0, n) are u1, then u2."""
+    es = cfg.es
+    a, b, u = {}, {}, {}
+    for spec in param_specs(cfg.model):
+        size = spec.shape[0] + spec.shape[-1]  # out + in, or 2n
+        block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, size, es.noise)
+        if spec.kind == "matrix":
+            a[spec.name], b[spec.name] = block[:, : spec.shape[0]], block[:, spec.shape[0] :]
+        else:
+            n = spec.shape[0]
+            u[spec.name] = block[:, :n].astype(np.int16) * block[:, n:].astype(np.int16)
+    return PairNoise(np.asarray(pairs), a, b, u)
+
+
+# -------------------------------------------------------------------------------- tables
+
+
+@cache
+def softmax_table() -> np.ndarray:
+    """SOFTMAX[e] = floor(2**18 * 2**(-e/4)) for e in 0..255: floor of a fourth root is
+    isqrt(isqrt(.)), exact; 2**(72 - e) < 1 gives 0 beyond e = 72."""
+    top = 4 * SOFTMAX_BITS
+    return _frozen([isqrt(isqrt(1 << (top - e))) if e <= top else 0 for e in range(256)])
+
+
+def _frozen(values: list[int] | np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """A cached table, read-only so that no caller can change it for the others."""
+    table = np.array(values, dtype=dtype)
+    table.flags.writeable = False
+    return table
+
+
+def _round_half_up(x: Decimal) -> int:
+    return int((x + Decimal("0.5")).to_integral_value(rounding="ROUND_FLOOR"))
+
+
+def _ctx() -> Context:
+    return Context(prec=60)
+
+
+TINY = Decimal(10) ** -70  # series stop once a term is below this (60 digits: noise)
+
+
+def _pi() -> Decimal:
+    """pi by Machin's formula, 16 atan(1/5) - 4 atan(1/239), as plain series arithmetic."""
+
+    def atan_inv(n: int) -> Decimal:
+        total, term, k = Decimal(0), Decimal(1) / n, 0
+        while term > TINY:
+            total += term / (2 * k + 1) * (-1 if k % 2 else 1)
+            term /= n * n
+            k += 1
+        return total
+
+    return 16 * atan_inv(5) - 4 * atan_inv(239)
+
+
+def _phi(z: Decimal, pi: Decimal) -> Decimal:
+    """The standard normal CDF: 1/2 + pdf(z) * sum z**(2n+1) / (1 * 3 * ... * (2n+1)),
+    a series whose terms share z's sign (no cancellation) and converges for every z."""
+    total, term, n = Decimal(0), z, 0
+    while abs(term) > TINY:
+        total += term
+        n += 1
+        term = term * z * z / (2 * n + 1)
+    pdf = (-z * z / 2).exp() / (2 * pi).sqrt()
+    return Decimal("0.5") + pdf * total
+
+
+@cache
+def gelu_table() -> np.ndarray:
+    """GELU[j + 128] = round_half_up(16 * gelu(j / 16)) = round_half_up(j * Phi(j / 16)),
+    for int8 j; values in [-3, 127]."""
+    with localcontext(_ctx()):
+        pi = _pi()
+        values = [_round_half_up(j * _phi(Decimal(j) / 16, pi)) for j in range(-128, 128)]
+    return _frozen(np.clip(values, -127, 127), np.int32)
+
+
+@cache
+def rope_table(positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), each (positions, head_dim // 2) int32 in 1/2**14: entry [t, i] is
+    round_half_up(2**14 * cos / sin(t * theta_i)), theta_i = 10000**(-2i / head_dim).
+
+    e**(i theta) is a Taylor series (theta <= 1), its powers complex products; at 60 digits
+    the accumulated error stays far below the rounding step for any window length."""
+    half = head_dim // 2
+    cos = np.zeros((positions, half), dtype=np.int32)
+    sin = np.zeros((positions, half), dtype=np.int32)
+    scale = 1 << ROPE_BITS
+    with localcontext(_ctx()):
+        ln_base = Decimal(ROPE_BASE).ln()
+        for i in range(half):
+            theta = (-ln_base * 2 * i / head_dim).exp()
+            c, s, term, k = Decimal(0), Decimal(0), Decimal(1), 0
+            while term > TINY:  # term = theta**k / k!, into cos or sin by k mod 4
+                if k % 2 == 0:
+                    c += term if k % 4 == 0 else -term
+                else:
+                    s += term if k % 4 == 1 else -term
+                k += 1
+                term = term * theta / k
+            rc, rs = Decimal(1), Decimal(0)  # cos, sin of t * theta
+            for t in range(positions):
+                cos[t, i] = _round_half_up(rc * scale)
+                sin[t, i] = _round_half_up(rs * scale)
+                rc, rs = rc * c - rs * s, rs * c + rc * s
+    return _frozen(cos, np.int32), _frozen(sin, np.int32)
+
+
+# ---------------------------------------------------------------------- integer operations
+
+
+def _clip8(x: np.ndarray) -> np.ndarray:
+    return np.clip(x, -127, 127, out=x)
+
+
+def renorm(v: np.ndarray) -> np.ndarray:
+    """R: scale the last axis to a peak of 127, round half up: (254 v + m) // (2 m).
+    |v| <= m, so the result is in [-127, 127]; callers keep |v| <= 2**22 (int32 products)."""
+    m = np.maximum(np.abs(v).max(axis=-1, keepdims=True), 1)
+    return floor_div(254 * v + m, 2 * m)
+
+
+def rope(v: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate pairs (2i, 2i+1) of v (M, T, H, dh) by position; cos/sin (T, dh/2).
+    |v| <= 127 and |cos|, |sin| <= 2**14: each sum stays under 2**23 in int32."""
+    even, odd = v[..., 0::2], v[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    half = 1 << (ROPE_BITS - 1)
+    out = np.empty_like(v)
+    out[..., 0::2] = (even * c - odd * s + half) >> ROPE_BITS
+    out[..., 1::2] = (even * s + odd * c + half) >> ROPE_BITS
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Causal LUT-softmax attention per head; q, k, v (M, T, H, dh) int8-valued.
+
+    Scores |q . k| <= dh * 127**2 < 2**24 (dh <= 1024): exact in a float32 GEMM and in int32.
+    The weighted sums reach T * 2**18 * 127 and are exact int64 (float64 below 2**53)."""
+    t = q.shape[1]
+    qh = q.transpose(0, 2, 1, 3).astype(np.float32)  # (M, H, T, dh)
+    kh = k.transpose(0, 2, 3, 1).astype(np.float32)  # (M, H, dh, T)
+    scores = (qh @ kh).astype(np.int32)  # (M, H, T, T): query t, key c
+    causal = np.tril(np.ones((t, t), dtype=bool))
+    scores = np.where(causal, scores, np.iinfo(np.int32).min)
+    top = scores.max(axis=-1, keepdims=True)
+    steps = np.minimum((top.astype(np.int64) - scores) >> SOFTMAX_SHIFT, 255)
+    w = softmax_table()[steps]  # int64; masked keys give step 255: weight 0
+    num = (w.astype(np.float64) @ v.transpose(0, 2, 1, 3).astype(np.float64)).astype(np.int64)
+    den = w.sum(axis=-1, keepdims=True)  # >= 2**18: the top key has step 0
+    out = np.floor_divide(2 * num + den, 2 * den)  # round half up; in [-127, 127]
+    return out.transpose(0, 2, 1, 3).astype(np.int32)
+
+
+def _slice(noise: MemberNoise | None, lo: int, hi: int) -> MemberNoise | None:
+    if noise is None:
+        return None
+    return MemberNoise(
+        {k: v[lo:hi] for k, v in noise.a.items()},
+        {k: v[lo:hi] for k, v in noise.b.items()},
+        {k: v[lo:hi] for k, v in noise.vectors.items()},
+    )
+
+
+# ------------------------------------------------------------------------------- model
+
+
+class FormerModel:
+    """Forward pass of the former for a batch of members (or unperturbed rows)."""
+
+    def __init__(self, cfg: RunConfig, params: dict[str, np.ndarray]):
+        self.cfg = cfg
+        self.params = params
+        self.shift = 4 + cfg.es.sigma_shift
+        self.heads = n_head(cfg.model)
+        self.context = cfg.es.seq_len
+        self.rope = rope_table(self.context, cfg.model.d_model // self.heads)
+        self.gelu = gelu_table()
+        # float32 transposes for exact BLAS GEMMs (|x|, |w| <= 127; see matmul.py).
+        self.wt = {
+            s.name: np.ascontiguousarray(params[s.name].T, dtype=np.float32)
+            for s in param_specs(cfg.model)
+            if s.kind == "matrix"
+        }
+
+    def _mm(self, x: np.ndarray, name: str, noise: MemberNoise | None) -> np.ndarray:
+        """MM(x, W) for x (M, T, in) |x| <= 127: shared base GEMM + rank-1 member correction.
+
+        int32 bounds (in <= 4096 as d_model <= 1024): |x W^T| <= 127**2 * 4096 < 2**26;
+        |x . b| <= 127 * 55 * 4096 < 2**25 and |(x . b) * a| <= 2**25 * 55 < 2**31."""
+        wt = self.wt[name]
+        m, t, k = x.shape
+        xf = x.astype(np.float32)
+        acc = exact_matmul(xf.reshape(m * t, k), wt, 127, 127).reshape(m, t, -1)
+        if noise is not None:
+            # x . b per member and position: a batched GEMV of integers, exact in float32
+            # while k * 127 * max|b| <= 2**24 (see matmul.py), else in float64.
+            exact32 = k * 127 * max_abs(self.cfg.es.noise) <= F32_EXACT
+            dtype = np.float32 if exact32 else np.float64
+            xb = xf.astype(dtype, copy=False) @ noise.b[name][:, :, None].astype(dtype, copy=False)
+            acc += (xb.astype(np.int32) * noise.a[name][:, None, :]) >> self.shift
+        return _clip8(floor_div(acc, 16 * isqrt(k)))
+
+    def _vector(self, name: str, noise: MemberNoise | None) -> np.ndarray:
+        """The (member's) vector parameter, shaped to broadcast over (M, T, n)."""
+        if noise is None:
+            return self.params[name].astype(np.int32)
+        return noise.vectors[name][:, None, :]
+
+    def _norm(self, x: np.ndarray, name: str, noise: MemberNoise | None) -> np.ndarray:
+        """NORM: |x * w| <= 127**2, the bias <= 127: int32 with room."""
+        mav = np.maximum(np.abs(x).sum(axis=-1, keepdims=True) // x.shape[-1], 1)
+        scaled = floor_div(x * self._vector(name, noise), mav)
+        return _clip8(scaled + self._vector(name + "_bias", noise))
+
+    def _mlp(self, x: np.ndarray, p: str, ln: str, noise: MemberNoise | None) -> np.ndarray:
+        up = _clip8(self._mm(self._norm(x, p + ln, noise), p + "up", noise))
+        up = _clip8(up + self._vector(p + "up_bias", noise))
+        hidden = self.gelu[up + 128]
+        down = self._mm(hidden, p + "down", noise)
+        return renorm(x + down + self._vector(p + "down_bias", noise))  # |.| <= 381
+
+    def _attn(self, x: np.ndarray, p: str, noise: MemberNoise | None) -> np.ndarray:
+        m, t, d = x.shape
+        heads = (m, t, self.heads, d // self.heads)
+        cos, sin = self.rope[0][:t], self.rope[1][:t]
+        n = self._norm(x, p + "ln1", noise)
+        q = renorm(rope(self._mm(n, p + "wq", noise).reshape(heads), cos, sin).reshape(m, t, d))
+        k = renorm(rope(self._mm(n, p + "wk", noise).reshape(heads), cos, sin).reshape(m, t, d))
+        v = renorm(self._mm(n, p + "wv", noise))
+        out = attention(q.reshape(heads), k.reshape(heads), v.reshape(heads)).reshape(m, t, d)
+        return renorm(x + self._mm(out, p + "wo", noise))  # |.| <= 254
+
+    def _embed(self, inputs: np.ndarray, noise: MemberNoise | None) -> np.ndarray:
+        x = self.params["emb"][inputs].astype(np.int32)  # (M, T, D)
+        if noise is not None:
+            rows = np.arange(len(inputs))[:, None]
+            a_tok = noise.a["emb"][rows, inputs]  # (M, T): the perturbed matrix's rows
+            x += (a_tok[:, :, None] * noise.b["emb"].astype(np.int32)[:, None, :]) >> self.shift
+        return _clip8(x + self._vector("emb_bias", noise))
+
+    def hidden(self, inputs: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
+        """The normed final hidden state (M, T, D) after each of inputs (M, T), T <= seq_len."""
+        if inputs.shape[1] > self.context:
+            raise ValueError(f"{inputs.shape[1]} positions exceed the context {self.context}")
+        x = self._mlp(self._embed(inputs, noise), "emb_mlp.", "ln", noise)
+        for i in range(self.cfg.model.n_layer):
+            p = f"layers.{i}."
+            x = self._mlp(self._attn(x, p, noise), p, "ln2", noise)
+        return self._norm(x, "ln_f", noise)
+
+    def head(self, h: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
+        """Logits (M, T, V) of hidden states h (M, T, D): MM with the embedding itself."""
+        return self._mm(h, "emb", noise)
+
+    def logits(self, inputs: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
+        """Logits (M, T, V) after each of inputs (M, T): base-2 log-odds in 1/16 bit."""
+        return self.head(self.hidden(inputs, noise), noise)
+
+    def position_losses(
+        self, tokens: np.ndarray, noise: MemberNoise | None = None, float_bits: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Integer loss (M, T) int64 of each position predicting tokens[:, 1:], and if
+        asked the exact float64 bits; computed in blocks of members and of positions."""
+        m, t = tokens.shape[0], tokens.shape[1] - 1
+        v = self.cfg.model.vocab_size
+        loss = np.zeros((m, t), dtype=np.int64)
+        bits = np.zeros((m, t), dtype=np.float64) if float_bits else None
+        members = max(1, BLOCK_POSITIONS // t)
+        rows, cols = max(1, BLOCK_LOGITS // (v * t)), min(t, max(1, BLOCK_LOGITS // v))
+        for lo in range(0, m, members):
+            hi = min(lo + members, m)
+            part = _slice(noise, lo, hi)
+            h = self.hidden(tokens[lo:hi, :t], part)
+            for r in range(lo, hi, rows):  # head blocks: whole rows, or spans of one row
+                r_hi = min(r + rows, hi)
+                sub = _slice(part, r - lo, r_hi - lo)
+                for c in range(0, t, cols):
+                    c_hi = min(c + cols, t)
+                    logits = self.head(h[r - lo : r_hi - lo, c:c_hi], sub).reshape(-1, v)
+                    target = tokens[r:r_hi, c + 1 : c_hi + 1].reshape(-1)
+                    shape = (r_hi - r, c_hi - c)
+                    loss[r:r_hi, c:c_hi] = token_loss(logits, target).reshape(shape)
+                    if bits is not None:
+                        bits[r:r_hi, c:c_hi] = true_bits(logits, target).reshape(shape)
+        return loss, bits
+
+    def forward(
+        self, tokens: np.ndarray, noise: MemberNoise | None = None, float_bits: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Score rows of tokens (M, T + 1): predict tokens[:, 1:] from the prefix.
+
+        Returns the integer loss per row (sum over T tokens, 1/16 bit units, int64) and,
+        if asked, the exact float64 bits per row for reporting (as EggModel.forward)."""
+        loss, bits = self.position_losses(tokens, noise, float_bits)
+        return loss.sum(axis=1), None if bits is None else bits.sum(axis=1)
+
+
+class FormerGenerator:
+    """The unperturbed former one token at a time, for `shared.sample.generate`.
+
+    The state is the token history, at most seq_len tokens (the window the model was
+    trained on and its RoPE table's length); each step recomputes the window and keeps the
+    last position's logits. Generation starts where a document starts: after token 0.
+    """
+
+    def __init__(self, cfg: RunConfig, params: dict[str, np.ndarray]):
+        self.model = FormerModel(cfg, params)
+        self.vocab_size = cfg.model.vocab_size
+        self.context = cfg.es.seq_len
+
+    def start(self) -> tuple[list[int], np.ndarray]:
+        return self.step([], 0)
+
+    def step(self, state: list[int], token: int) -> tuple[list[int], np.ndarray]:
+        state = [*state, token][-self.context :]
+        inputs = np.array([state], dtype=np.int64)
+        h = self.model.hidden(inputs)
+        return state, self.model.head(h[:, -1:])[0, 0]
