@@ -6,7 +6,7 @@ a TOML file whose tables mirror the dataclasses below:
 
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300
-    [model]  arch, vocab_size, n_layer, d_model, init_seed
+    [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed
     [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed
     [fitness] chunk_mean_filter, adaptive_threshold
     [update] rule, alpha, alpha_decay_steps, momentum_shift
@@ -34,11 +34,16 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = "egg"
+    arch: str = "egg"  # "egg" (nano-egg's minGRU, shared/model.py) or "former" (shared/former.py)
     vocab_size: int = 256
     n_layer: int = 1
     d_model: int = 64
+    n_head: int = 0  # former: attention heads; 0 = d_model // 64 (d-eggs' head size), at least 1
     init_seed: int = 0
+
+    @property
+    def heads(self) -> int:
+        return self.n_head or max(1, self.d_model // 64)
 
 
 @dataclass(frozen=True)
@@ -132,11 +137,17 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError with one clear line for the first invalid value."""
     m, es, up = cfg.model, cfg.es, cfg.update
-    _check(m.arch == "egg", f"model.arch={m.arch!r}: only 'egg' is implemented")
+    _check(m.arch in ("egg", "former"), f"model.arch={m.arch!r} must be 'egg' or 'former'")
     _check(2 <= m.vocab_size <= 1 << 20, f"model.vocab_size={m.vocab_size} must be 2..2**20")
     _check(1 <= m.n_layer <= 64, f"model.n_layer={m.n_layer} must be 1..64")
     # 1024 keeps every int32 product of the forward pass far from overflow.
     _check(4 <= m.d_model <= 1024, f"model.d_model={m.d_model} must be 4..1024")
+    _check(0 <= m.n_head <= m.d_model, f"model.n_head={m.n_head} must be 0..d_model")
+    if m.arch == "former":  # RoPE rotates pairs of a head's dimensions
+        _check(
+            m.d_model % m.heads == 0 and (m.d_model // m.heads) % 2 == 0,
+            f"model.d_model={m.d_model} must split into {m.heads} heads of an even size",
+        )
     _check(
         es.population >= 2 and es.population % 2 == 0,
         f"es.population={es.population} must be even and >= 2 (members come in ± pairs)",

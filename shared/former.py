@@ -52,10 +52,9 @@ import numpy as np
 
 from .config import ModelConfig, RunConfig
 from .matmul import F32_EXACT, exact_matmul
-from .model import MemberNoise, PairNoise, ParamSpec, floor_div, token_loss, true_bits
-from .noise import init_values, max_abs, noise_block
+from .model import MemberNoise, ParamSpec, floor_div, token_loss, true_bits
+from .noise import max_abs
 
-HEAD_DIM = 64  # d-eggs: 64, so width 256 has 4 heads
 SOFTMAX_BITS = 18  # SOFTMAX[0] = 2**18
 SOFTMAX_SHIFT = 8  # score units per softmax table step
 ROPE_BITS = 14  # cos and sin in 1/2**14: |v * c| <= 127 * 2**14 keeps ROPE in int32
@@ -68,19 +67,8 @@ BLOCK_LOGITS = 1 << 22
 # ---------------------------------------------------------------------------- parameters
 
 
-def n_head(m: ModelConfig) -> int:
-    """Heads: `model.n_head` if the config has one, else d_model // 64 (at least 1), lowered
-    until it divides d_model. The head dimension must be even (RoPE rotates pairs)."""
-    heads = getattr(m, "n_head", 0) or max(1, m.d_model // HEAD_DIM)
-    while m.d_model % heads:
-        heads -= 1
-    if (m.d_model // heads) % 2:
-        raise ValueError(f"head dimension {m.d_model // heads} must be even (RoPE pairs)")
-    return heads
-
-
 @cache
-def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
+def former_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     """d-eggs' tensors in its order (matrices are (out, in); the attention has no biases):
     the embedding (vocab, D) and its bias, the embedding MLP (norm gain and bias, up (4D, D)
     and its bias, down (D, 4D) and its bias), per layer a norm, Q, K, V, O (D, D) and an MLP
@@ -113,35 +101,6 @@ def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
         layout += mlp(p, "ln2")
     layout += [("ln_f", (d,), "vector", "sixteen"), ("ln_f_bias", (d,), "vector", "zero")]
     return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
-
-
-def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
-    """Initial int8 weights, a pure function of the model config (as the EGG model's)."""
-    params = {}
-    for spec in param_specs(m):
-        size = int(np.prod(spec.shape))
-        if spec.init == "gaussian":
-            values = init_values(m.init_seed, spec.tensor_id, size)
-        else:
-            values = np.full(size, 16 if spec.init == "sixteen" else 0, dtype=np.int8)
-        params[spec.name] = np.clip(values, -127, 127).astype(np.int8).reshape(spec.shape)
-    return params
-
-
-def pair_noise(cfg: RunConfig, step: int, pairs: np.ndarray) -> PairNoise:
-    """The EGG model's noise layout over this model's tensors: a matrix's indices [0, out)
-    are a, then b; a vector's [0, n) are u1, then u2."""
-    es = cfg.es
-    a, b, u = {}, {}, {}
-    for spec in param_specs(cfg.model):
-        size = spec.shape[0] + spec.shape[-1]  # out + in, or 2n
-        block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, size, es.noise)
-        if spec.kind == "matrix":
-            a[spec.name], b[spec.name] = block[:, : spec.shape[0]], block[:, spec.shape[0] :]
-        else:
-            n = spec.shape[0]
-            u[spec.name] = block[:, :n].astype(np.int16) * block[:, n:].astype(np.int16)
-    return PairNoise(np.asarray(pairs), a, b, u)
 
 
 # -------------------------------------------------------------------------------- tables
@@ -306,14 +265,14 @@ class FormerModel:
         self.cfg = cfg
         self.params = params
         self.shift = 4 + cfg.es.sigma_shift
-        self.heads = n_head(cfg.model)
+        self.heads = cfg.model.heads
         self.context = cfg.es.seq_len
         self.rope = rope_table(self.context, cfg.model.d_model // self.heads)
         self.gelu = gelu_table()
         # float32 transposes for exact BLAS GEMMs (|x|, |w| <= 127; see matmul.py).
         self.wt = {
             s.name: np.ascontiguousarray(params[s.name].T, dtype=np.float32)
-            for s in param_specs(cfg.model)
+            for s in former_specs(cfg.model)
             if s.kind == "matrix"
         }
 

@@ -51,8 +51,17 @@ class ParamSpec:
     tensor_id: int  # the noise stream of this tensor
 
 
-@cache
 def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
+    """Every tensor of the config's architecture, in noise-stream (tensor id) order."""
+    if m.arch == "former":
+        from .former import former_specs  # former.py builds on this module
+
+        return former_specs(m)
+    return egg_specs(m)
+
+
+@cache
+def egg_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     d, v = m.d_model, m.vocab_size
     layout: list[tuple[str, tuple[int, ...], str, str]] = [("emb", (v, d), "matrix", "gaussian")]
     for i in range(m.n_layer):
@@ -343,3 +352,21 @@ class EggGenerator:
     def step(self, state: list[np.ndarray], token: int) -> tuple[list[np.ndarray], np.ndarray]:
         logits = self.model.step(state, np.array([token], dtype=np.int64))
         return state, logits[0]
+
+
+def build_model(cfg: RunConfig, params: dict[str, np.ndarray]) -> EggModel:
+    """The forward pass of the config's architecture (the former's has the same interface)."""
+    if cfg.model.arch == "former":
+        from .former import FormerModel  # former.py builds on this module
+
+        return FormerModel(cfg, params)  # type: ignore[return-value]
+    return EggModel(cfg, params)
+
+
+def build_generator(cfg: RunConfig, params: dict[str, np.ndarray]) -> EggGenerator:
+    """The config's architecture one token at a time, for `shared.sample.generate`."""
+    if cfg.model.arch == "former":
+        from .former import FormerGenerator
+
+        return FormerGenerator(cfg, params)  # type: ignore[return-value]
+    return EggGenerator(cfg, params)

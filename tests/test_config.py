@@ -58,7 +58,7 @@ def test_toml_overrides_a_preset(tmp_path: Path) -> None:
         ("[es]\npopsize = 4", "unknown key 'es.popsize'"),
         ("[es]\nseq_len = 'long'", "'es.seq_len' must be int"),
         ("[update]\nalpha = 2.5", "must be an integer"),
-        ("[model]\narch = 'former'", "only 'egg' is implemented"),
+        ("[model]\narch = 'rnn'", "must be 'egg' or 'former'"),
         ("colour = 3", "unknown config key 'colour'"),
         ("[es\n", "not valid TOML"),
     ],

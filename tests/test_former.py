@@ -11,22 +11,25 @@ import numpy as np
 import pytest
 
 from eggroll_dist.shared import former
-from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.config import ConfigError, ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.former import (
     FormerGenerator,
     FormerModel,
     attention,
     gelu_table,
-    init_params,
-    n_head,
-    pair_noise,
-    param_specs,
     renorm,
     rope,
     rope_table,
     softmax_table,
 )
-from eggroll_dist.shared.model import MemberNoise, member_noise, token_loss
+from eggroll_dist.shared.model import (
+    MemberNoise,
+    init_params,
+    member_noise,
+    pair_noise,
+    param_specs,
+    token_loss,
+)
 from eggroll_dist.shared.noise import noise_block
 from eggroll_dist.shared.sample import SampleSettings, generate
 
@@ -69,7 +72,9 @@ def _config(
     sigma_shift: int = 2,
 ) -> RunConfig:
     return RunConfig(
-        model=ModelConfig(vocab_size=vocab, n_layer=n_layer, d_model=d_model, init_seed=3),
+        model=ModelConfig(
+            arch="former", vocab_size=vocab, n_layer=n_layer, d_model=d_model, init_seed=3
+        ),
         es=ESConfig(
             population=8, chunk_size=8, seq_len=seq_len, sigma_shift=sigma_shift, noise=noise
         ),
@@ -200,9 +205,9 @@ def test_norm_and_mm_floor_on_hand_inputs() -> None:
 
 
 def test_deggs_layout_and_parameter_count() -> None:
-    m = ModelConfig(vocab_size=8192, n_layer=4, d_model=256)
+    m = ModelConfig(arch="former", vocab_size=8192, n_layer=4, d_model=256)
     specs = param_specs(m)
-    assert n_head(m) == 4
+    assert m.heads == 4
     assert sum(math.prod(s.shape) for s in specs) == 5_778_944  # as d-eggs counts it
     assert [s.tensor_id for s in specs] == list(range(len(specs)))
     names = {s.name: s for s in specs}
@@ -210,8 +215,12 @@ def test_deggs_layout_and_parameter_count() -> None:
     assert "head" not in names  # tied: the head is the embedding
     assert names["layers.3.down"].shape == (256, 1024)
     assert {s.init for s in specs} == {"gaussian", "sixteen", "zero"}
-    assert n_head(ModelConfig(d_model=64)) == 1 and n_head(ModelConfig(d_model=96)) == 1
-    assert n_head(ModelConfig(d_model=192)) == 3 and n_head(ModelConfig(d_model=8)) == 1
+    assert ModelConfig(d_model=64).heads == 1 and ModelConfig(d_model=192).heads == 3
+    assert ModelConfig(d_model=8).heads == 1 and ModelConfig(d_model=96, n_head=3).heads == 3
+    with pytest.raises(ConfigError, match="heads of an even size"):
+        RunConfig(model=ModelConfig(arch="former", d_model=12, n_head=4))  # heads of 3
+    with pytest.raises(ConfigError, match="heads of an even size"):
+        RunConfig(model=ModelConfig(arch="former", d_model=96, n_head=5))
 
 
 def test_init_and_pair_noise_follow_the_hashed_streams() -> None:
@@ -236,7 +245,7 @@ def _reference_member_losses(cfg, params, noise, k: int, sign: int, tokens) -> l
     position at a time with a list of keys and values, Python-int attention."""
     shift = 4 + cfg.es.sigma_shift
     d = cfg.model.d_model
-    heads = n_head(cfg.model)
+    heads = cfg.model.heads
     dh = d // heads
     cos, sin = rope_table(cfg.es.seq_len, dh)
     gelu, soft = gelu_table(), softmax_table()

@@ -30,7 +30,7 @@ from ..shared.data import (
     read_tokens,
 )
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.model import EggGenerator
+from ..shared.model import build_generator
 from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint, replay
 from ..shared.sample import (
     NEW_TOKENS,
@@ -264,7 +264,7 @@ def main(
             # From the document's start: no longer than the model's context.
             length = min(prompt_tokens, state.config.es.seq_len)
             prompt_ids = held_out_prompt(valid, held_out, length)
-        model = EggGenerator(state.config, state.params)
+        model = build_generator(state.config, state.params)
         kept = fit_prompt(prompt_ids, model.context, model.vocab_size)
     except (SourceError, DataError, SampleError, VocabError) as exc:
         raise click.ClickException(str(exc)) from None

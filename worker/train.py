@@ -25,7 +25,7 @@ from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
 from ..shared.logs import configure_logging
-from ..shared.model import EggGenerator
+from ..shared.model import build_generator
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
 from ..shared.vocab import decode, escape
@@ -57,7 +57,7 @@ class TrainingSamples:
         new_tokens: int = NEW_TOKENS,
     ) -> tuple[list[int], list[int]]:
         """(kept prompt, continuation) as token ids; the seed defaults to the state's step."""
-        model = EggGenerator(state.config, state.params)
+        model = build_generator(state.config, state.params)
         prompt = held_out_prompt(self.valid, document, min(prompt_tokens, model.context))
         kept = fit_prompt(prompt, model.context, model.vocab_size)
         seed = state.step if seed is None else seed

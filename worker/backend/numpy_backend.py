@@ -22,7 +22,7 @@ from threadpoolctl import ThreadpoolController
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.model import EggModel, member_noise, pair_noise
+from ...shared.model import build_model, member_noise, pair_noise
 from ...shared.replica import ReplicaState
 from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
@@ -110,7 +110,7 @@ class NumpyBackend:
 
     def load_state(self, state: ReplicaState) -> None:
         self.state = state
-        self.model = EggModel(state.config, state.params)
+        self.model = build_model(state.config, state.params)
 
     def digest(self) -> int:
         return self.state.digest()
