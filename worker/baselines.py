@@ -1,25 +1,31 @@
-"""Held-out baselines of a data set: unigram, bigram and gzip -9 bits per token on valid.bin.
+"""Held-out baselines of a data set: unigram, bigram and gzip -9 on valid.bin.
 
-`eggroll-data prepare` stores them in meta.json, so a run's held-out score has something to
-be read against. Nothing a replica computes depends on them.
+`eggroll-data prepare` stores them in meta.json, in bits per token and in bits per byte of
+the text valid.bin decodes to, so a run's held-out score has something to be read against
+and a byte model, a BPE model and gzip compare on one scale. Nothing a replica computes
+depends on them.
 """
 
 from __future__ import annotations
 
 import gzip
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..shared.data import token_dtype
+from ..shared.data import decode_tokens, token_dtype
 
 __all__ = [
     "BASELINE_NAMES",
     "BIGRAM_LAMBDAS",
+    "HeldOutScores",
     "baselines",
     "bigram_bits",
     "choose_bigram_lambda",
     "gzip_bits",
+    "held_out_scores",
     "unigram_bits",
 ]
 
@@ -130,3 +136,41 @@ def baselines(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> dict[str
         "bigram": bigram_bits(train, valid, vocab_size),
         "gzip9": gzip_bits(valid, vocab_size),
     }
+
+
+@dataclass(frozen=True)
+class HeldOutScores:
+    """The baselines on valid.bin in both units; `valid_bytes` is the decoded text's size."""
+
+    per_token: dict[str, float]
+    per_byte: dict[str, float]
+    valid_bytes: int
+
+
+def held_out_scores(
+    train: np.ndarray, valid: np.ndarray, decoding: Sequence[bytes]
+) -> HeldOutScores:
+    """All baselines on `valid`, fitted on `train`, in bits per token and bits per byte.
+
+    gzip -9 compresses the text valid.bin decodes to (for the byte vocabulary: the
+    valid.bin bytes themselves), so its bits per byte need no vocabulary; its bits per token
+    are the same total over the token count. The model baselines' totals go the other way.
+    """
+    vocab_size = len(decoding)
+    text = decode_tokens(valid, decoding)
+    if not text:
+        raise ValueError("valid.bin decodes to no text: bits per byte are undefined")
+    gzip_total = 8.0 * len(gzip.compress(text, compresslevel=9, mtime=0))
+    per_token = {
+        "unigram": unigram_bits(train, valid, vocab_size),
+        "bigram": bigram_bits(train, valid, vocab_size),
+        "gzip9": gzip_total / len(valid),
+    }
+    # tokens / bytes is exactly 1.0 for the byte vocabulary: both units then coincide.
+    ratio = len(valid) / len(text)
+    per_byte = {
+        "unigram": per_token["unigram"] * ratio,
+        "bigram": per_token["bigram"] * ratio,
+        "gzip9": gzip_total / len(text),
+    }
+    return HeldOutScores(per_token=per_token, per_byte=per_byte, valid_bytes=len(text))
