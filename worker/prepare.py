@@ -1,7 +1,10 @@
-"""`eggroll-data`: build a byte-vocabulary data directory from text, or inspect one.
+"""`eggroll-data`: build a data directory from text, import a d-eggs one, or inspect one.
 
     eggroll-data prepare notes.txt book.txt --out data/
     eggroll-data prepare --builtin --out data/
+    eggroll-data prepare --builtin --tokenizer bpe --vocab-size 8192 --out data/bpe
+    eggroll-data prepare more.txt --tokenizer data/bpe/tokenizer.json --out data/more
+    eggroll-data import deggs-data/ --out data/deggs
     eggroll-data info data/
 
 Documents. Each document becomes byte 0 (the document separator, as in nano-egg) followed
@@ -17,6 +20,12 @@ download: the ``pydoc_data.topics`` texts (one document per topic, sorted by nam
 one document per standard-library module holding its module, class and function
 docstrings, read by parsing the sources with ``ast`` (nothing is imported). It depends on
 the Python build, so meta.json records the Python version in its source.
+
+Tokens. By default the vocabulary is bytes. With ``--tokenizer bpe`` a byte-level BPE is
+trained on the train documents (see ``tokenizer.py``) and the ids are little-endian uint32;
+``--tokenizer FILE.json`` reuses a tokenizer. Either way documents and split are the same,
+each document is id 0 followed by its ids, and the text is read twice in blocks (train,
+then encode), never held whole.
 
 Split. A document goes to valid.bin when ``int.from_bytes(blake2b(doc).digest()[:8],
 "big") % 1000 < round(valid_fraction * 1000)``, where ``doc`` is its UTF-8 bytes: a pure
@@ -66,6 +75,7 @@ from ..shared.data import (
 )
 from ..shared.window import data_too_short, step_tokens
 from .baselines import BASELINE_NAMES, held_out_scores
+from .import_deggs import import_data_dir
 from .tokenizer import encode_documents, load_tokenizer, tokenizer_pieces, train_bpe
 
 SPLIT_ABOVE_BYTES = 64 * 1024
@@ -732,6 +742,38 @@ def _summary(out: Path, meta: DataMeta, elapsed: float) -> None:
     )
     for warning in size_warnings(meta.train_tokens, meta.valid_tokens):
         click.echo(f"warning: {warning}", err=True)
+
+
+@main.command("import")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    "out",
+    default=None,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Data directory to write [default: DIRECTORY itself; its input.bin then keeps only "
+    "the train part].",
+)
+@click.option(
+    "--valid-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    default=DEFAULT_VALID_FRACTION,
+    show_default=True,
+    help="Share of the tokens held out in valid.bin, cut from the end of input.bin.",
+)
+def import_(directory: Path, out: Path | None, valid_fraction: float) -> None:
+    """Make a d-eggs data directory (input.bin + decoding.bin) an eggroll one: check the ids,
+    cut valid.bin from the end of input.bin, write meta.json with the baselines."""
+    start = time.monotonic()
+    try:
+        meta = import_data_dir(directory, out, f"import:{directory.name}", valid_fraction)
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        where = e.filename or directory
+        raise click.ClickException(f"cannot use {where}: {e.strerror or e}") from None
+    _say_baselines(_progress, meta)
+    _summary(out or directory, meta, time.monotonic() - start)
 
 
 def size_warnings(train_tokens: int, valid_tokens: int) -> list[str]:
