@@ -34,8 +34,16 @@ BASELINE_NAMES = ("unigram", "bigram", "gzip9")
 BIGRAM_LAMBDAS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
 
 
+# Tokens converted at a time: a large split is never copied whole into int64.
+_BLOCK_TOKENS = 1 << 22
+
+
 def _counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(tokens), _BLOCK_TOKENS):
+        block = np.asarray(tokens[start : start + _BLOCK_TOKENS], dtype=np.int64)
+        counts += np.bincount(block, minlength=vocab_size)
+    return counts
 
 
 def _unigram_probs(train: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -50,20 +58,32 @@ def unigram_bits(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> float
 
 
 def _pair_codes(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    # uint64: a * V + b fits for every V <= 2**32.
-    t = np.asarray(tokens, dtype=np.uint64)
-    return t[:-1] * np.uint64(vocab_size) + t[1:]
+    """a * V + b for each adjacent pair: uint32 while V * V fits (half the memory of the
+    sort in _pair_counts), else uint64, which fits for every V <= 2**32."""
+    dtype = np.uint32 if vocab_size * vocab_size <= 1 << 32 else np.uint64
+    t = np.asarray(tokens, dtype=dtype)
+    codes = t[:-1] * dtype(vocab_size)
+    codes += t[1:]
+    return codes
 
 
 def _pair_counts(train_codes: np.ndarray, codes: np.ndarray, vocab_size: int) -> np.ndarray:
-    """How often each pair code in `codes` occurs in `train_codes`."""
+    """How often each pair code in `codes` occurs in `train_codes` (which it may reorder)."""
     if vocab_size * vocab_size <= 1 << 24:  # byte vocabularies: one dense V*V table
         table = np.bincount(train_codes.astype(np.int64), minlength=vocab_size * vocab_size)
         return table[codes.astype(np.int64)]
-    # Large vocabularies: sorted unique pairs instead of a V*V table.
-    uniq, counts = np.unique(train_codes, return_counts=True)
-    if uniq.size == 0:
+    # Large vocabularies: sorted unique pairs instead of a V*V table. The codes are sorted
+    # in place (np.unique would sort a copy of them).
+    if train_codes.size == 0:
         return np.zeros(codes.shape, dtype=np.int64)
+    train_codes.sort()
+    first = np.empty(train_codes.size, dtype=bool)
+    first[0] = True
+    np.not_equal(train_codes[1:], train_codes[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    del first
+    uniq = train_codes[starts]
+    counts = np.diff(np.append(starts, train_codes.size))
     idx = np.minimum(np.searchsorted(uniq, codes), uniq.size - 1)
     return np.where(uniq[idx] == codes, counts[idx], 0)
 

@@ -44,6 +44,7 @@ import sysconfig
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import click
@@ -308,6 +309,11 @@ def iter_file_documents(path: Path | str, block_bytes: int = 1 << 20) -> Iterato
             yield doc.encode("utf-8")
 
 
+def _files_documents(paths: Sequence[Path]) -> Iterator[bytes]:
+    for path in paths:
+        yield from iter_file_documents(path)
+
+
 # --- the built-in corpus -------------------------------------------------------------
 
 
@@ -490,7 +496,7 @@ def prepare_data_dir(
 
 DocSource = Callable[[], Iterator[bytes]]
 PROGRESS_EVERY_BYTES = 16 << 20
-ENCODE_BATCH_BYTES = 4 << 20
+ENCODE_BATCH_BYTES = 1 << 20
 
 
 class _Meter:
@@ -698,10 +704,10 @@ def prepare(
         if tokenizer_arg is not None:
             tokenizer = None if tokenizer_arg == "bpe" else load_tokenizer(tokenizer_arg)
             if builtin:
-                docs: DocSource = lambda: iter(builtin_docs)  # noqa: E731
+                docs: DocSource = builtin_docs.__iter__
             else:
                 source = ", ".join(p.name for p in text_files)
-                docs = lambda: (d for p in text_files for d in iter_file_documents(p))  # noqa: E731
+                docs = partial(_files_documents, text_files)
             meta = prepare_tokenized_data_dir(
                 docs,
                 out,
@@ -788,7 +794,8 @@ def size_warnings(train_tokens: int, valid_tokens: int) -> list[str]:
             lines.append(
                 f"the train split ({train_tokens:,} tokens) is smaller than what one step of "
                 f"the {name} preset reads ({enough:,}): it would learn the text by heart; "
-                f"give at least {enough:,} bytes of text, better a hundred times more"
+                f"give at least {enough:,} tokens of text (bytes, for the byte vocabulary), "
+                f"better a hundred times more"
             )
     return lines
 
