@@ -794,8 +794,8 @@ def size_warnings(train_tokens: int, valid_tokens: int) -> list[str]:
             lines.append(
                 f"the train split ({train_tokens:,} tokens) is smaller than what one step of "
                 f"the {name} preset reads ({enough:,}): it would learn the text by heart; "
-                f"give at least {enough:,} tokens of text (bytes, for the byte vocabulary), "
-                f"better a hundred times more"
+                f"give at least {enough:,} bytes of text for the byte vocabulary (that many "
+                f"tokens for another), better a hundred times more"
             )
     return lines
 
