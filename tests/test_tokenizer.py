@@ -97,7 +97,7 @@ def test_foreign_tokenizers_are_checked(tmp_path: Path) -> None:
 # --- reading a file in blocks gives the documents of reading it whole -----------------
 
 
-_PIECES = ["a", "bc", " ", "\n", "\n\n", "\r", "\r\n", "\x00", "é", "€", "x" * 40, "y" * 90]
+_PIECES = ["a", " ", "\n", "\n\n", "\r", "\r\n", "\x00", "\ufeff", "é", "€", "x" * 40, "y" * 90]
 
 
 @settings(max_examples=300, deadline=None)
@@ -118,11 +118,18 @@ def test_block_reading_matches_whole_file(
         assert list(iter_file_documents(path, block)) == file_documents(path)
 
 
-def test_block_reading_reports_bad_utf8(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "raw, offset",
+    [(b"x" * 100_000 + b"\xc3", 100_000), ("\ufeffabé".encode() + b"\xe9", 7)],
+)
+def test_block_reading_reports_bad_utf8(tmp_path: Path, raw: bytes, offset: int) -> None:
     path = tmp_path / "bad.txt"
-    path.write_bytes(b"x" * 100_000 + b"\xc3")
-    with pytest.raises(DataError, match="not UTF-8"):
-        list(iter_file_documents(path, 4096))
+    path.write_bytes(raw)
+    for block in (1, 4096):
+        with pytest.raises(DataError, match=f"bad byte at offset {offset}\\)"):
+            list(iter_file_documents(path, block))
+    with pytest.raises(DataError, match=f"bad byte at offset {offset}\\)"):
+        file_documents(path)
 
 
 # --- prepare --tokenizer bpe on the built-in corpus ------------------------------------

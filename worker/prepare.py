@@ -158,7 +158,9 @@ def file_documents(path: Path | str) -> list[bytes]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise _not_utf8(path, e.start) from None
+        # The offset counts from the start of the file, a byte order mark included.
+        bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+        raise _not_utf8(path, bom + e.start) from None
     return [d.encode("utf-8") for d in split_text(_clean(text)) if d.strip()]
 
 
@@ -255,8 +257,9 @@ class _Packer:
 
 def _clean_blocks(path: Path, block_bytes: int) -> Iterator[str]:
     """The cleaned text of `path` (as _clean gives it), decoded block by block."""
-    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # bytes of the file handed to the decoder so far
+    at_start = True  # a byte order mark is dropped only as the first character
     held = ""  # a trailing "\r" that may start a "\r\n" in the next block
     with open(path, "rb") as f:
         while True:
@@ -267,6 +270,9 @@ def _clean_blocks(path: Path, block_bytes: int) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise _not_utf8(path, offset - pending + e.start) from None
             offset += len(block)
+            if at_start and text:
+                text = text.removeprefix("\ufeff")
+                at_start = False
             text = held + text.replace("\x00", "")
             held = ""
             if block and text.endswith("\r"):
