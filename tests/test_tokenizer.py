@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from eggroll_dist.shared.data import (
     DECODING_FILE,
@@ -275,3 +275,24 @@ def test_large_file_is_read_in_blocks_with_progress(
     docs = _documents(data.train, data.decoding) + _documents(data.valid, data.decoding)
     assert sorted(docs) == sorted(file_documents(path))
     assert data.meta.documents == len(docs) > 100
+
+
+def test_tokenizer_that_changes_the_text_is_refused(tmp_path: Path) -> None:
+    files = [str(p) for p in _write_corpus(tmp_path / "text")]
+    tok = train_bpe(iter(["some text to train on"]), 270)
+    tok.normalizer = normalizers.Lowercase()
+    tok.save(str(tmp_path / "lower.json"))
+    (tmp_path / "Upper.txt").write_text("Capitals ARE lost by a lowercasing tokenizer")
+    out = tmp_path / "data"
+    result = _prepare(
+        [
+            *files,
+            str(tmp_path / "Upper.txt"),
+            "--tokenizer",
+            str(tmp_path / "lower.json"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert result.exit_code == 1 and "does not give back the text" in result.output
+    assert list(out.iterdir()) == []  # no half-written token files left behind

@@ -528,6 +528,57 @@ class _Meter:
         )
 
 
+def _encode_pass(
+    docs: DocSource,
+    flags: Sequence[bool],
+    tokenizer: Tokenizer,
+    pieces: Sequence[bytes],
+    root: Path,
+    meter: _Meter,
+) -> None:
+    """Encode `docs()` in batches, appending separator + ids to input.bin / valid.bin as
+    `flags` says. The files are built under hidden names and renamed when complete; the old
+    meta.json goes first, so the directory never looks complete in between."""
+    dtype = token_dtype(len(pieces))
+    partial = {name: root / f".{name}.partial" for name in (INPUT_FILE, VALID_FILE)}
+    batch: list[tuple[bytes, bool]] = []
+    try:
+        with open(partial[INPUT_FILE], "wb") as train_f, open(partial[VALID_FILE], "wb") as valid_f:
+
+            def flush() -> None:
+                encoded = encode_documents(tokenizer, [d for d, _ in batch], pieces)
+                for valid, f in ((False, train_f), (True, valid_f)):
+                    ids = [
+                        t
+                        for (_, v), doc_ids in zip(batch, encoded, strict=True)
+                        if v == valid
+                        for t in (0, *doc_ids)
+                    ]
+                    if ids:
+                        f.write(np.asarray(ids, dtype).tobytes())
+                for doc, _ in batch:
+                    meter.add(len(doc))
+                batch.clear()
+
+            size = 0
+            for item in zip(docs(), flags, strict=True):
+                batch.append(item)
+                size += len(item[0])
+                if size >= ENCODE_BATCH_BYTES:
+                    flush()
+                    size = 0
+            flush()
+            for f in (train_f, valid_f):
+                f.flush()
+                os.fsync(f.fileno())
+        (root / META_FILE).unlink(missing_ok=True)
+        for name, path in partial.items():
+            os.replace(path, root / name)
+    finally:
+        for path in partial.values():
+            path.unlink(missing_ok=True)
+
+
 def prepare_tokenized_data_dir(
     docs: DocSource,
     out: Path | str,
@@ -570,42 +621,9 @@ def prepare_tokenized_data_dir(
     fix_split(flags)
     pieces = tokenizer_pieces(tokenizer)
     vocab = len(pieces)
-    dtype = token_dtype(vocab)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    partial = {name: root / f".{name}.partial" for name in (INPUT_FILE, VALID_FILE)}
-    meter = _Meter(say, "encoded")
-    with open(partial[INPUT_FILE], "wb") as train_f, open(partial[VALID_FILE], "wb") as valid_f:
-        batch: list[tuple[bytes, bool]] = []
-
-        def flush() -> None:
-            encoded = encode_documents(tokenizer, [d for d, _ in batch], pieces)
-            for valid in (False, True):
-                ids = [
-                    t
-                    for (_, v), doc_ids in zip(batch, encoded, strict=True)
-                    if v == valid
-                    for t in (0, *doc_ids)
-                ]
-                if ids:
-                    (valid_f if valid else train_f).write(np.asarray(ids, dtype).tobytes())
-            for doc, _ in batch:
-                meter.add(len(doc))
-            batch.clear()
-
-        size = 0
-        for item in zip(docs(), flags, strict=True):
-            batch.append(item)
-            size += len(item[0])
-            if size >= ENCODE_BATCH_BYTES:
-                flush()
-                size = 0
-        flush()
-        for f in (train_f, valid_f):
-            f.flush()
-            os.fsync(f.fileno())
-    for name, path in partial.items():
-        os.replace(path, root / name)
+    _encode_pass(docs, flags, tokenizer, pieces, root, _Meter(say, "encoded"))
     fsync_dir(root)
     train = read_tokens(root / INPUT_FILE, vocab)
     valid = read_tokens(root / VALID_FILE, vocab)
