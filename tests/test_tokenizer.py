@@ -296,3 +296,13 @@ def test_tokenizer_that_changes_the_text_is_refused(tmp_path: Path) -> None:
     )
     assert result.exit_code == 1 and "does not give back the text" in result.output
     assert list(out.iterdir()) == []  # no half-written token files left behind
+
+
+def test_bpe_build_is_deterministic(tmp_path: Path) -> None:
+    files = [str(p) for p in _write_corpus(tmp_path / "text", seed=5)]
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        result = _prepare([*files, "--tokenizer", "bpe", "--vocab-size", "320", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+    for name in (INPUT_FILE, VALID_FILE, DECODING_FILE, META_FILE, TOKENIZER_FILE):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
