@@ -9,6 +9,10 @@ A data directory holds four files:
 - ``meta.json``: :class:`DataMeta`, written last so a half-written directory never looks
   complete.
 
+A directory built with a trained tokenizer also holds ``tokenizer.json`` (the tokenizer that
+produced the ids); nothing here reads it. Token id 0 is the document separator in every
+vocabulary (the byte 0 of the byte vocabulary, a reserved special token otherwise).
+
 Every writer here replaces its file atomically (temporary file in the same directory, then
 ``os.replace``), so a reader never sees a partial file.
 """
@@ -33,6 +37,7 @@ INPUT_FILE = "input.bin"
 VALID_FILE = "valid.bin"
 DECODING_FILE = "decoding.bin"
 META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
 _MAX_VOCAB_SIZE = 2**32
 _HASH_BLOCK_BYTES = 1 << 20
 _REBUILD = "rebuild the data directory with `eggroll-data prepare`"
@@ -153,6 +158,25 @@ def byte_pieces() -> list[bytes]:
     return [bytes([i]) for i in range(BYTE_VOCAB_SIZE)]
 
 
+def piece_lengths(decoding: Sequence[bytes]) -> np.ndarray:
+    """Bytes of text each token id stands for (int64, indexed by id)."""
+    return np.fromiter((len(p) for p in decoding), dtype=np.int64, count=len(decoding))
+
+
+def text_bytes(tokens: np.ndarray, decoding: Sequence[bytes]) -> int:
+    """Bytes of text `tokens` decode to: the denominator of bits per byte.
+
+    The document separator counts as the one byte it decodes to, so for the byte vocabulary
+    this is the token count and bits per byte equal bits per token.
+    """
+    return int(piece_lengths(decoding)[np.asarray(tokens, dtype=np.int64)].sum())
+
+
+def decode_tokens(tokens: np.ndarray, decoding: Sequence[bytes]) -> bytes:
+    """The bytes `tokens` stand for, concatenated (separators included)."""
+    return b"".join([decoding[i] for i in np.asarray(tokens).tolist()])
+
+
 # --- meta.json -----------------------------------------------------------------------
 
 
@@ -163,7 +187,9 @@ class DataMeta:
     `sha256` is the data digest (see :func:`data_digest`) as lowercase hex. `source` names
     where the text came from, e.g. ``"builtin:python-3.11.7-docs"`` or the input file names.
     `baselines` maps "unigram", "bigram" and "gzip9" to bits per token on valid.bin, fitted
-    on input.bin only.
+    on input.bin only; `baselines_per_byte` holds the same scores in bits per byte of the
+    text valid.bin decodes to, which is `valid_bytes` bytes long (:func:`text_bytes`). A
+    meta.json written before those two existed loads with ``{}`` and 0 (unknown).
     """
 
     format_version: int
@@ -175,6 +201,8 @@ class DataMeta:
     documents: int
     valid_documents: int
     baselines: dict[str, float] = field(default_factory=dict)
+    baselines_per_byte: dict[str, float] = field(default_factory=dict)
+    valid_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -188,7 +216,7 @@ class DataMeta:
             raise DataError(f"{where} is not valid JSON ({e.msg}): {_REBUILD}") from None
         if not isinstance(raw, dict):
             raise DataError(f"{where} must hold a JSON object: {_REBUILD}")
-        missing = [f.name for f in fields(cls) if f.name not in raw]
+        missing = [f.name for f in fields(cls) if f.name not in raw and f.name not in _OPTIONAL]
         if missing:
             raise DataError(f"{where} lacks {', '.join(missing)}: {_REBUILD}")
         version = raw["format_version"]
@@ -197,7 +225,15 @@ class DataMeta:
                 f"{where} has format_version {version!r}, this version reads "
                 f"{FORMAT_VERSION}: {_REBUILD}"
             )
-        ints = ("vocab_size", "train_tokens", "valid_tokens", "documents", "valid_documents")
+        raw = {**_OPTIONAL, **raw}
+        ints = (
+            "vocab_size",
+            "train_tokens",
+            "valid_tokens",
+            "documents",
+            "valid_documents",
+            "valid_bytes",
+        )
         for name in ints:
             value = raw[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -207,11 +243,12 @@ class DataMeta:
             raise DataError(f"{where}: sha256 must be 64 hex digits, got {sha!r}")
         if not isinstance(raw["source"], str):
             raise DataError(f"{where}: source must be a string")
-        baselines = raw["baselines"]
-        if not isinstance(baselines, dict) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in baselines.values()
-        ):
-            raise DataError(f"{where}: baselines must map names to numbers")
+        for name in ("baselines", "baselines_per_byte"):
+            scores = raw[name]
+            if not isinstance(scores, dict) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in scores.values()
+            ):
+                raise DataError(f"{where}: {name} must map names to numbers")
         token_dtype(raw["vocab_size"])  # range check
         return cls(
             format_version=version,
@@ -222,8 +259,14 @@ class DataMeta:
             source=raw["source"],
             documents=raw["documents"],
             valid_documents=raw["valid_documents"],
-            baselines={str(k): float(v) for k, v in baselines.items()},
+            baselines={str(k): float(v) for k, v in raw["baselines"].items()},
+            baselines_per_byte={str(k): float(v) for k, v in raw["baselines_per_byte"].items()},
+            valid_bytes=raw["valid_bytes"],
         )
+
+
+# Keys a meta.json from before bits per byte lacks, with the values it loads with.
+_OPTIONAL: dict[str, object] = {"baselines_per_byte": {}, "valid_bytes": 0}
 
 
 def _is_hex(text: str) -> bool:
@@ -350,6 +393,7 @@ __all__ = [
     "FORMAT_VERSION",
     "INPUT_FILE",
     "META_FILE",
+    "TOKENIZER_FILE",
     "VALID_FILE",
     "DataError",
     "DataMeta",
@@ -357,10 +401,13 @@ __all__ = [
     "byte_pieces",
     "concat_documents",
     "data_digest",
+    "decode_tokens",
     "load_data_dir",
+    "piece_lengths",
     "read_decoding",
     "read_meta",
     "read_tokens",
+    "text_bytes",
     "token_dtype",
     "tokens_digest",
     "write_decoding",

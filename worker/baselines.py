@@ -1,25 +1,31 @@
-"""Held-out baselines of a data set: unigram, bigram and gzip -9 bits per token on valid.bin.
+"""Held-out baselines of a data set: unigram, bigram and gzip -9 on valid.bin.
 
-`eggroll-data prepare` stores them in meta.json, so a run's held-out score has something to
-be read against. Nothing a replica computes depends on them.
+`eggroll-data prepare` stores them in meta.json, in bits per token and in bits per byte of
+the text valid.bin decodes to, so a run's held-out score has something to be read against
+and a byte model, a BPE model and gzip compare on one scale. Nothing a replica computes
+depends on them.
 """
 
 from __future__ import annotations
 
 import gzip
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..shared.data import token_dtype
+from ..shared.data import decode_tokens, token_dtype
 
 __all__ = [
     "BASELINE_NAMES",
     "BIGRAM_LAMBDAS",
+    "HeldOutScores",
     "baselines",
     "bigram_bits",
     "choose_bigram_lambda",
     "gzip_bits",
+    "held_out_scores",
     "unigram_bits",
 ]
 
@@ -28,8 +34,16 @@ BASELINE_NAMES = ("unigram", "bigram", "gzip9")
 BIGRAM_LAMBDAS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
 
 
+# Tokens converted at a time: a large split is never copied whole into int64.
+_BLOCK_TOKENS = 1 << 22
+
+
 def _counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(tokens), _BLOCK_TOKENS):
+        block = np.asarray(tokens[start : start + _BLOCK_TOKENS], dtype=np.int64)
+        counts += np.bincount(block, minlength=vocab_size)
+    return counts
 
 
 def _unigram_probs(train: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -44,20 +58,32 @@ def unigram_bits(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> float
 
 
 def _pair_codes(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    # uint64: a * V + b fits for every V <= 2**32.
-    t = np.asarray(tokens, dtype=np.uint64)
-    return t[:-1] * np.uint64(vocab_size) + t[1:]
+    """a * V + b for each adjacent pair: uint32 while V * V fits (half the memory of the
+    sort in _pair_counts), else uint64, which fits for every V <= 2**32."""
+    dtype = np.uint32 if vocab_size * vocab_size <= 1 << 32 else np.uint64
+    t = np.asarray(tokens, dtype=dtype)
+    codes = t[:-1] * dtype(vocab_size)
+    codes += t[1:]
+    return codes
 
 
 def _pair_counts(train_codes: np.ndarray, codes: np.ndarray, vocab_size: int) -> np.ndarray:
-    """How often each pair code in `codes` occurs in `train_codes`."""
+    """How often each pair code in `codes` occurs in `train_codes` (which it may reorder)."""
     if vocab_size * vocab_size <= 1 << 24:  # byte vocabularies: one dense V*V table
         table = np.bincount(train_codes.astype(np.int64), minlength=vocab_size * vocab_size)
         return table[codes.astype(np.int64)]
-    # Large vocabularies: sorted unique pairs instead of a V*V table.
-    uniq, counts = np.unique(train_codes, return_counts=True)
-    if uniq.size == 0:
+    # Large vocabularies: sorted unique pairs instead of a V*V table. The codes are sorted
+    # in place (np.unique would sort a copy of them).
+    if train_codes.size == 0:
         return np.zeros(codes.shape, dtype=np.int64)
+    train_codes.sort()
+    first = np.empty(train_codes.size, dtype=bool)
+    first[0] = True
+    np.not_equal(train_codes[1:], train_codes[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    del first
+    uniq = train_codes[starts]
+    counts = np.diff(np.append(starts, train_codes.size))
     idx = np.minimum(np.searchsorted(uniq, codes), uniq.size - 1)
     return np.where(uniq[idx] == codes, counts[idx], 0)
 
@@ -130,3 +156,41 @@ def baselines(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> dict[str
         "bigram": bigram_bits(train, valid, vocab_size),
         "gzip9": gzip_bits(valid, vocab_size),
     }
+
+
+@dataclass(frozen=True)
+class HeldOutScores:
+    """The baselines on valid.bin in both units; `valid_bytes` is the decoded text's size."""
+
+    per_token: dict[str, float]
+    per_byte: dict[str, float]
+    valid_bytes: int
+
+
+def held_out_scores(
+    train: np.ndarray, valid: np.ndarray, decoding: Sequence[bytes]
+) -> HeldOutScores:
+    """All baselines on `valid`, fitted on `train`, in bits per token and bits per byte.
+
+    gzip -9 compresses the text valid.bin decodes to (for the byte vocabulary: the
+    valid.bin bytes themselves), so its bits per byte need no vocabulary; its bits per token
+    are the same total over the token count. The model baselines' totals go the other way.
+    """
+    vocab_size = len(decoding)
+    text = decode_tokens(valid, decoding)
+    if not text:
+        raise ValueError("valid.bin decodes to no text: bits per byte are undefined")
+    gzip_total = 8.0 * len(gzip.compress(text, compresslevel=9, mtime=0))
+    per_token = {
+        "unigram": unigram_bits(train, valid, vocab_size),
+        "bigram": bigram_bits(train, valid, vocab_size),
+        "gzip9": gzip_total / len(valid),
+    }
+    # tokens / bytes is exactly 1.0 for the byte vocabulary: both units then coincide.
+    ratio = len(valid) / len(text)
+    per_byte = {
+        "unigram": per_token["unigram"] * ratio,
+        "bigram": per_token["bigram"] * ratio,
+        "gzip9": gzip_total / len(text),
+    }
+    return HeldOutScores(per_token=per_token, per_byte=per_byte, valid_bytes=len(text))
