@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 from array import array
@@ -21,6 +22,7 @@ from eggroll_dist.shared.data import (
 )
 from eggroll_dist.worker.import_deggs import import_cut
 from eggroll_dist.worker.prepare import main
+from eggroll_dist.worker.train import main as train_main
 
 VOCAB = 300
 
@@ -152,3 +154,35 @@ def test_cut_without_separators_is_by_fraction() -> None:
     assert import_cut(with_docs, 0.05) == 930  # the document start nearest to 950
     with_docs[[400, 930, 990]] = 5
     assert import_cut(with_docs, 0.05) == 950  # one document: cut by fraction
+
+
+def test_an_imported_deggs_directory_trains_the_former(tmp_path: Path) -> None:
+    """The whole path a d-eggs user takes: their files in, `eggroll-train` with the former."""
+    root = tmp_path / "deggs"
+    _write_deggs(root, _documents(1, 300), _pieces())
+    assert _import([str(root)]).exit_code == 0
+    config = tmp_path / "former.toml"
+    config.write_text(
+        f"[model]\narch = 'former'\nvocab_size = {VOCAB}\nd_model = 16\nn_layer = 1\n"
+        "[es]\npopulation = 16\nchunk_size = 8\nseq_len = 8\n"
+        "[validation]\nmax_tokens = 256\n"
+    )
+    summary = tmp_path / "summary.json"
+    result = CliRunner().invoke(
+        train_main,
+        [
+            "--data-dir",
+            str(root),
+            "--config",
+            str(config),
+            "--steps",
+            "3",
+            "--summary-json",
+            str(summary),
+            "--sample-every",
+            "0",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 3 and 0 < s["valid_bits_per_token"] < 2 * np.log2(VOCAB)
