@@ -22,11 +22,11 @@ from threadpoolctl import ThreadpoolController
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.model import EggModel, member_noise, pair_noise
+from ...shared.model import EggModel, member_noise, pair_noise, token_loss, true_bits
 from ...shared.replica import ReplicaState
 from ...shared.update import apply_update
-from ...shared.window import pair_windows, validation_windows
-from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
+from ...shared.window import pair_windows, validation_streams, validation_windows
+from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation
 
 WORKERS_PER_HOST_VAR = "EGGROLL_WORKERS_PER_HOST"
 
@@ -94,6 +94,8 @@ class NumpyBackend:
         self.batch_members = max(2, batch_members - batch_members % 2)
         self.threads = threads or default_threads()
         self._pools = ThreadpoolController()
+        # Bytes each token id decodes to, for bits per byte of the held-out text.
+        self.piece_bytes = np.array([len(p) for p in dataset.decoding], dtype=np.int64)
         self.load_state(state)
 
     def _compute(self):  # a context manager; threadpoolctl's type is private
@@ -153,19 +155,46 @@ class NumpyBackend:
         return changed
 
     def validate(self, rows_per_batch: int = 512) -> Validation:
-        """Unperturbed model over windows of valid.bin (seq_len + 1 tokens, stride seq_len)."""
-        cfg = self.config
-        t = cfg.es.seq_len
-        windows = validation_windows(cfg, self.dataset.valid)
-        rows = len(windows)
-        loss_sum, bits_sum = 0, 0.0
+        """Both held-out metrics of the unperturbed model over the same target tokens."""
         with self._compute():
-            for lo in range(0, rows, rows_per_batch):
-                loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
-                loss_sum += int(loss.sum())
-                bits_sum += float(bits.sum())
-        tokens = rows * t
-        return Validation(tokens, loss_sum / tokens, bits_sum / tokens)
+            windows = self._score_windows(rows_per_batch)
+            # Only a recurrent model has a state to carry along a stream.
+            streams = self._score_streams() if self.config.model.arch == "egg" else None
+        return Validation(windows, streams)
+
+    def _score_windows(self, rows_per_batch: int) -> HeldOut:
+        """Windows of valid.bin (seq_len + 1 tokens, stride seq_len), each from a zero state."""
+        windows = validation_windows(self.config, self.dataset.valid)
+        loss_sum, bits_sum = 0, 0.0
+        for lo in range(0, len(windows), rows_per_batch):
+            loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
+            loss_sum += int(loss.sum())
+            bits_sum += float(bits.sum())
+        targets = windows[:, 1:]
+        size = int(self.piece_bytes[targets].sum())
+        return HeldOut(targets.size, size, loss_sum / targets.size, bits_sum / targets.size)
+
+    def _score_streams(self) -> HeldOut:
+        """The same span read as a few long streams, one row each, token by token from a zero
+        state with the recurrent state carried (the model still resets it on token 0)."""
+        tokens, lengths = validation_streams(self.config, self.dataset.valid)
+        rows = len(tokens)
+        state = self.model.initial_state(rows)
+        loss = np.zeros(rows, dtype=np.int64)
+        bits = np.zeros(rows, dtype=np.float64)
+        for t in range(int(lengths[0])):
+            reading = int(np.count_nonzero(lengths > t))  # a prefix: longest streams first
+            if reading < len(state[0]):
+                state = [s[:reading] for s in state]
+            logits = self.model.step(state, tokens[:reading, t])
+            target = tokens[:reading, t + 1]
+            loss[:reading] += token_loss(logits, target)
+            bits[:reading] += true_bits(logits, target)
+        scored = np.arange(tokens.shape[1])[None, :] <= lengths[:, None]
+        scored[:, 0] = False  # the first token of a stream is read, never predicted
+        size = int(self.piece_bytes[tokens[scored]].sum())
+        n = int(lengths.sum())
+        return HeldOut(n, size, int(loss.sum()) / n, float(bits.sum()) / n)
 
 
 def factory(batch_members: int = 1024, threads: int | None = None) -> BackendFactory:
