@@ -25,7 +25,12 @@ from ...shared.fitness import pair_fitness
 from ...shared.model import EggModel, member_noise, pair_noise, token_loss, true_bits
 from ...shared.replica import ReplicaState
 from ...shared.update import apply_update
-from ...shared.window import pair_windows, validation_streams, validation_windows
+from ...shared.window import (
+    VALIDATION_STREAMS,
+    pair_windows,
+    validation_streams,
+    validation_windows,
+)
 from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation
 
 WORKERS_PER_HOST_VAR = "EGGROLL_WORKERS_PER_HOST"
@@ -154,47 +159,39 @@ class NumpyBackend:
         self.load_state(ReplicaState(cfg, self.step + 1, params))
         return changed
 
-    def validate(self, rows_per_batch: int = 512) -> Validation:
-        """Both held-out metrics of the unperturbed model over the same target tokens."""
+    def validate(self, rows_per_batch: int = 512, streams: int = VALIDATION_STREAMS) -> Validation:
+        """Both held-out metrics of the unperturbed model over the same target tokens: the
+        windows of training, and the span cut into `streams` streams with the state carried
+        (only a recurrent model has a state to carry)."""
+        cfg, valid = self.config, self.dataset.valid
+        windows = validation_windows(cfg, valid)
         with self._compute():
-            windows = self._score_windows(rows_per_batch)
-            # Only a recurrent model has a state to carry along a stream.
-            streams = self._score_streams() if self.config.model.arch == "egg" else None
-        return Validation(windows, streams)
+            short = self._score(windows, np.full(len(windows), cfg.es.seq_len), rows_per_batch)
+            carried = None
+            if cfg.model.arch == "egg":
+                carried = self._score(*validation_streams(cfg, valid, streams), rows_per_batch)
+        return Validation(short, carried)
 
-    def _score_windows(self, rows_per_batch: int) -> HeldOut:
-        """Windows of valid.bin (seq_len + 1 tokens, stride seq_len), each from a zero state."""
-        windows = validation_windows(self.config, self.dataset.valid)
-        loss_sum, bits_sum = 0, 0.0
-        for lo in range(0, len(windows), rows_per_batch):
-            loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
-            loss_sum += int(loss.sum())
-            bits_sum += float(bits.sum())
-        targets = windows[:, 1:]
-        size = int(self.piece_bytes[targets].sum())
-        return HeldOut(targets.size, size, loss_sum / targets.size, bits_sum / targets.size)
-
-    def _score_streams(self) -> HeldOut:
-        """The same span read as a few long streams, one row each, token by token from a zero
-        state with the recurrent state carried (the model still resets it on token 0)."""
-        tokens, lengths = validation_streams(self.config, self.dataset.valid)
-        rows = len(tokens)
-        state = self.model.initial_state(rows)
-        loss = np.zeros(rows, dtype=np.int64)
-        bits = np.zeros(rows, dtype=np.float64)
-        for t in range(int(lengths[0])):
-            reading = int(np.count_nonzero(lengths > t))  # a prefix: longest streams first
-            if reading < len(state[0]):
-                state = [s[:reading] for s in state]
-            logits = self.model.step(state, tokens[:reading, t])
-            target = tokens[:reading, t + 1]
-            loss[:reading] += token_loss(logits, target)
-            bits[:reading] += true_bits(logits, target)
-        scored = np.arange(tokens.shape[1])[None, :] <= lengths[:, None]
-        scored[:, 0] = False  # the first token of a stream is read, never predicted
-        size = int(self.piece_bytes[tokens[scored]].sum())
+    def _score(self, tokens: np.ndarray, lengths: np.ndarray, rows_per_batch: int) -> HeldOut:
+        """Each row read token by token from a zero state, its state carried to the end: row
+        i reads tokens[i, :lengths[i]] and predicts tokens[i, 1 : lengths[i] + 1] (lengths
+        longest first). The bits are summed exactly (fsum), so neither the batching nor the
+        cut of the span changes them beyond the per-token values."""
+        loss, bits, text_bytes = 0, [], 0
+        for lo in range(0, len(tokens), rows_per_batch):
+            rows, ends = tokens[lo : lo + rows_per_batch], lengths[lo : lo + rows_per_batch]
+            state = self.model.initial_state(len(rows))
+            for t in range(int(ends[0])):
+                reading = int(np.count_nonzero(ends > t))  # a prefix: longest rows first
+                if reading < len(state[0]):
+                    state = [s[:reading] for s in state]
+                logits = self.model.step(state, rows[:reading, t])
+                target = rows[:reading, t + 1]
+                loss += int(token_loss(logits, target).sum())
+                bits.append(true_bits(logits, target))
+                text_bytes += int(self.piece_bytes[target].sum())
         n = int(lengths.sum())
-        return HeldOut(n, size, int(loss.sum()) / n, float(bits.sum()) / n)
+        return HeldOut(n, text_bytes, loss / n, math.fsum(np.concatenate(bits)) / n)
 
 
 def factory(batch_members: int = 1024, threads: int | None = None) -> BackendFactory:
