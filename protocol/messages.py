@@ -874,16 +874,17 @@ class Validation(Message):
 
     @property
     def bits_per_byte(self) -> float | None:
-        """Window bits per byte of the held-out text; None where the tokens decode to none."""
-        return self.bits_per_token * self.tokens / self.text_bytes if self.text_bytes else None
+        """Window bits per byte of the held-out text; None where the tokens decode to none.
+        The ratio first, so that one byte per token gives bits per token exactly."""
+        if not self.text_bytes:
+            return None
+        return self.bits_per_token * (self.tokens / self.text_bytes)
 
     @property
     def stream_bits_per_byte(self) -> float | None:
-        return (
-            self.stream_bits_per_token * self.stream_tokens / self.stream_text_bytes
-            if self.stream_text_bytes
-            else None
-        )
+        if not self.stream_text_bytes:
+            return None
+        return self.stream_bits_per_token * (self.stream_tokens / self.stream_text_bytes)
 
     def encode(self) -> bytes:
         return self._FIXED.pack(

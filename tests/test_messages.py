@@ -389,8 +389,10 @@ def test_validation_layout_and_bits_per_byte() -> None:
         ">QQddQQddQ", 40, 1000, 70.0, 4.5, 1500, 1000, 68.0, 4.25, 1500
     )
     assert len(both.encode()) == 72
-    assert both.bits_per_byte == 4.5 * 1000 / 1500
-    assert both.stream_bits_per_byte == 4.25 * 1000 / 1500
+    assert both.bits_per_byte == 4.5 * (1000 / 1500)
+    assert both.stream_bits_per_byte == 4.25 * (1000 / 1500)
+    same = Validation(1, 3, 1.0, 0.1, 3, 3, 1.0, 0.7, 3)  # one byte per token
+    assert (same.bits_per_byte, same.stream_bits_per_byte) == (0.1, 0.7)
     # A model without recurrent state: no stream metric; tokens that decode to no bytes.
     windows_only = Validation(40, 1000, 70.0, 4.5)
     assert windows_only.stream_tokens == 0 and windows_only.stream_bits_per_byte is None

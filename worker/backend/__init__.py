@@ -51,8 +51,11 @@ class HeldOut:
 
     @property
     def bits_per_byte(self) -> float | None:
-        """Total bits over the bytes of the text the targets decode to (None: no bytes)."""
-        return self.bits_per_token * self.tokens / self.text_bytes if self.text_bytes else None
+        """Total bits over the bytes of the text the targets decode to (None: no bytes);
+        the ratio first, so that one byte per token gives bits per token exactly."""
+        if not self.text_bytes:
+            return None
+        return self.bits_per_token * (self.tokens / self.text_bytes)
 
 
 @dataclass(frozen=True)
