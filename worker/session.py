@@ -435,15 +435,18 @@ class Session:
             seconds=round(seconds, 3),
         )
         w, s = v.windows, v.streams or HeldOut(0, 0, 0.0, 0.0)  # 0 tokens: no stream metric
-        return [
-            Send(
-                Validation(
-                    step,
-                    *(w.tokens, w.loss_16, w.bits_per_token, w.text_bytes),
-                    *(s.tokens, s.loss_16, s.bits_per_token, s.text_bytes),
-                )
-            )
-        ]
+        message = Validation(
+            step,
+            tokens=w.tokens,
+            loss_16=w.loss_16,
+            bits_per_token=w.bits_per_token,
+            text_bytes=w.text_bytes,
+            stream_tokens=s.tokens,
+            stream_loss_16=s.loss_16,
+            stream_bits_per_token=s.bits_per_token,
+            stream_text_bytes=s.text_bytes,
+        )
+        return [Send(message)]
 
     def sampled(self, request: Sample, prompt: bytes, text: bytes, seconds: float) -> list[Command]:
         log.info(
