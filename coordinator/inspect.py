@@ -44,6 +44,7 @@ def history(save_dir: Path) -> dict[str, Any]:
         "source": None,
         "train_loss_bits": None,
         "valid_bits_per_token": None,
+        "valid_stream_bits_per_token": None,
         "valid_step": None,
         "step_s_mean": None,
         "step_s_last": None,
@@ -62,6 +63,7 @@ def history(save_dir: Path) -> dict[str, Any]:
                 found.update(train_loss_bits=steps[-1].get("loss_bits"))
             if valid:
                 found.update(valid_bits_per_token=valid[-1].get("valid_bits"))
+                found.update(valid_stream_bits_per_token=valid[-1].get("stream_bits"))
                 found.update(valid_step=valid[-1].get("step"))
         if summary.is_file():  # eggroll-train, or eggroll-local's final held-out score
             data = json.loads(summary.read_text())
@@ -71,6 +73,7 @@ def history(save_dir: Path) -> dict[str, Any]:
                 found.update(train_loss_bits=data["train_loss_bits"])
             if data.get("valid_bits_per_token") is not None:
                 found.update(valid_bits_per_token=data["valid_bits_per_token"])
+                found.update(valid_stream_bits_per_token=data.get("valid_stream_bits_per_token"))
                 found.update(valid_step=data.get("steps"))
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
         found.update(source=f"unreadable: {exc}")
@@ -147,9 +150,11 @@ def _history_line(info: dict[str, Any]) -> str:
     valid = _number(h["valid_bits_per_token"], ".3f")
     if h["valid_step"] is not None:
         valid += f" (step {h['valid_step']})"
+    streams = h["valid_stream_bits_per_token"]
+    valid += " bits/token" + ("" if streams is None else f", {streams:.3f} over long streams")
     return (
         f"{head}; last train loss {_number(h['train_loss_bits'], '.3f')} bits/token, "
-        f"held-out {valid} bits/token, step time {_number(h['step_s_mean'], '.2f')} s mean "
+        f"held-out {valid}, step time {_number(h['step_s_mean'], '.2f')} s mean "
         f"/ {_number(h['step_s_last'], '.2f')} s last over {h['steps_timed']} steps "
         f"(from {h['source']})"
     )

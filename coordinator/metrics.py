@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import start_http_server
 
-from ..protocol import ErrorCode, MsgType
+from ..protocol import ErrorCode, MsgType, Validation
 from .jobs import Outcome
 
 if TYPE_CHECKING:
@@ -71,7 +71,22 @@ class Metrics:
         )
         self.valid_bits = Gauge(
             "eggroll_valid_bits_per_token",
-            "Held-out bits per token of the unperturbed model.",
+            "Held-out bits per token of the unperturbed model (windows from a zero state).",
+            registry=r,
+        )
+        self.valid_bits_per_byte = Gauge(
+            "eggroll_valid_bits_per_byte",
+            "Held-out bits per byte of text of the unperturbed model (windows).",
+            registry=r,
+        )
+        self.valid_stream_bits = Gauge(
+            "eggroll_valid_stream_bits_per_token",
+            "Held-out bits per token over long streams, the recurrent state carried.",
+            registry=r,
+        )
+        self.valid_stream_bits_per_byte = Gauge(
+            "eggroll_valid_stream_bits_per_byte",
+            "Held-out bits per byte of text over long streams, the recurrent state carried.",
             registry=r,
         )
         self.sample = Info(
@@ -157,6 +172,9 @@ class Metrics:
         for gauge in (
             self.train_loss,
             self.valid_bits,
+            self.valid_bits_per_byte,
+            self.valid_stream_bits,
+            self.valid_stream_bits_per_byte,
             self.valid_step,
             self.last_commit,
             self.last_snapshot,
@@ -198,9 +216,16 @@ class Metrics:
         self.worker_tokens_per_second.labels(name).set(member_tokens / seconds)
         self.worker_member_tokens.labels(name).inc(member_tokens)
 
-    def validated(self, step: int, bits_per_token: float) -> None:
-        self.valid_bits.set(bits_per_token)
-        self.valid_step.set(step)
+    def validated(self, v: Validation) -> None:
+        """A VALIDATION's scores; one not measured (no bytes, no streams) is NaN."""
+        nan = float("nan")
+        streams = v.stream_tokens > 0
+        self.valid_bits.set(v.bits_per_token)
+        self.valid_bits_per_byte.set(nan if v.bits_per_byte is None else v.bits_per_byte)
+        self.valid_stream_bits.set(v.stream_bits_per_token if streams else nan)
+        per_byte = v.stream_bits_per_byte
+        self.valid_stream_bits_per_byte.set(nan if per_byte is None else per_byte)
+        self.valid_step.set(v.step)
 
     def sampled(self, step: int, worker: str, prompt: str, text: str) -> None:
         self.sample.info({"step": str(step), "worker": worker, "prompt": prompt, "text": text})

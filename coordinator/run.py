@@ -81,7 +81,7 @@ from ..protocol import (
     verify_mac,
 )
 from ..shared.fitness import chunk_loss_range
-from ..shared.logs import PROGRESS, SAMPLE, STEP, VALIDATION
+from ..shared.logs import PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
@@ -713,11 +713,17 @@ class RunCore:
         if self.validation_asked != (peer.id, msg.step):
             return []  # only the worker asked sets the run's held-out score
         self.validation_asked = None
-        self.metrics.validated(msg.step, msg.bits_per_token)
+        self.metrics.validated(msg)
+        streams = msg.stream_tokens > 0  # 0: the model carries no state along a stream
         log.info(
             VALIDATION,
             step=msg.step,
-            valid_bits=round(msg.bits_per_token, 4),
+            **held_out_fields(
+                msg.bits_per_token,
+                msg.bits_per_byte,
+                msg.stream_bits_per_token if streams else None,
+                msg.stream_bits_per_byte,
+            ),
             tokens=msg.tokens,
             worker=peer.name,
         )

@@ -837,28 +837,67 @@ class Validate(Message):
 
 @dataclass(frozen=True, slots=True)
 class Validation(Message):
-    """W->C: held-out score of the replica at `step`: mean integer loss (1/16 bit) and
-    true bits per token (float64, reporting only) over `tokens` tokens."""
+    """W->C: held-out scores of the replica at `step` (float64, reporting only), two metrics
+    over the same target tokens: windows of seq_len + 1 tokens from a zero state, and long
+    streams with the recurrent state carried (`stream_tokens` 0: the model has none). Each
+    gives the tokens predicted, the bytes of text they decode to, the mean integer loss
+    (1/16 bit) and true bits per token; bits per byte follow from these."""
 
     TYPE: ClassVar[MsgType] = MsgType.VALIDATION
-    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQdd")
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQddQQddQ")
 
     step: int
     tokens: int
     loss_16: float
     bits_per_token: float
+    text_bytes: int = 0
+    stream_tokens: int = 0
+    stream_loss_16: float = 0.0
+    stream_bits_per_token: float = 0.0
+    stream_text_bytes: int = 0
 
     def __post_init__(self) -> None:
-        _u64(self, "step")
-        _u64(self, "tokens")
-        for name in ("loss_16", "bits_per_token"):
+        for name in ("step", "tokens", "text_bytes", "stream_tokens", "stream_text_bytes"):
+            _u64(self, name)
+        for name in ("loss_16", "bits_per_token", "stream_loss_16", "stream_bits_per_token"):
             value = getattr(self, name)
             if not isinstance(value, float | int) or not math.isfinite(value) or value < 0:
                 raise _invalid(f"{name} must be a finite number >= 0, got {value!r}")
             object.__setattr__(self, name, float(value))
+        for prefix in ("", "stream_"):
+            if getattr(self, prefix + "tokens") == 0 and (
+                getattr(self, prefix + "text_bytes")
+                or getattr(self, prefix + "loss_16")
+                or getattr(self, prefix + "bits_per_token")
+            ):
+                raise _invalid(f"{prefix}tokens is 0 but its other fields are not")
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Window bits per byte of the held-out text; None where the tokens decode to none.
+        The ratio first, so that one byte per token gives bits per token exactly."""
+        if not self.text_bytes:
+            return None
+        return self.bits_per_token * (self.tokens / self.text_bytes)
+
+    @property
+    def stream_bits_per_byte(self) -> float | None:
+        if not self.stream_text_bytes:
+            return None
+        return self.stream_bits_per_token * (self.stream_tokens / self.stream_text_bytes)
 
     def encode(self) -> bytes:
-        return self._FIXED.pack(self.step, self.tokens, self.loss_16, self.bits_per_token)
+        return self._FIXED.pack(
+            self.step,
+            self.tokens,
+            self.loss_16,
+            self.bits_per_token,
+            self.text_bytes,
+            self.stream_tokens,
+            self.stream_loss_16,
+            self.stream_bits_per_token,
+            self.stream_text_bytes,
+        )
 
     @classmethod
     def _read(cls, reader: _Reader) -> Self:

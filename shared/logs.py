@@ -37,15 +37,44 @@ STEP = "step"  # a step was committed
 SAMPLE = "sample"  # a worker wrote a sample (prompt and text escaped, one line each)
 VALIDATION = "validation"  # the held-out score of the unperturbed model at a step
 PROGRESS = "step progress"  # a step still open after a while: how many chunks are in
+# A validation's scores (None where not measured): windows from a zero state, then long
+# streams with the state carried, each per token and per byte of the held-out text.
+HELD_OUT_FIELDS = ("valid_bits", "valid_bits_per_byte", "stream_bits", "stream_bits_per_byte")
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     LISTENING: ("port", "step"),
     STEP: ("step", "loss_bits", "step_s", "member_tok_s", "workers", "requeued"),
     SAMPLE: ("step", "worker", "prompt", "text"),
-    VALIDATION: ("step", "valid_bits"),
+    VALIDATION: ("step", *HELD_OUT_FIELDS),
     PROGRESS: ("step", "chunks_done", "chunks", "seconds"),
 }
 # Further events eggroll-local shows as they come (with every warning and error).
 SHOWN_EVENTS = ("worker joined", "worker left", "snapshot stored", "chunks requeued")
+
+
+def held_out_fields(
+    bits: float,
+    bits_per_byte: float | None,
+    stream_bits: float | None,
+    stream_bits_per_byte: float | None,
+) -> dict[str, float | None]:
+    """The HELD_OUT_FIELDS of a validation event, rounded to 4 places."""
+    values = (bits, bits_per_byte, stream_bits, stream_bits_per_byte)
+    return {
+        k: None if v is None else round(v, 4) for k, v in zip(HELD_OUT_FIELDS, values, strict=True)
+    }
+
+
+def held_out_text(fields: dict) -> str:
+    """'4.374 bits/token, 4.374 bits/byte; long streams 4.357 bits/token, 4.357 bits/byte'
+    from the HELD_OUT_FIELDS of an event (a part not measured is left out)."""
+    text = f"{fields['valid_bits']:.3f} bits/token"
+    if fields.get("valid_bits_per_byte") is not None:
+        text += f", {fields['valid_bits_per_byte']:.3f} bits/byte"
+    if fields.get("stream_bits") is not None:
+        text += f"; long streams {fields['stream_bits']:.3f} bits/token"
+        if fields.get("stream_bits_per_byte") is not None:
+            text += f", {fields['stream_bits_per_byte']:.3f} bits/byte"
+    return text
 
 
 _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}

@@ -19,16 +19,53 @@ def pair_windows(cfg: RunConfig, train: np.ndarray, step: int, pairs: np.ndarray
     return train[start[:, None] + np.arange(cfg.es.seq_len + 1)]
 
 
-def validation_windows(cfg: RunConfig, valid: np.ndarray) -> np.ndarray:
-    """The held-out windows (rows, T + 1): seq_len + 1 tokens at stride seq_len from the start
-    of valid.bin, at most `validation.max_tokens` tokens' worth of rows."""
+# The long-stream metric cuts the held-out span into this many contiguous streams: with the
+# presets' max_tokens (32,768 and 102,400) each stream is 2,048 or 6,400 tokens long, read with
+# the recurrent state carried, while the batch of streams still amortises each step.
+VALIDATION_STREAMS = 16
+
+
+def validation_targets(cfg: RunConfig, valid: np.ndarray) -> int:
+    """How many held-out tokens validation predicts: whole windows of seq_len, at most
+    `validation.max_tokens` tokens' worth (at least one window). Both held-out metrics
+    predict the same tokens, valid[1 : targets + 1]."""
     t = cfg.es.seq_len
     rows = (len(valid) - 1) // t
     if cfg.validation.max_tokens:
         rows = min(rows, max(1, cfg.validation.max_tokens // t))
     if rows < 1:
         raise ValueError(f"valid split has {len(valid)} tokens; seq_len needs > {t}")
+    return rows * t
+
+
+def validation_windows(cfg: RunConfig, valid: np.ndarray) -> np.ndarray:
+    """The held-out windows (rows, T + 1): seq_len + 1 tokens at stride seq_len from the start
+    of valid.bin, at most `validation.max_tokens` tokens' worth of rows."""
+    t = cfg.es.seq_len
+    rows = validation_targets(cfg, valid) // t
     return valid[np.arange(rows)[:, None] * t + np.arange(t + 1)]
+
+
+def validation_streams(
+    cfg: RunConfig, valid: np.ndarray, streams: int = VALIDATION_STREAMS
+) -> tuple[np.ndarray, np.ndarray]:
+    """The span of the validation windows cut into `streams` contiguous streams (fewer if it
+    has fewer tokens), so that they predict exactly the windows' target tokens.
+
+    Returns (tokens (S, L + 1), lengths (S,)): stream i reads tokens[i, :lengths[i]] one by
+    one and predicts tokens[i, 1 : lengths[i] + 1]. Lengths differ by at most one, longest
+    first, so the streams still reading at any position are a prefix of the rows; a shorter
+    stream's last column is padding (0) that is never read.
+    """
+    targets = validation_targets(cfg, valid)
+    count = min(streams, targets)
+    lengths = np.full(count, targets // count, dtype=np.int64)
+    lengths[: targets % count] += 1
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    offset = np.arange(int(lengths[0]) + 1)
+    inside = offset[None, :] <= lengths[:, None]
+    index = np.where(inside, starts[:, None] + offset[None, :], 0)
+    return np.where(inside, valid[index], 0).astype(valid.dtype), lengths
 
 
 def held_out_prompt(valid: np.ndarray, index: int, length: int) -> list[int]:

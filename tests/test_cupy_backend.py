@@ -55,7 +55,9 @@ def dataset(cfg: RunConfig) -> SimpleNamespace:
     v = cfg.model.vocab_size
     train = rng.integers(0, v, size=4000).astype(np.uint8)
     train[::37] = 0  # document starts reset the layer states
-    return SimpleNamespace(train=train, valid=rng.integers(0, v, size=400).astype(np.uint8))
+    valid = rng.integers(0, v, size=400).astype(np.uint8)
+    pieces = [bytes([i]) * (1 + i % 3) for i in range(v)]  # 1 to 3 bytes per token
+    return SimpleNamespace(train=train, valid=valid, decoding=pieces)
 
 
 def cupy_backend(cfg: RunConfig, data, variant: str, tensor_cores: bool) -> CupyBackend:
@@ -102,7 +104,9 @@ def test_chunks_and_steps_equal_the_numpy_backend(
         assert gpu.apply_step(fitness) == changed  # step 2+ replays the captured update
         assert gpu.step == ref.step == step + 1
         assert gpu.digest() == ref.digest()
-    assert gpu.validate() == ref.validate()
+    held_out = gpu.validate()
+    assert held_out == ref.validate()  # both metrics, per token and per byte
+    assert held_out.streams is not None and held_out.streams.tokens == held_out.windows.tokens
 
 
 def test_load_state_and_range_checks() -> None:

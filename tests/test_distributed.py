@@ -173,11 +173,18 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
         timeout=600,
     )
     assert single.returncode == 0, single.stderr
-    want = json.loads(train_summary.read_text())["replica_digest"]
+    trained = json.loads(train_summary.read_text())
+    want = trained["replica_digest"]
     info = inspect(save_dir)
     assert info["step"] == 30 and info["log_ok"]
     assert info["replica_digest"] == want
-    assert json.loads(summary.read_text())["replica_digest"] == want
+    local = json.loads(summary.read_text())
+    assert local["replica_digest"] == want
+    # The same replica, so the same held-out scores: both metrics, per token and per byte.
+    held_out = sorted(k for k in trained if k.startswith("valid_"))
+    assert len(held_out) == 8 and "valid_stream_bits_per_byte" in held_out
+    assert {k: local[k] for k in held_out} == {k: trained[k] for k in held_out}
+    assert "long streams" in done.stdout
     # Samples written by a worker are what eggroll-sample writes at that step, seed = step.
     log = (save_dir / "logs" / "coordinator.log").read_text().splitlines()
     samples = [e for e in map(json.loads, log) if e["event"] == "sample"]

@@ -5,6 +5,7 @@ threads; the replicas are real NumPy backends of a tiny model, so digests must a
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from eggroll_dist.shared.logs import (
     SHOWN_EVENTS,
     STEP,
     VALIDATION,
+    held_out_text,
 )
 from eggroll_dist.shared.replica import (
     CheckpointError,
@@ -68,7 +70,8 @@ from eggroll_dist.shared.replica import (
 )
 from eggroll_dist.shared.vocab import NEWLINE_MARK, escape
 from eggroll_dist.worker import session as session_module
-from eggroll_dist.worker.backend import Backend
+from eggroll_dist.worker.backend import Backend, HeldOut
+from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.prepare import prepare_data_dir
 from eggroll_dist.worker.replica import write_sample
@@ -742,10 +745,69 @@ def test_validation_is_asked_of_one_worker_at_the_step(
         assert len(asked) == 1
         (answer,) = [m for m in asked[0].sent if isinstance(m, Validation)]
         assert answer.step == 2 and answer.tokens > 0
-        assert net.core.metrics.valid_step._value.get() == 2
+        # Both metrics, as the worker's backend computed them, over the same tokens.
+        assert asked[0].replica.backend is not None
+        want = asked[0].replica.backend.validate()
+        assert want.streams is not None
+        assert (answer.tokens, answer.text_bytes, answer.bits_per_token) == (
+            want.windows.tokens,
+            want.windows.text_bytes,
+            want.windows.bits_per_token,
+        )
+        assert (answer.stream_tokens, answer.stream_text_bytes, answer.stream_loss_16) == (
+            want.streams.tokens,
+            want.streams.text_bytes,
+            want.streams.loss_16,
+        )
+        assert answer.stream_bits_per_token == want.streams.bits_per_token
+        assert answer.stream_tokens == answer.tokens  # the same tokens, read differently
+        metrics = net.core.metrics
+        assert metrics.valid_step._value.get() == 2
+        assert metrics.valid_bits._value.get() == answer.bits_per_token
+        # The byte vocabulary: bits per byte are bits per token.
+        assert metrics.valid_bits_per_byte._value.get() == answer.bits_per_token
+        assert metrics.valid_stream_bits._value.get() == answer.stream_bits_per_token
+        assert metrics.valid_stream_bits_per_byte._value.get() == answer.stream_bits_per_token
         # eggroll-local prints the coordinator's event (shared/logs.py's contract).
         (shown,) = [e for e in events if e["event"] == VALIDATION and "worker" in e]
         assert set(EVENT_FIELDS[VALIDATION]) <= shown.keys() and shown["step"] == 2
+        assert shown["stream_bits"] == round(answer.stream_bits_per_token, 4)
+        assert shown["valid_bits_per_byte"] == round(answer.bits_per_token, 4)
+        assert "long streams" in held_out_text(shown)
+    finally:
+        run.close()
+
+
+def test_a_model_without_streams_reports_windows_only(
+    dataset: Dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def windows_only(backend: NumpyBackend) -> Score:
+        return Score(HeldOut(64, 0, 80.0, 5.0), None)  # no state to carry, no bytes known
+
+    monkeypatch.setattr(NumpyBackend, "validate", windows_only)
+    cfg = CFG.replace(validation=ValidationConfig(every_steps=1, max_tokens=64))
+    run = RunStore.open(tmp_path / "windows-only", cfg)
+    try:
+        with structlog.testing.capture_logs() as events:
+            net = Network(run, dataset)
+            w = net.join("w")
+            net.train(1)
+            net.run()
+        (answer,) = [m for m in w.sent if isinstance(m, Validation)]
+        assert (answer.tokens, answer.stream_tokens, answer.stream_text_bytes) == (64, 0, 0)
+        assert answer.bits_per_byte is None and answer.stream_bits_per_byte is None
+        metrics = net.core.metrics
+        assert metrics.valid_bits._value.get() == 5.0
+        for gauge in (
+            metrics.valid_bits_per_byte,
+            metrics.valid_stream_bits,
+            metrics.valid_stream_bits_per_byte,
+        ):
+            assert math.isnan(gauge._value.get())
+        (shown,) = [e for e in events if e["event"] == VALIDATION and "worker" in e]
+        assert shown["valid_bits"] == 5.0
+        assert shown["stream_bits"] is shown["valid_bits_per_byte"] is None
+        assert held_out_text(shown) == "5.000 bits/token"
     finally:
         run.close()
 

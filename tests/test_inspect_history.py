@@ -65,19 +65,23 @@ def test_a_train_run_shows_loss_held_out_bits_and_step_times(
     line = _inspect(save_dir).splitlines()[1]
     assert line.startswith("preset none (own config); last train loss ")
     assert f"held-out {summary['valid_bits_per_token']:.3f} (step 2)" in line
+    streams = summary["valid_stream_bits_per_token"]
+    assert h["valid_stream_bits_per_token"] == streams
+    assert f"bits/token, {streams:.3f} over long streams, step time" in line
 
 
 def test_a_coordinator_log_gives_loss_and_times(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     lines = [
         {"event": "step", "step": 1, "loss_bits": 7.5, "step_s": 0.5},
-        {"event": "validation", "step": 1, "valid_bits": 7.25},
+        {"event": "validation", "step": 1, "valid_bits": 7.25, "stream_bits": 7.125},
         {"event": "step", "step": 2, "loss_bits": 7.0, "step_s": 1.5},
     ]
     text = "\n".join(json.dumps(e) for e in lines) + '\n{"event": "st'  # a torn last line
     (tmp_path / "logs" / "coordinator.log").write_text(text)
     h = history(tmp_path)
     assert h["train_loss_bits"] == 7.0 and h["valid_bits_per_token"] == 7.25
+    assert h["valid_stream_bits_per_token"] == 7.125
     assert h["step_s_mean"] == 1.0 and h["step_s_last"] == 1.5 and h["steps_timed"] == 2
 
 

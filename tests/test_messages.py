@@ -117,6 +117,23 @@ def jobs(draw: st.DrawFn) -> Job:
     return Job(draw(u64), draw(u32), first, count)
 
 
+@st.composite
+def held_out(draw: st.DrawFn) -> tuple[int, float, float, int]:
+    """(tokens, loss_16, bits_per_token, text_bytes) of one metric: all 0 without tokens."""
+    tokens = draw(u64)
+    if tokens == 0:
+        return 0, 0.0, 0.0, 0
+    loss = draw(st.floats(0, 1e9, allow_nan=False))
+    return tokens, loss, draw(st.floats(0, 64, allow_nan=False)), draw(u64)
+
+
+@st.composite
+def validations(draw: st.DrawFn) -> Validation:
+    tokens, loss, bits, size = draw(held_out())
+    s_tokens, s_loss, s_bits, s_size = draw(held_out())
+    return Validation(draw(u64), tokens, loss, bits, size, s_tokens, s_loss, s_bits, s_size)
+
+
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: st.builds(Hello, u8, text(128), text(32), text(256), bytes32),
     Challenge: st.builds(Challenge, bytes32),
@@ -140,9 +157,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     SnapshotChunk: snapshot_chunks(),
     Heartbeat: st.builds(Heartbeat, u64),
     Validate: st.builds(Validate, u64),
-    Validation: st.builds(
-        Validation, u64, u64, st.floats(0, 1e9, allow_nan=False), st.floats(0, 64, allow_nan=False)
-    ),
+    Validation: validations(),
     Sample: st.builds(
         Sample,
         u64,
@@ -335,6 +350,13 @@ def test_fixed_size_byte_fields() -> None:
         lambda: Error(0, "x"),
         lambda: Error(99, "x"),
         lambda: Heartbeat(1.5),
+        lambda: Validation(0, 10, 1.0, float("nan")),
+        lambda: Validation(0, 10, 1.0, -0.5),
+        lambda: Validation(0, 10, 1.0, 2.0, 2**64),
+        lambda: Validation(0, 0, 1.0, 2.0),  # scores without tokens
+        lambda: Validation(0, 10, 1.0, 2.0, 10, 0, 0.0, 0.0, 5),  # stream bytes, no tokens
+        lambda: Validation(0, 10, 1.0, 2.0, 10, 0, 0.0, 1.5, 0),  # stream bits, no tokens
+        lambda: Validation(0, 10, 1.0, 2.0, 10, 8, float("inf"), 1.5, 8),
     ],
 )
 def test_construction_rejects_invalid_fields(build: object) -> None:
@@ -359,6 +381,28 @@ def test_decode_rejects_invalid_fields() -> None:
     assert_malformed(MsgType.LOG, b"\x04\x00\x00")
     assert_malformed(MsgType.ERROR, b"\x00\x00\x00\x00")
     assert_malformed(MsgType.ERROR, b"\x00\x10\x00\x00")
+
+
+def test_validation_layout_and_bits_per_byte() -> None:
+    both = Validation(40, 1000, 70.0, 4.5, 1500, 1000, 68.0, 4.25, 1500)
+    assert both.encode() == struct.pack(
+        ">QQddQQddQ", 40, 1000, 70.0, 4.5, 1500, 1000, 68.0, 4.25, 1500
+    )
+    assert len(both.encode()) == 72
+    assert both.bits_per_byte == 4.5 * (1000 / 1500)
+    assert both.stream_bits_per_byte == 4.25 * (1000 / 1500)
+    same = Validation(1, 3, 1.0, 0.1, 3, 3, 1.0, 0.7, 3)  # one byte per token
+    assert (same.bits_per_byte, same.stream_bits_per_byte) == (0.1, 0.7)
+    # A model without recurrent state: no stream metric; tokens that decode to no bytes.
+    windows_only = Validation(40, 1000, 70.0, 4.5)
+    assert windows_only.stream_tokens == 0 and windows_only.stream_bits_per_byte is None
+    assert windows_only.bits_per_byte is None
+    assert Validation.decode(windows_only.encode()) == windows_only
+    # The receiver checks the rules too: stream scores without stream tokens are malformed.
+    assert_malformed(
+        MsgType.VALIDATION, struct.pack(">QQddQQddQ", 1, 10, 1.0, 2.0, 10, 0, 0.0, 3.0, 0)
+    )
+    assert_malformed(MsgType.VALIDATION, struct.pack(">QQdd", 1, 10, 1.0, 2.0))  # short
 
 
 def test_integer_fields_normalized_to_int() -> None:

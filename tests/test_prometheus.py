@@ -259,6 +259,12 @@ def test_prometheus_scrapes_a_live_run_and_serves_the_console(
         validation, step_event = last("validation"), last("step")
         valid_bits = prom.value("eggroll_valid_bits_per_token")
         assert valid_bits == pytest.approx(validation["valid_bits"], abs=1e-4)
+        stream_bits = prom.value("eggroll_valid_stream_bits_per_token")
+        assert stream_bits == pytest.approx(validation["stream_bits"], abs=1e-4)
+        per_byte = prom.value("eggroll_valid_bits_per_byte")
+        assert per_byte == pytest.approx(validation["valid_bits_per_byte"], abs=1e-4)
+        stream_per_byte = prom.value("eggroll_valid_stream_bits_per_byte")
+        assert stream_per_byte == pytest.approx(validation["stream_bits_per_byte"], abs=1e-4)
         loss_bits = prom.value("eggroll_train_loss_bits")
         assert loss_bits == pytest.approx(step_event["loss_bits"], abs=1e-4)
         assert prom.value("eggroll_member_tokens_total") == steps * 64 * 8
@@ -272,6 +278,8 @@ def test_prometheus_scrapes_a_live_run_and_serves_the_console(
         assert rendered("committed", page) == str(steps)
         assert rendered("workers", page) == "2"
         assert rendered("valid-bits", page) == f"{valid_bits:.3f}"
+        assert rendered("stream-bits", page) == f"{stream_bits:.3f}"
+        assert rendered("valid-bits-per-byte", page) == f"{per_byte:.3f}"
         assert rendered("valid-step", page) == str(validation["step"])
         assert rendered("train-loss", page) == f"{loss_bits:.3f}"
         assert "Egg.start()" in page and 'id="g-loss"' in page

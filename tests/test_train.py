@@ -119,6 +119,13 @@ def test_cli_runs_writes_summary_and_save_dir(data_dir: Path, tmp_path: Path) ->
     ):
         assert key in s
     assert s["steps"] == 6 and set(s["baselines"]) == {"unigram", "bigram", "gzip9"}
+    # Both held-out metrics over the same tokens, per token and per byte (bytes: equal).
+    assert s["valid_tokens"] == s["valid_stream_tokens"] > 0
+    assert s["valid_bits_per_byte"] == s["valid_bits_per_token"]
+    assert s["valid_stream_bits_per_byte"] == s["valid_stream_bits_per_token"]
+    assert s["valid_stream_bits_per_token"] != s["valid_bits_per_token"]
+    assert s["curve"][-1] == {"step": 6, **{k[6:]: v for k, v in s.items() if k[:6] == "valid_"}}
+    assert "long streams" in done.stderr
     assert summaries[0]["replica_digest"] == summaries[1]["replica_digest"]
     # The save dir holds the run: replaying its fitness log reaches the same digest.
     log = FitnessLog.open(tmp_path / "run0" / "fitness.log")
@@ -128,6 +135,9 @@ def test_cli_runs_writes_summary_and_save_dir(data_dir: Path, tmp_path: Path) ->
     assert snap.digest_hex() == s["replica_digest"]
     lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
     assert [ln["step"] for ln in lines if ln["event"] == "step"] == [1, 2, 3, 4, 5, 6]
+    (last,) = [ln for ln in lines if ln["event"] == "validation" and ln["step"] == 6]
+    assert last["stream_bits"] == round(s["valid_stream_bits_per_token"], 4)
+    assert last["valid_bits_per_byte"] == round(s["valid_bits_per_byte"], 4)
 
 
 def test_cli_errors_are_one_line(data_dir: Path, tmp_path: Path) -> None:

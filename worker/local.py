@@ -25,7 +25,15 @@ from ..shared.cli import command, config_options, threads_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.logs import LISTENING, PROGRESS, SAMPLE, SHOWN_EVENTS, STEP, VALIDATION
+from ..shared.logs import (
+    LISTENING,
+    PROGRESS,
+    SAMPLE,
+    SHOWN_EVENTS,
+    STEP,
+    VALIDATION,
+    held_out_text,
+)
 from ..shared.replica import load_checkpoint
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
@@ -84,9 +92,7 @@ class CoordinatorProcess:
                         f"in, {event['seconds']} s so far"
                     )
                 elif event.get("event") == VALIDATION:
-                    click.echo(
-                        f"held-out at step {event['step']}: {event['valid_bits']:.3f} bits/token"
-                    )
+                    click.echo(f"held-out at step {event['step']}: {held_out_text(event)}")
                 elif event.get("event") == SAMPLE:
                     # Escaped by the coordinator already; again here, as it costs nothing.
                     prompt, text = (
@@ -362,8 +368,8 @@ def _summarise(
         "steps": state.step,
         "replica_digest": state.digest_hex(),
         "config_digest": state.config.digest().hex(),
-        "valid_bits_per_token": validation.bits_per_token,
-        "valid_loss_16": validation.loss_16,
+        # Both held-out metrics, per token and per byte (None: not measured).
+        **{f"valid_{k}": value for k, value in validation.report().items()},
         "baselines": base,
         "steps_per_second": ran / seconds if ran else 0.0,
         "seconds": seconds,
@@ -375,7 +381,7 @@ def _summarise(
     (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
     click.echo(
         f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
-        f"held-out {validation.bits_per_token:.3f} bits/token (unigram {base['unigram']:.3f}, "
+        f"held-out {held_out_text(validation.log_fields())} (unigram {base['unigram']:.3f}, "
         f"bigram {base['bigram']:.3f}, gzip -9 {base['gzip9']:.3f}); replica digest "
         f"{state.digest_hex()}; checkpoints in {save_dir}/snapshots, logs in {save_dir}/logs"
     )

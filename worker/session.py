@@ -77,7 +77,7 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
 from ..shared.replica import ReplicaState, checkpoint_bytes
-from .backend import BackendFactory, ChunkResult
+from .backend import BackendFactory, ChunkResult, HeldOut
 from .backend import Validation as Score
 
 __all__ = [
@@ -430,11 +430,23 @@ class Session:
         log.info(
             "validation",
             step=step,
-            valid_bits=round(v.bits_per_token, 4),
-            tokens=v.tokens,
+            **v.log_fields(),
+            tokens=v.windows.tokens,
             seconds=round(seconds, 3),
         )
-        return [Send(Validation(step, v.tokens, v.loss_16, v.bits_per_token))]
+        w, s = v.windows, v.streams or HeldOut(0, 0, 0.0, 0.0)  # 0 tokens: no stream metric
+        message = Validation(
+            step,
+            tokens=w.tokens,
+            loss_16=w.loss_16,
+            bits_per_token=w.bits_per_token,
+            text_bytes=w.text_bytes,
+            stream_tokens=s.tokens,
+            stream_loss_16=s.loss_16,
+            stream_bits_per_token=s.bits_per_token,
+            stream_text_bytes=s.text_bytes,
+        )
+        return [Send(message)]
 
     def sampled(self, request: Sample, prompt: bytes, text: bytes, seconds: float) -> list[Command]:
         log.info(

@@ -24,7 +24,7 @@ from ..shared.cli import command, config_options, log_format_option, threads_opt
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
-from ..shared.logs import configure_logging
+from ..shared.logs import configure_logging, held_out_text
 from ..shared.model import build_generator
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
@@ -80,16 +80,13 @@ class TrainResult:
     train_loss: list[float] = field(default_factory=list)  # bits per token per step
     step_seconds: list[float] = field(default_factory=list)
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
+    validation: Validation | None = None  # the latest
 
 
 def _validate(backend: Backend, result: TrainResult) -> Validation:
-    v = backend.validate()
-    result.curve.append(
-        {"step": backend.step, "bits_per_token": v.bits_per_token, "loss_16": v.loss_16}
-    )
-    log.info(
-        "validation", step=backend.step, valid_bits=round(v.bits_per_token, 4), tokens=v.tokens
-    )
+    v = result.validation = backend.validate()
+    result.curve.append({"step": backend.step, **v.report()})
+    log.info("validation", step=backend.step, **v.log_fields(), tokens=v.windows.tokens)
     return v
 
 
@@ -178,8 +175,8 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         "preset": preset_name,
         "config_digest": cfg.digest().hex(),
         "replica_digest": result.state.digest_hex(),
-        "valid_bits_per_token": final["bits_per_token"],
-        "valid_loss_16": final["loss_16"],
+        # Both held-out metrics, per token and per byte (None: not measured).
+        **{f"valid_{k}": value for k, value in final.items() if k != "step"},
         "baselines": meta.baselines,
         "train_loss_bits": result.train_loss[-1] if result.train_loss else None,
         "member_tokens": result.member_tokens,
@@ -294,7 +291,7 @@ def main(
     base = dataset.meta.baselines
     click.echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
-        f"held-out {summary['valid_bits_per_token']:.3f} bits/token "
+        f"held-out {held_out_text(result.validation.log_fields())} "
         f"(unigram {base['unigram']:.3f}, bigram {base['bigram']:.3f}, "
         f"gzip -9 {base['gzip9']:.3f}), "
         f"{summary['member_tokens_per_second']:,.0f} member-tokens/s, "

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
+from ...shared.logs import held_out_fields
 from ...shared.replica import ReplicaState
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "BackendFactory",
     "BackendUnavailable",
     "ChunkResult",
+    "HeldOut",
     "Validation",
     "cuda_usable",
     "get_backend",
@@ -38,10 +40,49 @@ class ChunkResult:
 
 
 @dataclass(frozen=True)
-class Validation:
-    tokens: int  # held-out tokens scored
+class HeldOut:
+    """One held-out metric of the unperturbed model: `tokens` target tokens predicted, which
+    decode to `text_bytes` bytes of text (the dataset's decoding table)."""
+
+    tokens: int
+    text_bytes: int
     loss_16: float  # mean integer loss per token, in 1/16 bit (the training metric)
     bits_per_token: float  # exact log-softmax of the integer logits, float64
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Total bits over the bytes of the text the targets decode to (None: no bytes);
+        the ratio first, so that one byte per token gives bits per token exactly."""
+        if not self.text_bytes:
+            return None
+        return self.bits_per_token * (self.tokens / self.text_bytes)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Both held-out metrics over the same target tokens of valid.bin (`shared.window`)."""
+
+    windows: HeldOut  # windows of seq_len + 1 tokens from a zero state, as in training
+    # Long streams read token by token with the recurrent state carried across each one;
+    # None for a model that carries no state from token to token.
+    streams: HeldOut | None
+
+    def report(self) -> dict[str, float | int | None]:
+        """Both metrics as the flat fields of the step log and summary JSON (None: not
+        measured): `bits_per_token`, `bits_per_byte`, `loss_16`, `tokens`, and the same
+        prefixed `stream_`."""
+        out: dict[str, float | int | None] = {}
+        for prefix, m in (("", self.windows), ("stream_", self.streams)):
+            out[prefix + "tokens"] = 0 if m is None else m.tokens
+            for key in ("bits_per_token", "bits_per_byte", "loss_16"):
+                out[prefix + key] = None if m is None else getattr(m, key)
+        return out
+
+    def log_fields(self) -> dict[str, float | None]:
+        """The held-out fields of a validation log event (`shared.logs.HELD_OUT_FIELDS`)."""
+        r = self.report()
+        keys = ("bits_per_token", "bits_per_byte", "stream_bits_per_token", "stream_bits_per_byte")
+        return held_out_fields(*(r[k] for k in keys))
 
 
 class Backend(Protocol):
@@ -73,7 +114,9 @@ class Backend(Protocol):
         """Apply the committed fitness of `self.step` (all pairs); returns weights changed."""
         ...
 
-    def validate(self) -> Validation: ...
+    def validate(self) -> Validation:
+        """The unperturbed model on the held-out split: both metrics (`Validation`)."""
+        ...
 
 
 class BackendUnavailable(ValueError):

@@ -16,8 +16,8 @@ is captured once as a CUDA graph and replayed every step. The weights live in on
 device buffer followed by the update's changed-weights counter: one copy back per step
 gives the replica digest and the count.
 
-Validation (unperturbed forward with float bits, every few steps) runs the NumPy reference
-on the host copy of the weights.
+Validation (both held-out metrics of the unperturbed model with float bits, every few
+steps) runs the NumPy reference on the host copy of the weights.
 """
 
 from __future__ import annotations
@@ -490,7 +490,7 @@ class CupyBackend:
         return changed
 
     def validate(self) -> Validation:
-        """The unperturbed model on held-out data, by the NumPy reference on the host copy."""
+        """Both held-out metrics, by the NumPy reference on the host copy of the weights."""
         return NumpyBackend(self.dataset, self._state).validate()
 
 

@@ -22,11 +22,16 @@ from threadpoolctl import ThreadpoolController
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.model import build_model, member_noise, pair_noise
+from ...shared.model import build_model, member_noise, pair_noise, token_loss, true_bits
 from ...shared.replica import ReplicaState
 from ...shared.update import apply_update
-from ...shared.window import pair_windows, validation_windows
-from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
+from ...shared.window import (
+    VALIDATION_STREAMS,
+    pair_windows,
+    validation_streams,
+    validation_windows,
+)
+from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation
 
 WORKERS_PER_HOST_VAR = "EGGROLL_WORKERS_PER_HOST"
 
@@ -94,6 +99,8 @@ class NumpyBackend:
         self.batch_members = max(2, batch_members - batch_members % 2)
         self.threads = threads or default_threads()
         self._pools = ThreadpoolController()
+        # Bytes each token id decodes to, for bits per byte of the held-out text.
+        self.piece_bytes = np.array([len(p) for p in dataset.decoding], dtype=np.int64)
         self.load_state(state)
 
     def _compute(self):  # a context manager; threadpoolctl's type is private
@@ -153,20 +160,51 @@ class NumpyBackend:
         self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
         return updated.changed
 
-    def validate(self, rows_per_batch: int = 512) -> Validation:
-        """Unperturbed model over windows of valid.bin (seq_len + 1 tokens, stride seq_len)."""
-        cfg = self.config
-        t = cfg.es.seq_len
-        windows = validation_windows(cfg, self.dataset.valid)
-        rows = len(windows)
-        loss_sum, bits_sum = 0, 0.0
+    def validate(self, rows_per_batch: int = 512, streams: int = VALIDATION_STREAMS) -> Validation:
+        """Both held-out metrics of the unperturbed model over the same target tokens: the
+        windows of training, and the span cut into `streams` streams with the state carried
+        (only a recurrent model has a state to carry)."""
+        cfg, valid = self.config, self.dataset.valid
+        windows = validation_windows(cfg, valid)
         with self._compute():
-            for lo in range(0, rows, rows_per_batch):
-                loss, bits = self.model.forward(windows[lo : lo + rows_per_batch], float_bits=True)
-                loss_sum += int(loss.sum())
-                bits_sum += float(bits.sum())
-        tokens = rows * t
-        return Validation(tokens, loss_sum / tokens, bits_sum / tokens)
+            if cfg.model.arch != "egg":  # a transformer reads each window whole
+                return Validation(self._score_windows(windows, rows_per_batch), None)
+            short = self._score(windows, np.full(len(windows), cfg.es.seq_len), rows_per_batch)
+            carried = self._score(*validation_streams(cfg, valid, streams), rows_per_batch)
+        return Validation(short, carried)
+
+    def _score_windows(self, windows: np.ndarray, rows_per_batch: int) -> HeldOut:
+        """The window metric through the model's whole-window forward pass."""
+        loss, bits = 0, []
+        for lo in range(0, len(windows), rows_per_batch):
+            rows = windows[lo : lo + rows_per_batch]
+            row_loss, row_bits = self.model.position_losses(rows, float_bits=True)
+            loss += int(row_loss.sum())
+            bits.append(row_bits.reshape(-1))
+        n = windows.shape[0] * (windows.shape[1] - 1)
+        text_bytes = int(self.piece_bytes[windows[:, 1:]].sum())
+        return HeldOut(n, text_bytes, loss / n, math.fsum(np.concatenate(bits)) / n)
+
+    def _score(self, tokens: np.ndarray, lengths: np.ndarray, rows_per_batch: int) -> HeldOut:
+        """Each row read token by token from a zero state, its state carried to the end: row
+        i reads tokens[i, :lengths[i]] and predicts tokens[i, 1 : lengths[i] + 1] (lengths
+        longest first). The bits are summed exactly (fsum), so neither the batching nor the
+        cut of the span changes them beyond the per-token values."""
+        loss, bits, text_bytes = 0, [], 0
+        for lo in range(0, len(tokens), rows_per_batch):
+            rows, ends = tokens[lo : lo + rows_per_batch], lengths[lo : lo + rows_per_batch]
+            state = self.model.initial_state(len(rows))
+            for t in range(int(ends[0])):
+                reading = int(np.count_nonzero(ends > t))  # a prefix: longest rows first
+                if reading < len(state[0]):
+                    state = [s[:reading] for s in state]
+                logits = self.model.step(state, rows[:reading, t])
+                target = rows[:reading, t + 1]
+                loss += int(token_loss(logits, target).sum())
+                bits.append(true_bits(logits, target))
+                text_bytes += int(self.piece_bytes[target].sum())
+        n = int(lengths.sum())
+        return HeldOut(n, text_bytes, loss / n, math.fsum(np.concatenate(bits)) / n)
 
 
 def factory(batch_members: int = 1024, threads: int | None = None) -> BackendFactory:
