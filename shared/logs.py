@@ -77,6 +77,17 @@ def held_out_text(fields: dict) -> str:
     return text
 
 
+def baselines_text(per_token: dict, per_byte: dict) -> str:
+    """'unigram 4.694, bigram 3.805, gzip -9 2.634 bits/token (2.930, 1.986, 2.634 bits/byte)':
+    the data's baselines, per byte too where meta.json has them."""
+    names = ("unigram", "bigram", "gzip9")
+    text = ", ".join(f"{n.replace('gzip9', 'gzip -9')} {per_token[n]:.3f}" for n in names)
+    text += " bits/token"
+    if all(n in per_byte for n in names):
+        text += " (" + ", ".join(f"{per_byte[n]:.3f}" for n in names) + " bits/byte)"
+    return text
+
+
 _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 

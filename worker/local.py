@@ -32,6 +32,7 @@ from ..shared.logs import (
     SHOWN_EVENTS,
     STEP,
     VALIDATION,
+    baselines_text,
     held_out_text,
 )
 from ..shared.replica import load_checkpoint
@@ -371,6 +372,7 @@ def _summarise(
         # Both held-out metrics, per token and per byte (None: not measured).
         **{f"valid_{k}": value for k, value in validation.report().items()},
         "baselines": base,
+        "baselines_per_byte": dataset.meta.baselines_per_byte,
         "steps_per_second": ran / seconds if ran else 0.0,
         "seconds": seconds,
         "save_dir": str(save_dir),
@@ -381,7 +383,7 @@ def _summarise(
     (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
     click.echo(
         f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
-        f"held-out {held_out_text(validation.log_fields())} (unigram {base['unigram']:.3f}, "
-        f"bigram {base['bigram']:.3f}, gzip -9 {base['gzip9']:.3f}); replica digest "
+        f"held-out {held_out_text(validation.log_fields())} "
+        f"(baselines: {baselines_text(base, dataset.meta.baselines_per_byte)}); replica digest "
         f"{state.digest_hex()}; checkpoints in {save_dir}/snapshots, logs in {save_dir}/logs"
     )

@@ -24,7 +24,7 @@ from ..shared.cli import command, config_options, log_format_option, threads_opt
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
-from ..shared.logs import configure_logging, held_out_text
+from ..shared.logs import baselines_text, configure_logging, held_out_text
 from ..shared.model import build_generator
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
@@ -178,6 +178,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         # Both held-out metrics, per token and per byte (None: not measured).
         **{f"valid_{k}": value for k, value in final.items() if k != "step"},
         "baselines": meta.baselines,
+        "baselines_per_byte": meta.baselines_per_byte,
         "train_loss_bits": result.train_loss[-1] if result.train_loss else None,
         "member_tokens": result.member_tokens,
         "member_tokens_per_second": result.member_tokens / max(result.train_seconds, 1e-9),
@@ -288,12 +289,11 @@ def main(
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
     if save_dir is not None:  # for eggroll-inspect
         (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    base = dataset.meta.baselines
+    meta = dataset.meta
     click.echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "
-        f"(unigram {base['unigram']:.3f}, bigram {base['bigram']:.3f}, "
-        f"gzip -9 {base['gzip9']:.3f}), "
+        f"(baselines: {baselines_text(meta.baselines, meta.baselines_per_byte)}), "
         f"{summary['member_tokens_per_second']:,.0f} member-tokens/s, "
         f"replica digest {summary['replica_digest']}",
         file=sys.stderr,
