@@ -1,9 +1,9 @@
 """Update rules: how a step's fitness moves the int8 weights (at most one step each).
 
-`ztest` (nano-egg, stateless) and `momentum` (an integer accumulator per weight, replica
-state). Both start from the same exact Z per weight.
-
-For every matrix (and the embedding) with the + member's noise a_k (out), b_k (in):
+`ztest` (nano-egg, stateless), `momentum` (an integer accumulator per weight, replica
+state) and `adamw` (fixed-point AdamW, replica state). All start from the same exact Z per
+weight. For every matrix (and the embedding), over the P pairs k with the + member's noise
+a_k (out), b_k (in):
 
     Z = sum_k F_k a_k b_k^T            an exact GEMM over pairs: (F * A)^T B
     for vectors: Z = sum_k F_k u1_k u2_k
@@ -38,7 +38,7 @@ weight, with int32 m and acc and int64 v (all start at 0), ONE = 2**16, and
 sshift(x, s) = sign(x) * (|x| >> s), a shift that rounds toward zero so the rule is odd in
 (Z, w, m, acc): flipping every fitness sign mirrors the whole state exactly:
 
-    g   = sshift(Z, gs)        gs = max(0, bit_length(P * max|noise|**2) - 20), so |g| < 2**20
+    g   = sshift(Z, gs)      gs = max(0, bit_length(P * max|noise|**2) - 20): |g| < 2**20
     m   = sshift(m * B1 + g * (ONE - B1), 16)                                   |m| < 2**20
     v   = (v * B2 + g * g * (ONE - B2)) >> 16                                   v < 2**40
     u   = sign(m) * ((|m| << 16) // (isqrt(v) + 1))          m / (sqrt v + 1) in 2**-16
