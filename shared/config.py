@@ -7,9 +7,10 @@ a TOML file whose tables mirror the dataclasses below:
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300
     [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed
-    [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed
+    [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed, adaptive_noise
     [fitness] chunk_mean_filter, adaptive_threshold
-    [update] rule, alpha, alpha_decay_steps, momentum_shift
+    [update] rule, alpha, alpha_decay_steps, momentum_shift,
+             lr, lr_halve_steps, lr_halvings, beta1, beta2, weight_decay
     [data]   data_seed
     [validation] every_steps, max_tokens
 """
@@ -54,6 +55,9 @@ class ESConfig:
     sigma_shift: int = 4  # perturbation = (x.b) * a >> (4 + sigma_shift)
     noise: str = "uniform"  # "uniform" (d-eggs) or "gaussian"
     run_seed: int = 0
+    # d-eggs' overlays: per matrix row / column and vector element, noise fades where the
+    # weights stopped moving (replica state; see shared/update.py)
+    adaptive_noise: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,22 @@ class FitnessConfig:
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    rule: str = "ztest"  # "ztest" (stateless) or "momentum" (an accumulator per weight)
+    # "ztest" (stateless), "momentum" (an accumulator per weight) or "adamw" (fixed-point
+    # AdamW with a per-weight accumulator; shared/update.py specifies every operation)
+    rule: str = "ztest"
     # alpha > 1 (an integer): level a_t = 1 / ((2**alpha - 1) * t / alpha_decay_steps + 1);
     # alpha <= 1: a constant level. About a_t of the weights move by one step each update.
     alpha: float = 4.0
     alpha_decay_steps: int = 1000
     momentum_shift: int = 3  # momentum: decay beta = 1 - 2**-momentum_shift per step
+    # adamw (d-eggs' defaults): weight steps per unit normalised update, halved every
+    # lr_halve_steps steps at most lr_halvings times (0.5, 0.25, then 0.125 from step 200)
+    lr: float = 0.5
+    lr_halve_steps: int = 100
+    lr_halvings: int = 2
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.01  # decoupled, on matrices only (not norm gains or biases)
 
 
 @dataclass(frozen=True)
@@ -167,9 +181,16 @@ def validate(cfg: RunConfig) -> None:
         f"es.noise={es.noise!r} must be 'uniform' or 'gaussian'",
     )
     _check(
-        up.rule in ("ztest", "momentum"),
-        f"update.rule={up.rule!r} must be 'ztest' or 'momentum'",
+        up.rule in ("ztest", "momentum", "adamw"),
+        f"update.rule={up.rule!r} must be 'ztest', 'momentum' or 'adamw'",
     )
+    # The bounds keep every fixed-point product of the adamw rule inside int64.
+    _check(1 / (1 << 16) <= up.lr <= 16, f"update.lr={up.lr} must be in 2**-16..16 (weight steps)")
+    _check(up.lr_halve_steps >= 1, f"update.lr_halve_steps={up.lr_halve_steps} must be >= 1")
+    _check(0 <= up.lr_halvings <= 16, f"update.lr_halvings={up.lr_halvings} must be 0..16")
+    for name, beta in (("beta1", up.beta1), ("beta2", up.beta2)):
+        _check(0 <= beta <= 0.999, f"update.{name}={beta} must be in 0..0.999")
+    _check(0 <= up.weight_decay <= 1, f"update.weight_decay={up.weight_decay} must be in 0..1")
     _check(
         1 <= up.momentum_shift <= 12,
         f"update.momentum_shift={up.momentum_shift} must be 1..12",

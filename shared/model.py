@@ -22,6 +22,9 @@ Each member m perturbs every matrix W by the rank-1 `a_m b_m^T` (a carries the m
 antithetic sign) without ever forming a per-member weight copy: the base GEMM is shared by
 all members and the correction is one dot product and one scaled vector per member. Vector
 parameters get full-rank noise `p + ((sign * u1 * u2) >> (4 + sigma_shift))`, clipped.
+With adaptive noise (es.adaptive_noise) a, b and u1 * u2 are first scaled by the replica's
+per-row, per-column and per-element factors f in 1/64 units: sign(v) * ((|v| * f) >> 6)
+(`pair_noise`; the overlays and their rule are in shared/update.py).
 
 Unlike nano-egg, no hidden state is carried across steps: every antithetic pair reads its
 own window of seq_len + 1 tokens (chunks move between workers) and starts from zero.
@@ -112,8 +115,28 @@ class PairNoise:
     u: dict[str, np.ndarray]
 
 
-def pair_noise(cfg: RunConfig, step: int, pairs: np.ndarray) -> PairNoise:
-    """Regenerate every tensor's noise for these pairs: indices [0, out) are a, then b."""
+@dataclass(frozen=True)
+class NoiseScales:
+    """Adaptive noise factors in 1/64 units (0..64), per tensor name: `rows` scale a matrix's
+    a (its out index), `cols` its b (its in index), `elements` a vector's u1 * u2."""
+
+    rows: dict[str, np.ndarray]
+    cols: dict[str, np.ndarray]
+    elements: dict[str, np.ndarray]
+
+
+def scale_noise(values: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """sign(v) * ((|v| * f) >> 6): symmetric in v, so a pair's members stay exact mirrors."""
+    v = values.astype(np.int32)
+    return (np.sign(v) * ((np.abs(v) * factor.astype(np.int32)) >> 6)).astype(values.dtype)
+
+
+def pair_noise(
+    cfg: RunConfig, step: int, pairs: np.ndarray, scales: NoiseScales | None = None
+) -> PairNoise:
+    """Regenerate every tensor's noise for these pairs: indices [0, out) are a, then b.
+    With `scales` (adaptive noise) each value is scaled by its row, column or element's
+    factor; the forward pass and the update both use the scaled values."""
     es = cfg.es
     a, b, u = {}, {}, {}
     for spec in param_specs(cfg.model):
@@ -121,10 +144,15 @@ def pair_noise(cfg: RunConfig, step: int, pairs: np.ndarray) -> PairNoise:
             out, inp = spec.shape
             block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, out + inp, es.noise)
             a[spec.name], b[spec.name] = block[:, :out], block[:, out:]
+            if scales is not None:
+                a[spec.name] = scale_noise(a[spec.name], scales.rows[spec.name])
+                b[spec.name] = scale_noise(b[spec.name], scales.cols[spec.name])
         else:
             (n,) = spec.shape
             block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, 2 * n, es.noise)
             u[spec.name] = block[:, :n].astype(np.int16) * block[:, n:].astype(np.int16)
+            if scales is not None:
+                u[spec.name] = scale_noise(u[spec.name], scales.elements[spec.name])
     return PairNoise(np.asarray(pairs), a, b, u)
 
 

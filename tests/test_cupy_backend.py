@@ -133,6 +133,31 @@ def test_unsupported_width_is_a_clear_error() -> None:
         cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
 
 
+def test_adaptive_noise_is_refused_in_one_line() -> None:
+    cfg = CONFIGS["uniform"].replace(
+        es=ESConfig(population=16, chunk_size=8, seq_len=4, adaptive_noise=True)
+    )
+    with pytest.raises(BackendUnavailable, match=r"cannot run es\.adaptive_noise") as info:
+        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
+    assert "\n" not in str(info.value)
+
+
+def test_adamw_runs_through_the_host_reference() -> None:
+    """A rule with optimizer state: the device evaluates, the host applies (same bytes)."""
+    cfg = CONFIGS["uniform"].replace(update=UpdateConfig(rule="adamw", lr=4.0))
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+    for step in range(2):
+        want = [ref.evaluate_chunk(step, c * 8, 8) for c in range(cfg.chunks)]
+        got = [gpu.evaluate_chunk(step, c * 8, 8) for c in range(cfg.chunks)]
+        assert [g.fitness.tobytes() for g in got] == [w.fitness.tobytes() for w in want]
+        fitness = np.concatenate([c.fitness for c in want])
+        assert gpu.apply_step(fitness) == ref.apply_step(fitness)
+        assert gpu.digest() == ref.digest()
+    assert ref.state.opt and any(v.any() for v in ref.state.opt.values())
+
+
 @pytest.mark.skipif(ON_GPU or cuda_usable(), reason="this host has a usable CUDA GPU")
 def test_backend_selection_without_a_gpu() -> None:
     assert get_backend("auto").name == "numpy"

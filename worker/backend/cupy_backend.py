@@ -187,6 +187,11 @@ class CupyBackend:
         d = cfg.model.d_model
         if d % 4:
             raise BackendUnavailable(f"the CuPy backend needs model.d_model % 4 == 0, got {d}")
+        if cfg.es.adaptive_noise:
+            raise BackendUnavailable(
+                "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
+                "noise): use --backend numpy"
+            )
         vmax = max_abs(cfg.es.noise)
         if cfg.pairs * vmax * vmax >= 1 << 31:
             raise BackendUnavailable(

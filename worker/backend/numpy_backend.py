@@ -24,7 +24,7 @@ from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
 from ...shared.model import build_model, member_noise, pair_noise, token_loss, true_bits
 from ...shared.replica import ReplicaState
-from ...shared.update import apply_update
+from ...shared.update import apply_update, noise_scales
 from ...shared.window import (
     VALIDATION_STREAMS,
     pair_windows,
@@ -139,11 +139,12 @@ class NumpyBackend:
     def _evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
         cfg = self.config
         losses = []
+        scales = noise_scales(cfg, self.state.opt)  # adaptive noise: the update uses them too
         for lo in range(first_member, first_member + count, self.batch_members):
             hi = min(lo + self.batch_members, first_member + count)
             pairs = np.arange(lo // 2, hi // 2)
             noise = member_noise(
-                pair_noise(cfg, step, pairs), self.state.params, cfg.es.sigma_shift
+                pair_noise(cfg, step, pairs, scales), self.state.params, cfg.es.sigma_shift
             )
             tokens = np.repeat(pair_windows(cfg, self.dataset.train, step, pairs), 2, axis=0)
             loss, _ = self.model.forward(tokens, noise)
