@@ -142,6 +142,13 @@ def test_adaptive_noise_is_refused_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
+def test_the_former_is_refused_in_one_line() -> None:
+    cfg = CONFIGS["uniform"].replace(model=ModelConfig(arch="former", vocab_size=16, d_model=8))
+    with pytest.raises(BackendUnavailable, match="egg model only") as info:
+        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
+    assert "\n" not in str(info.value)
+
+
 def test_adamw_runs_through_the_host_reference() -> None:
     """A rule with optimizer state: the device evaluates, the host applies (same bytes)."""
     cfg = CONFIGS["uniform"].replace(update=UpdateConfig(rule="adamw", lr=4.0))

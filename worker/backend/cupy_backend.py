@@ -187,6 +187,11 @@ class CupyBackend:
         d = cfg.model.d_model
         if d % 4:
             raise BackendUnavailable(f"the CuPy backend needs model.d_model % 4 == 0, got {d}")
+        if cfg.model.arch != "egg":
+            raise BackendUnavailable(
+                f"the CuPy backend has kernels for the egg model only, not model.arch = "
+                f"{cfg.model.arch!r}: use --backend numpy"
+            )
         if cfg.es.adaptive_noise:
             raise BackendUnavailable(
                 "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
