@@ -274,17 +274,51 @@ def from_canonical_bytes(raw: bytes) -> RunConfig:
 
 PRESETS: dict[str, RunConfig] = {
     # Tuned to learn fastest per second on a 2-core CPU with the NumPy backend: a small,
-    # one-layer model with a large population beat wider, deeper or longer-context variants.
+    # one-layer model with a large population beat wider, deeper or longer-context variants;
+    # gaussian noise one shift stronger than d-eggs' and the momentum rule beat the rest of
+    # the sweep in the README (`scripts/sweep.py`). More workers: raise es.population (one
+    # chunk of 512 members per worker and step at least), not the steps.
     "tiny": RunConfig(
-        es=ESConfig(population=2048, chunk_size=512, seq_len=32, sigma_shift=4),
+        es=ESConfig(population=2048, chunk_size=512, seq_len=32, sigma_shift=3, noise="gaussian"),
+        update=UpdateConfig(rule="momentum", momentum_shift=2),
         validation=ValidationConfig(every_steps=50, max_tokens=32768),
         steps=800,
     ),
-    # The nano-egg paper model: 6 layers, width 256, byte vocabulary, T = 100.
+    # The nano-egg paper model: 6 layers, width 256, byte vocabulary, T = 100. The z-test
+    # rule keeps the update on the CuPy backend's device path.
     "egg-paper": RunConfig(
         model=ModelConfig(n_layer=6, d_model=256),
-        es=ESConfig(population=32768, chunk_size=4096, seq_len=100, sigma_shift=4),
+        es=ESConfig(
+            population=32768, chunk_size=4096, seq_len=100, sigma_shift=3, noise="gaussian"
+        ),
         validation=ValidationConfig(every_steps=10, max_tokens=102400),
+        steps=1000,
+    ),
+    # d-eggs' transformer on a BPE vocabulary of 2048 (`eggroll-data prepare --tokenizer bpe
+    # --vocab-size 2048`), sized to learn on a 2-core CPU.
+    "former-tiny": RunConfig(
+        model=ModelConfig(arch="former", vocab_size=2048, n_layer=1, d_model=64),
+        es=ESConfig(population=512, chunk_size=128, seq_len=16, sigma_shift=3, noise="gaussian"),
+        update=UpdateConfig(rule="momentum", momentum_shift=2),
+        validation=ValidationConfig(every_steps=50, max_tokens=16384),
+        steps=1000,
+    ),
+    # d-eggs' headline configuration: width 256, 4 layers of 4 heads, T = 64, vocabulary
+    # 8192, 327,680 members in 8 chunks of 40,960, its uniform noise, its fitness filters,
+    # quantised AdamW and adaptive noise (with d-eggs' bugs fixed). A GPU-sized run.
+    "d-eggs": RunConfig(
+        model=ModelConfig(arch="former", vocab_size=8192, n_layer=4, d_model=256, n_head=4),
+        es=ESConfig(
+            population=327680,
+            chunk_size=40960,
+            seq_len=64,
+            sigma_shift=3,
+            noise="uniform",
+            adaptive_noise=True,
+        ),
+        fitness=FitnessConfig(chunk_mean_filter=True, adaptive_threshold=True),
+        update=UpdateConfig(rule="adamw"),
+        validation=ValidationConfig(every_steps=10, max_tokens=65536),
         steps=1000,
     ),
 }

@@ -162,7 +162,8 @@ def test_preset_that_is_not_a_name_is_one_line(tmp_path: Path) -> None:
     try:
         load_config(path)
     except ConfigError as exc:
-        assert str(exc) == "'preset' must be a preset name (tiny, egg-paper), got list ['tiny']"
+        names = ", ".join(PRESETS)
+        assert str(exc) == f"'preset' must be a preset name ({names}), got list ['tiny']"
     else:
         raise AssertionError("a list as preset was accepted")
     # The command line shows it as one line, no traceback.
@@ -180,5 +181,5 @@ def test_preset_that_is_not_a_name_is_one_line(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert done.stderr.splitlines() == [
-        "Error: 'preset' must be a preset name (tiny, egg-paper), got list ['tiny']"
+        f"Error: 'preset' must be a preset name ({', '.join(PRESETS)}), got list ['tiny']"
     ], done.stderr

@@ -27,13 +27,13 @@ def test_digest_depends_on_every_weight_and_the_step() -> None:
     assert len(state.digest_hex()) == 16
     params = {k: v.copy() for k, v in state.params.items()}
     params["head"][3, 4] ^= 1
-    assert ReplicaState(state.config, 0, params).digest() != d
-    assert ReplicaState(state.config, 1, state.params).digest() != d
+    assert ReplicaState(state.config, 0, params, state.opt).digest() != d
+    assert ReplicaState(state.config, 1, state.params, state.opt).digest() != d
 
 
 def test_checkpoint_round_trip(tmp_path: Path) -> None:
     state = ReplicaState.initial(preset("tiny"))
-    state = ReplicaState(state.config, 17, state.params)
+    state = ReplicaState(state.config, 17, state.params, state.opt)
     path = tmp_path / "s.ckpt"
     save_checkpoint(path, state)
     loaded = load_checkpoint(path)

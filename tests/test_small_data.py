@@ -55,6 +55,9 @@ def test_size_warnings_say_what_is_enough() -> None:
     tiny = preset("tiny")
     enough = step_tokens(tiny)
     assert data_too_short(tiny, tiny.es.seq_len + 1, tiny.es.seq_len + 1) is None
-    warnings = size_warnings(enough - 1, 10_000)
+    warnings = size_warnings(enough - 1, 10_000, 256)
     assert any(f"at least {enough:,} bytes" in w and "tiny" in w for w in warnings)
-    assert not any("tiny" in w for w in size_warnings(enough, 10_000))
+    assert not any("tiny" in w for w in size_warnings(enough, 10_000, 256))
+    former = step_tokens(preset("former-tiny"))  # a BPE vocabulary of 2048: its presets only
+    assert [w for w in size_warnings(former - 1, 10_000, 2048) if "former-tiny" in w]
+    assert not [w for w in size_warnings(former - 1, 10_000, 2048) if "the tiny preset" in w]

@@ -770,7 +770,7 @@ def _summary(out: Path, meta: DataMeta, elapsed: float) -> None:
         f"{bb['unigram']:.3f} / {bb['bigram']:.3f} / {bb['gzip9']:.3f} bits/byte, "
         f"{elapsed:.1f} s"
     )
-    for warning in size_warnings(meta.train_tokens, meta.valid_tokens):
+    for warning in size_warnings(meta.train_tokens, meta.valid_tokens, meta.vocab_size):
         click.echo(f"warning: {warning}", err=True)
 
 
@@ -806,10 +806,13 @@ def import_(directory: Path, out: Path | None, valid_fraction: float) -> None:
     _summary(out or directory, meta, time.monotonic() - start)
 
 
-def size_warnings(train_tokens: int, valid_tokens: int) -> list[str]:
-    """One line per preset these splits are too small for, saying what is enough."""
+def size_warnings(train_tokens: int, valid_tokens: int, vocab_size: int) -> list[str]:
+    """One line per preset of this vocabulary that these splits are too small for, saying
+    what is enough."""
     lines = []
     for name, cfg in PRESETS.items():
+        if cfg.model.vocab_size != vocab_size:
+            continue
         short = data_too_short(cfg, train_tokens, valid_tokens)
         enough = step_tokens(cfg)
         if short is not None:
