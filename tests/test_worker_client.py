@@ -53,7 +53,14 @@ from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.replica import ReplicaState, decode_checkpoint, encode_checkpoint
 from eggroll_dist.shared.replica import replay as replay_steps
-from eggroll_dist.worker.backend import BackendFactory, ChunkResult, cuda_usable, get_backend
+from eggroll_dist.worker.backend import (
+    Backend,
+    BackendFactory,
+    BackendUnavailable,
+    ChunkResult,
+    cuda_usable,
+    get_backend,
+)
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import WorkerClient, WorkerFatal
 from eggroll_dist.worker.prepare import prepare_data_dir
@@ -493,7 +500,7 @@ async def test_permanent_errors_end_the_worker(
 @pytest.mark.parametrize(
     ("config_bytes", "match"),
     [
-        (b'{"format": 1, "model": {"arch": "former"}}', r"model\.arch"),
+        (b'{"format": 1, "model": {"arch": "rnn"}}', r"model\.arch"),
         (
             CFG.replace(es=ESConfig(population=16, chunk_size=8, seq_len=60000)).canonical_bytes(),
             "seq_len",
@@ -511,6 +518,25 @@ async def test_a_config_the_worker_cannot_run_is_refused(
     await peer.handshake(config_bytes=config_bytes)
     assert (await peer.expect(Error)).code is ErrorCode.CONFIG_MISMATCH
     with pytest.raises(WorkerFatal, match=match) as raised:
+        await asyncio.wait_for(run, TIMEOUT_S)
+    assert raised.value.code is ErrorCode.CONFIG_MISMATCH and "\n" not in str(raised.value)
+
+
+async def test_a_config_the_backend_cannot_build_is_refused(
+    coordinator: FakeCoordinator, dataset: Dataset
+) -> None:
+    """A device that cannot run the model (as the CuPy backend refuses the former) tells the
+    coordinator CONFIG_MISMATCH and gives up, in one line."""
+
+    def build(data: Dataset, state: ReplicaState) -> Backend:
+        raise BackendUnavailable("the CuPy backend has kernels for the egg model only")
+
+    client = make_client(coordinator, dataset, backend=BackendFactory("gpu", "cuda:0", build))
+    run = asyncio.create_task(client.run())
+    peer = await coordinator.next_peer()
+    await peer.handshake()
+    assert (await peer.expect(Error)).code is ErrorCode.CONFIG_MISMATCH
+    with pytest.raises(WorkerFatal, match="egg model only") as raised:
         await asyncio.wait_for(run, TIMEOUT_S)
     assert raised.value.code is ErrorCode.CONFIG_MISMATCH and "\n" not in str(raised.value)
 

@@ -32,6 +32,7 @@ from ..protocol import (
     iter_snapshot_chunks,
 )
 from . import session as flow
+from .backend import BackendUnavailable
 from .session import Ended, PeerViolation, Phase, WorkerFatal
 
 if TYPE_CHECKING:
@@ -151,7 +152,14 @@ class Link:
                 case flow.DropReplica():
                     replica.drop()
                 case flow.StartReplica(config=config, run_id=run_id):
-                    await replica.start(config, run_id)
+                    try:
+                        await replica.start(config, run_id)
+                    except BackendUnavailable as exc:  # e.g. a model this device cannot run
+                        raise WorkerFatal(
+                            f"this worker's backend cannot run the run's config: {exc}",
+                            ErrorCode.CONFIG_MISMATCH,
+                            tell=True,
+                        ) from None
                 case flow.DecodeSnapshot(blob=blob, step=step):
                     state, error = await replica.decode(blob)
                     await self._carry_out(session.snapshot_decoded(step, state, error))
