@@ -58,7 +58,7 @@ def test_corrupt_checkpoints_are_rejected(tmp_path: Path) -> None:
 
 
 def test_checkpoint_bytes_is_the_exact_size() -> None:
-    for name in ("tiny", "egg-paper"):
+    for name in ("tiny", "egg-paper", "former-tiny"):
         state = ReplicaState.initial(preset(name))
         assert checkpoint_bytes(state.config) == len(encode_checkpoint(state))
 
