@@ -13,6 +13,7 @@ replica applies it), so the update's share of one worker's step is update / (eva
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -40,9 +41,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for scale in (int(s) for s in args.scales.split(",")):
         es = base.es
-        pop_cfg = base.replace(
-            es=es.__class__(**{**es.__dict__, "population": es.population * scale})
-        )
+        pop_cfg = base.replace(es=dataclasses.replace(es, population=es.population * scale))
         backend = factory.build(dataset, ReplicaState.initial(pop_cfg))
         t = time.perf_counter()
         fitness = np.concatenate(

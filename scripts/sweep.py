@@ -19,7 +19,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from eggroll_dist.shared.config import RunConfig, from_dict, preset
+from eggroll_dist.shared.config import RunConfig, ValidationConfig, from_dict, preset
 from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.worker.backend import get_backend
@@ -61,7 +61,7 @@ def main() -> None:
     rows = []
     for spec in args.variant or DEFAULT_VARIANTS:
         name, cfg = variant(base, spec)
-        cfg = cfg.replace(validation=cfg.validation.__class__(every_steps=0, max_tokens=32768))
+        cfg = cfg.replace(validation=ValidationConfig(every_steps=0, max_tokens=32768))
         steps = args.steps or 10**9
         backend = factory.build(dataset, ReplicaState.initial(cfg))
         cpu0 = time.process_time()

@@ -326,6 +326,27 @@ def _move(w: np.ndarray, direction: np.ndarray) -> np.ndarray:
     return np.clip(w.astype(np.int16) + direction, -127, 127).astype(np.int8)
 
 
+def _momentum(
+    cfg: RunConfig,
+    alpha: Fraction,
+    params: dict[str, np.ndarray],
+    opt: dict[str, np.ndarray],
+    z: dict[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The momentum rule of the module docstring, vectorised over each tensor."""
+    shift = cfg.update.momentum_shift
+    threshold = move_threshold(cfg.pairs, alpha, cfg.es.noise, momentum_gain(shift))
+    new: dict[str, np.ndarray] = {}
+    new_opt: dict[str, np.ndarray] = {}
+    for name, zt in z.items():
+        m = opt[f"momentum.{name}"].astype(np.int64)
+        m = np.clip(m - sshift(m, shift) + zt, -MOMENTUM_LIMIT, MOMENTUM_LIMIT)
+        direction = np.where(np.abs(m) >= threshold, np.sign(m), 0)
+        new[name] = _move(params[name], direction)
+        new_opt[f"momentum.{name}"] = (m - direction * threshold).astype(np.int32)
+    return new, new_opt
+
+
 def _adamw(
     cfg: RunConfig,
     step: int,
@@ -381,14 +402,7 @@ def update_from_z(
         for name, zt in z.items():
             new[name] = _move(params[name], np.where(np.abs(zt) >= threshold, np.sign(zt), 0))
     elif rule == "momentum":
-        shift = cfg.update.momentum_shift
-        threshold = move_threshold(cfg.pairs, alpha, cfg.es.noise, momentum_gain(shift))
-        for name, zt in z.items():
-            m = opt[f"momentum.{name}"].astype(np.int64)
-            m = np.clip(m - np.sign(m) * (np.abs(m) >> shift) + zt, -MOMENTUM_LIMIT, MOMENTUM_LIMIT)
-            direction = np.where(np.abs(m) >= threshold, np.sign(m), 0)
-            new[name] = _move(params[name], direction)
-            new_opt[f"momentum.{name}"] = (m - direction * threshold).astype(np.int32)
+        new, new_opt = _momentum(cfg, alpha, params, opt, z)
     elif rule == "adamw":
         new, new_opt = _adamw(cfg, step, params, opt, z)
     else:
