@@ -43,6 +43,20 @@ def test_spec_ships_with_the_protocol_package() -> None:
 def test_license_file_matches_the_metadata() -> None:
     meta = importlib.metadata.metadata("eggroll-distributed")
     assert meta.get_all("License-Expression") == ["MIT"]
-    assert meta.get_all("License-File") == ["LICENSE"]
-    text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
+    assert meta.get_all("License-File") == ["shared/LICENSE"]
+    text = (Path(__file__).resolve().parents[1] / "shared" / "LICENSE").read_text()
     assert text.startswith("MIT License\n")
+
+
+def test_the_repository_root_holds_only_the_agreed_entries() -> None:
+    """The top level is fixed: these entries, dot-files (.ci, .gitignore), nothing else."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.skip("not a git checkout")
+    tops = {line.split("/")[0] for line in done.stdout.splitlines() if line}
+    agreed = {"pyproject.toml", "README.md", "coordinator", "worker", "protocol", "shared"}
+    agreed |= {"deploy", "scripts", "tests", "checkpoints"}
+    assert {t for t in tops if not t.startswith(".")} <= agreed
