@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 
 import click
 
+from .config import PRESETS
+
 F = TypeVar("F", bound=Callable[..., object])
 
 
@@ -38,7 +40,7 @@ def config_options(what: str = "") -> Callable[[F], F]:
             default=None,
             envvar="EGGROLL_PRESET",
             show_envvar=True,
-            help=f"Named run config{what}: tiny (default), egg-paper.",
+            help=f"Named run config{what}: {', '.join(PRESETS)} (default: tiny).",
         )(f)
 
     return decorate
