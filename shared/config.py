@@ -299,7 +299,7 @@ PRESETS: dict[str, RunConfig] = {
     "former-tiny": RunConfig(
         model=ModelConfig(arch="former", vocab_size=2048, n_layer=1, d_model=64),
         es=ESConfig(population=512, chunk_size=128, seq_len=16, sigma_shift=3, noise="gaussian"),
-        update=UpdateConfig(rule="momentum", momentum_shift=2),
+        update=UpdateConfig(rule="momentum", momentum_shift=1),
         validation=ValidationConfig(every_steps=50, max_tokens=16384),
         steps=1000,
     ),

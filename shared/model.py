@@ -50,7 +50,9 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]  # matrices are (out, in); the embedding is (vocab, D)
     kind: str  # "matrix": rank-1 noise a (out) b (in); "vector": full-rank u1 * u2 noise
-    init: str  # "gaussian" (int8 bell, std ~16), "sixteen" (1.0 in fixed point), "zero"
+    # "gaussian" (int8 bell, std ~16), "small" (the bell / 8 toward zero, std ~2), "sixteen"
+    # (1.0 in fixed point), "zero"
+    init: str
     tensor_id: int  # the noise stream of this tensor
 
 
@@ -90,8 +92,10 @@ def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
     params = {}
     for spec in param_specs(m):
         size = int(np.prod(spec.shape))
-        if spec.init == "gaussian":
+        if spec.init in ("gaussian", "small"):
             values = init_values(m.init_seed, spec.tensor_id, size)
+            if spec.init == "small":  # an eighth, rounded toward zero: still symmetric
+                values = np.sign(values) * (np.abs(values) >> 3)
         else:
             values = np.full(size, 16 if spec.init == "sixteen" else 0, dtype=np.int8)
         params[spec.name] = np.clip(values, -127, 127).astype(np.int8).reshape(spec.shape)

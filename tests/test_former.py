@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eggroll_dist.shared import former
-from eggroll_dist.shared.config import ConfigError, ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.config import ConfigError, ESConfig, ModelConfig, RunConfig, preset
 from eggroll_dist.shared.former import (
     FormerGenerator,
     FormerModel,
@@ -30,7 +30,7 @@ from eggroll_dist.shared.model import (
     param_specs,
     token_loss,
 )
-from eggroll_dist.shared.noise import noise_block
+from eggroll_dist.shared.noise import init_values, noise_block
 from eggroll_dist.shared.sample import SampleSettings, generate
 
 # GELU[j + 128] for j = -36..127 (below -35 every entry is 0).
@@ -214,7 +214,8 @@ def test_deggs_layout_and_parameter_count() -> None:
     assert names["emb"].shape == (8192, 256) and names["emb"].kind == "matrix"
     assert "head" not in names  # tied: the head is the embedding
     assert names["layers.3.down"].shape == (256, 1024)
-    assert {s.init for s in specs} == {"gaussian", "sixteen", "zero"}
+    assert {s.init for s in specs} == {"gaussian", "small", "sixteen", "zero"}
+    assert [s.name for s in specs if s.init == "small"] == ["emb"]
     assert ModelConfig(d_model=64).heads == 1 and ModelConfig(d_model=192).heads == 3
     assert ModelConfig(d_model=8).heads == 1 and ModelConfig(d_model=96, n_head=3).heads == 3
     with pytest.raises(ConfigError, match="heads of an even size"):
@@ -235,6 +236,33 @@ def test_init_and_pair_noise_follow_the_hashed_streams() -> None:
     assert np.array_equal(pn.a["layers.1.wq"], block[:, :8])
     assert np.array_equal(pn.b["layers.1.wq"], block[:, 8:])
     assert not np.array_equal(pn.a["layers.0.wq"], pn.a["layers.1.wq"])  # hashed, not added
+
+
+def test_the_embedding_starts_at_an_eighth_rounded_toward_zero() -> None:
+    cfg = _config(d_model=64, vocab=2048)
+    spec = next(s for s in param_specs(cfg.model) if s.name == "emb")
+    bell = init_values(cfg.model.init_seed, spec.tensor_id, 2048 * 64).astype(np.int64)
+    emb = init_params(cfg.model)["emb"].astype(np.int64).reshape(-1)
+    assert np.array_equal(emb, np.sign(bell) * (np.abs(bell) // 8))
+    assert 1.5 < emb.std() < 2.5 < 14 < bell.std()
+    assert abs(emb.mean()) < 0.05  # toward zero: no floor bias
+
+
+def test_the_initial_former_tiny_is_near_uniform() -> None:
+    """The tied embedding is the head: small, it starts within 0.05 bits of log2(vocab)
+    (at the other matrices' scale the random logits cost about half a bit)."""
+    cfg = preset("former-tiny")
+    tokens = np.random.default_rng(5).integers(0, 2048, size=(8, cfg.es.seq_len + 1))
+    params = init_params(cfg.model)
+
+    def mean_bits(params: dict[str, np.ndarray]) -> float:
+        _, bits = FormerModel(cfg, params).forward(tokens, float_bits=True)
+        return bits.sum() / tokens[:, 1:].size
+
+    assert 10.95 < mean_bits(params) < 11.05
+    spec = next(s for s in param_specs(cfg.model) if s.name == "emb")
+    bell = init_values(cfg.model.init_seed, spec.tensor_id, 2048 * 64).reshape(2048, 64)
+    assert mean_bits({**params, "emb": bell}) > 11.3
 
 
 # ------------------------------------------------------------------- explicit reference
