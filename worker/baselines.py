@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..shared.data import decode_tokens, token_dtype
+from ..shared.data import FORMAT_VERSION, DataMeta, decode_tokens, token_dtype, tokens_digest
 
 __all__ = [
     "BASELINE_NAMES",
@@ -24,6 +24,7 @@ __all__ = [
     "baselines",
     "bigram_bits",
     "choose_bigram_lambda",
+    "data_meta",
     "gzip_bits",
     "held_out_scores",
     "unigram_bits",
@@ -194,3 +195,29 @@ def held_out_scores(
         "gzip9": gzip_total / len(text),
     }
     return HeldOutScores(per_token=per_token, per_byte=per_byte, valid_bytes=len(text))
+
+
+def data_meta(
+    train: np.ndarray,
+    valid: np.ndarray,
+    decoding: Sequence[bytes],
+    source: str,
+    documents: int,
+    valid_documents: int,
+) -> DataMeta:
+    """meta.json of a split data set: its sizes, digest and baselines (rounded to 6 places)."""
+    vocab = len(decoding)
+    scores = held_out_scores(train, valid, decoding)
+    return DataMeta(
+        format_version=FORMAT_VERSION,
+        vocab_size=vocab,
+        train_tokens=len(train),
+        valid_tokens=len(valid),
+        sha256=tokens_digest(train, valid, vocab).hex(),
+        source=source,
+        documents=documents,
+        valid_documents=valid_documents,
+        baselines={k: round(v, 6) for k, v in scores.per_token.items()},
+        baselines_per_byte={k: round(v, 6) for k, v in scores.per_byte.items()},
+        valid_bytes=scores.valid_bytes,
+    )

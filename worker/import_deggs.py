@@ -18,7 +18,6 @@ import numpy as np
 from ..shared.atomic_file import write_atomic
 from ..shared.data import (
     DECODING_FILE,
-    FORMAT_VERSION,
     INPUT_FILE,
     META_FILE,
     TOKENIZER_FILE,
@@ -27,11 +26,10 @@ from ..shared.data import (
     DataMeta,
     read_decoding,
     token_dtype,
-    tokens_digest,
     write_decoding,
     write_meta,
 )
-from .baselines import held_out_scores
+from .baselines import data_meta
 
 __all__ = ["check_ids", "import_cut", "import_data_dir"]
 
@@ -112,20 +110,8 @@ def import_data_dir(
     check_ids(tokens, vocab, str(path))
     cut = import_cut(tokens, valid_fraction)
     train, valid = tokens[:cut], tokens[cut:]
-    scores = held_out_scores(train, valid, pieces)
-    meta = DataMeta(
-        format_version=FORMAT_VERSION,
-        vocab_size=vocab,
-        train_tokens=len(train),
-        valid_tokens=len(valid),
-        sha256=tokens_digest(train, valid, vocab).hex(),
-        source=source,
-        documents=_documents(train) + _documents(valid),
-        valid_documents=_documents(valid),
-        baselines={k: round(v, 6) for k, v in scores.per_token.items()},
-        baselines_per_byte={k: round(v, 6) for k, v in scores.per_byte.items()},
-        valid_bytes=scores.valid_bytes,
-    )
+    documents = _documents(train) + _documents(valid)
+    meta = data_meta(train, valid, pieces, source, documents, _documents(valid))
     root.mkdir(parents=True, exist_ok=True)
     write_atomic(root / VALID_FILE, memoryview(np.ascontiguousarray(valid)).cast("B"))
     write_decoding(root / DECODING_FILE, pieces)

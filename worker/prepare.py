@@ -57,7 +57,6 @@ from ..shared.config import PRESETS
 from ..shared.data import (
     BYTE_VOCAB_SIZE,
     DECODING_FILE,
-    FORMAT_VERSION,
     INPUT_FILE,
     META_FILE,
     TOKENIZER_FILE,
@@ -69,13 +68,12 @@ from ..shared.data import (
     load_data_dir,
     read_tokens,
     token_dtype,
-    tokens_digest,
     write_decoding,
     write_meta,
     write_tokens,
 )
 from ..shared.window import data_too_short, step_tokens
-from .baselines import BASELINE_NAMES, held_out_scores
+from .baselines import BASELINE_NAMES, data_meta
 from .import_deggs import import_data_dir
 from .tokenizer import encode_documents, load_tokenizer, tokenizer_pieces, train_bpe
 
@@ -441,10 +439,6 @@ def split_documents(
     return train, valid
 
 
-def _rounded(scores: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 6) for k, v in scores.items()}
-
-
 def _say_baselines(say: Echo, meta: DataMeta) -> None:
     for unit, scores in (("token", meta.baselines), ("byte", meta.baselines_per_byte)):
         say(
@@ -473,20 +467,7 @@ def prepare_data_dir(
         f"split: train {_count(len(train_docs), 'document')} / {len(train):,} tokens, "
         f"valid {_count(len(valid_docs), 'document')} / {len(valid):,} tokens"
     )
-    scores = held_out_scores(train, valid, byte_pieces())
-    meta = DataMeta(
-        format_version=FORMAT_VERSION,
-        vocab_size=BYTE_VOCAB_SIZE,
-        train_tokens=len(train),
-        valid_tokens=len(valid),
-        sha256=tokens_digest(train, valid, BYTE_VOCAB_SIZE).hex(),
-        source=source,
-        documents=len(docs),
-        valid_documents=len(valid_docs),
-        baselines=_rounded(scores.per_token),
-        baselines_per_byte=_rounded(scores.per_byte),
-        valid_bytes=scores.valid_bytes,
-    )
+    meta = data_meta(train, valid, byte_pieces(), source, len(docs), len(valid_docs))
     _say_baselines(say, meta)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -631,20 +612,7 @@ def prepare_tokenized_data_dir(
         f"split: train {_count(flags.count(False), 'document')} / {len(train):,} tokens, "
         f"valid {_count(flags.count(True), 'document')} / {len(valid):,} tokens"
     )
-    scores = held_out_scores(train, valid, pieces)
-    meta = DataMeta(
-        format_version=FORMAT_VERSION,
-        vocab_size=vocab,
-        train_tokens=len(train),
-        valid_tokens=len(valid),
-        sha256=tokens_digest(train, valid, vocab).hex(),
-        source=source,
-        documents=len(flags),
-        valid_documents=flags.count(True),
-        baselines=_rounded(scores.per_token),
-        baselines_per_byte=_rounded(scores.per_byte),
-        valid_bytes=scores.valid_bytes,
-    )
+    meta = data_meta(train, valid, pieces, source, len(flags), flags.count(True))
     _say_baselines(say, meta)
     write_decoding(root / DECODING_FILE, pieces)
     write_atomic(root / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode("utf-8"))
