@@ -1,7 +1,8 @@
 """Benchmark the NumPy backend's BLAS pool size: one chunk (`tiny` preset by default)
 evaluated with one thread, with the default (usable cores / workers on the host) and with
 a pool as large as the host (what every process had before the backend sized its pool),
-by one worker alone and by several workers at once on this host.
+by one worker alone and by several workers at once on this host; then one step's chunks in
+one process (eggroll-train), one after the other or side by side (`evaluate_chunks`).
 
     python scripts/bench_threads.py [--preset tiny] [--workers 2] [--repeats 3] [--members 512]
 
@@ -20,17 +21,19 @@ import time
 import numpy as np
 
 from eggroll_dist.shared.config import preset
-from eggroll_dist.shared.data import DataMeta, Dataset
+from eggroll_dist.shared.data import DataMeta, Dataset, token_dtype
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend, default_threads
 
 
 def synthetic_dataset(vocab: int, tokens: int = 1 << 20) -> Dataset:
     rng = np.random.default_rng(0)
-    train = rng.integers(1, vocab, size=tokens).astype(np.uint8)
-    valid = rng.integers(1, vocab, size=4096).astype(np.uint8)
+    dtype = token_dtype(vocab)
+    train = rng.integers(1, vocab, size=tokens).astype(dtype)
+    valid = rng.integers(1, vocab, size=4096).astype(dtype)
     meta = DataMeta(1, vocab, len(train), len(valid), "0" * 64, "bench", 1, 1, {})
-    return Dataset(train, valid, [bytes([i]) for i in range(vocab)], meta, bytes(32))
+    pieces = [i.to_bytes(2, "big") if vocab > 256 else bytes([i]) for i in range(vocab)]
+    return Dataset(train, valid, pieces, meta, bytes(32))
 
 
 def chunk_seconds(
@@ -47,6 +50,32 @@ def chunk_seconds(
     for _ in range(repeats):
         t = time.perf_counter()
         backend.evaluate_chunk(0, 0, members)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def step_chunks_seconds(name: str, threads: int, repeats: int, side_by_side: bool) -> float:
+    """Best time of all chunks of one step of preset `name` in one process with `threads`
+    threads: one after the other (BLAS threads inside each chunk), or side by side
+    (`evaluate_chunks`: a thread per chunk, one BLAS thread each)."""
+    cfg = preset(name)
+    backend = NumpyBackend(synthetic_dataset(cfg.model.vocab_size), ReplicaState.initial(cfg))
+    backend.threads = threads
+    size = cfg.es.chunk_size
+    chunks = [(c * size, size) for c in range(cfg.chunks)]
+
+    def run() -> None:
+        if side_by_side:
+            backend.evaluate_chunks(0, chunks)
+        else:
+            for first, count in chunks:
+                backend.evaluate_chunk(0, first, count)
+
+    run()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -111,6 +140,17 @@ def main() -> None:
     )
     for name, seconds, reference in rows:
         print(f"{name:<52} {seconds:8.3f} s/chunk   ratio to 1 thread {seconds / reference:5.2f}")
+
+    # One process, one step (what eggroll-train does): chunks in turn or side by side.
+    chunks = preset(args.preset).chunks
+    print(f"one process, the {chunks} chunks of one step, {alone} threads, best of {args.repeats}")
+    turn = step_chunks_seconds(args.preset, alone, args.repeats, side_by_side=False)
+    side = step_chunks_seconds(args.preset, alone, args.repeats, side_by_side=True)
+    print(f"{'one after the other (BLAS threads in each chunk)':<52} {turn:8.3f} s/step")
+    print(
+        f"{'side by side (a thread per chunk, 1 BLAS thread)':<52} {side:8.3f} s/step"
+        f"   speed-up {turn / side:5.2f}"
+    )
     print(f"load average after:  {load()}")
 
 

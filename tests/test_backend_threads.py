@@ -103,3 +103,39 @@ def test_thread_count_changes_no_result(backend_args) -> None:
             (fitness.tobytes(), [c.loss_sum for c in chunks], backend.digest(), backend.validate())
         )
     assert results[0] == results[1] == results[2]
+
+
+def test_chunks_side_by_side_equal_one_after_the_other(backend_args) -> None:
+    """evaluate_chunks runs up to `threads` chunks at once, each on a thread of its own with a
+    BLAS pool of one, and returns what evaluate_chunk returns for each, in order."""
+    import threading
+
+    def values(results) -> list[tuple[bytes, int]]:
+        return [(r.fitness.tobytes(), r.loss_sum) for r in results]
+
+    ranges = [(0, 16), (16, 16), (32, 32)]
+    alone = NumpyBackend(*backend_args, threads=1)
+    want = values(alone.evaluate_chunk(0, first, count) for first, count in ranges)
+    assert values(alone.evaluate_chunks(0, ranges)) == want
+
+    backend = NumpyBackend(*backend_args, threads=3)
+    assert backend.parallel_chunks == 3
+    seen: list[tuple[int, list[int]]] = []
+    forward = backend.model.forward
+
+    def watched(*args, **kwargs):
+        seen.append((threading.get_ident(), blas_threads()))
+        return forward(*args, **kwargs)
+
+    backend.model.forward = watched  # type: ignore[method-assign]
+    before = blas_threads()
+    assert values(backend.evaluate_chunks(0, ranges)) == want
+    assert len({ident for ident, _ in seen}) > 1  # really side by side
+    assert threading.get_ident() not in {ident for ident, _ in seen}
+    if before:
+        assert all(pools == [1] * len(before) for _, pools in seen)
+        assert blas_threads() == before
+    with pytest.raises(ValueError, match="bad member range"):
+        backend.evaluate_chunks(0, [(0, 16), (3, 16)])
+    with pytest.raises(ValueError, match="replica is at step 0"):
+        backend.evaluate_chunks(1, ranges)

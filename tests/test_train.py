@@ -180,10 +180,16 @@ def test_long_steps_log_progress_and_every_step_an_eta(
     data_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(train_module, "PROGRESS_S", 0.0)  # every chunk counts as "long"
-    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(SMALL))
+    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(SMALL), threads=1)
     with structlog.testing.capture_logs() as events:
         train(SMALL, backend, 2)
     progress = [e["chunks_done"] for e in events if e["event"] == "evaluating"]
     assert progress[: SMALL.chunks] == [f"{c + 1}/{SMALL.chunks}" for c in range(SMALL.chunks)]
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == [1, 2] and steps[-1]["eta_s"] == 0
+    # with two threads the chunks go two at a time, and so does the progress
+    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(SMALL), threads=2)
+    with structlog.testing.capture_logs() as events:
+        train(SMALL, backend, 1)
+    progress = [e["chunks_done"] for e in events if e["event"] == "evaluating"]
+    assert progress == [f"{c}/{SMALL.chunks}" for c in range(2, SMALL.chunks + 1, 2)]

@@ -122,17 +122,18 @@ def train(
         t0 = said = time.perf_counter()
         fitness = np.empty(cfg.pairs, dtype=np.int8)
         loss_sum = 0
-        for chunk in range(cfg.chunks):
-            first = chunk * cfg.es.chunk_size
-            res = backend.evaluate_chunk(step, first, cfg.es.chunk_size)
-            fitness[first // 2 : (first + cfg.es.chunk_size) // 2] = res.fitness
-            loss_sum += res.loss_sum
+        size, group = cfg.es.chunk_size, max(1, backend.parallel_chunks)
+        for lo in range(0, cfg.chunks, group):
+            chunks = [(c * size, size) for c in range(lo, min(lo + group, cfg.chunks))]
+            for (first, _), res in zip(chunks, backend.evaluate_chunks(step, chunks), strict=True):
+                fitness[first // 2 : (first + size) // 2] = res.fitness
+                loss_sum += res.loss_sum
             if time.perf_counter() - said >= PROGRESS_S:  # a long step is not a silent one
                 said = time.perf_counter()
                 log.info(
                     "evaluating",
                     step=step + 1,
-                    chunks_done=f"{chunk + 1}/{cfg.chunks}",
+                    chunks_done=f"{lo + len(chunks)}/{cfg.chunks}",
                     seconds=round(said - t0),
                 )
         packed = pack_ternary(fitness)

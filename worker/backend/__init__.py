@@ -10,7 +10,7 @@ backends agree on data by import. A new backend is one file in this folder plus 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,6 +108,15 @@ class Backend(Protocol):
 
     def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
         """Score members [first_member, first_member + count) of the population at `step`."""
+        ...
+
+    @property
+    def parallel_chunks(self) -> int:
+        """How many chunks `evaluate_chunks` gains by taking at once (1: none)."""
+        ...
+
+    def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
+        """Several (first_member, count) chunks of `step`, each result as `evaluate_chunk`'s."""
         ...
 
     def apply_step(self, fitness: np.ndarray) -> int:

@@ -270,6 +270,11 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- evaluation
 
+    @property
+    def parallel_chunks(self) -> int:
+        """Chunks `evaluate_chunks` scores at once: as many as fill one forward batch."""
+        return max(1, self.batch_members // self.config.es.chunk_size)
+
     def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
         """Score members [first_member, first_member + count) of the population at `step`."""
         return self.evaluate_chunks(step, [(first_member, count)])[0]

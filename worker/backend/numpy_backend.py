@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -122,19 +124,42 @@ class NumpyBackend:
     def digest(self) -> int:
         return self.state.digest()
 
-    def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
-        """Score members [first_member, first_member + count) of the population at `step`."""
-        cfg = self.config
+    @property
+    def parallel_chunks(self) -> int:
+        """Chunks `evaluate_chunks` scores at once: one per thread."""
+        return self.threads
+
+    def _check_range(self, step: int, first_member: int, count: int) -> None:
         if step != self.step:
             raise ValueError(f"replica is at step {self.step}, chunk is for step {step}")
         if (
             first_member % 2
             or count % 2
-            or not 0 <= first_member < first_member + count <= (cfg.es.population)
+            or not 0 <= first_member < first_member + count <= self.config.es.population
         ):
             raise ValueError(f"bad member range [{first_member}, {first_member + count})")
+
+    def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
+        """Score members [first_member, first_member + count) of the population at `step`."""
+        self._check_range(step, first_member, count)
         with self._compute():
             return self._evaluate(step, first_member, count)
+
+    def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
+        """Several chunks of one step, each on its own thread with a BLAS pool of one, up to
+        `threads` at a time; results in order, each equal to `evaluate_chunk`'s.
+
+        NumPy releases the GIL in its loops and GEMMs, and one chunk's GEMMs are too small to
+        keep two BLAS threads busy: on two cores, two chunks side by side are about 1.5x
+        (`former-tiny`) and 1.2x (`tiny`) faster than one after the other with two BLAS
+        threads. Evaluation is read-only, so the threads share the replica."""
+        for first, count in chunks:
+            self._check_range(step, first, count)
+        workers = min(self.threads, len(chunks))
+        if workers <= 1:
+            return [self.evaluate_chunk(step, first, count) for first, count in chunks]
+        with self._pools.limit(limits=1), ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda c: self._evaluate(step, *c), chunks))
 
     def _evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
         cfg = self.config
