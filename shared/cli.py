@@ -107,5 +107,6 @@ def threads_option(f: F) -> F:
         envvar="EGGROLL_THREADS",
         show_envvar=True,
         show_default="usable cores / EGGROLL_WORKERS_PER_HOST",
-        help="BLAS threads of the NumPy backend (per worker).",
+        help="CPU threads of the NumPy backend (per worker); eggroll-train shares them among "
+        "the chunks it evaluates side by side.",
     )(f)

@@ -146,19 +146,29 @@ class NumpyBackend:
             return self._evaluate(step, first_member, count)
 
     def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
-        """Several chunks of one step, each on its own thread with a BLAS pool of one, up to
-        `threads` at a time; results in order, each equal to `evaluate_chunk`'s.
+        """Several chunks of one step, up to `threads` at a time, each on its own thread with
+        an equal share of the BLAS pool (one thread each when there are as many chunks as
+        threads); results in order, each equal to `evaluate_chunk`'s.
 
         NumPy releases the GIL in its loops and GEMMs, and one chunk's GEMMs are too small to
-        keep two BLAS threads busy: on two cores, two chunks side by side are about 1.5x
-        (`former-tiny`) and 1.2x (`tiny`) faster than one after the other with two BLAS
-        threads. Evaluation is read-only, so the threads share the replica."""
+        keep two BLAS threads busy: on two cores, one step's four chunks side by side take
+        1.74x (`former-tiny`) and 1.28x (`tiny`) less time than one after the other
+        (`scripts/bench_threads.py`). Evaluation is read-only, so the threads share the
+        replica. The limit is set in each thread too: OpenMP builds of BLAS keep it per thread."""
         for first, count in chunks:
             self._check_range(step, first, count)
         workers = min(self.threads, len(chunks))
         if workers <= 1:
             return [self.evaluate_chunk(step, first, count) for first, count in chunks]
-        with self._pools.limit(limits=1), ThreadPoolExecutor(workers) as pool:
+        share = max(1, self.threads // workers)
+
+        def limit_this_thread() -> None:  # the thread ends with the pool: nothing to restore
+            self._pools.limit(limits=share)
+
+        with (
+            self._pools.limit(limits=share),
+            ThreadPoolExecutor(workers, initializer=limit_this_thread) as pool,
+        ):
             return list(pool.map(lambda c: self._evaluate(step, *c), chunks))
 
     def _evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
