@@ -4,6 +4,7 @@ workers on the host, only while it computes, and the thread count changes no res
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,6 @@ def test_thread_count_changes_no_result(backend_args) -> None:
 def test_chunks_side_by_side_equal_one_after_the_other(backend_args) -> None:
     """evaluate_chunks runs up to `threads` chunks at once, each on a thread of its own with a
     BLAS pool of one, and returns what evaluate_chunk returns for each, in order."""
-    import threading
 
     def values(results) -> list[tuple[bytes, int]]:
         return [(r.fitness.tobytes(), r.loss_sum) for r in results]

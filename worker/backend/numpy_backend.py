@@ -159,7 +159,8 @@ class NumpyBackend:
             self._check_range(step, first, count)
         workers = min(self.threads, len(chunks))
         if workers <= 1:
-            return [self.evaluate_chunk(step, first, count) for first, count in chunks]
+            with self._compute():
+                return [self._evaluate(step, first, count) for first, count in chunks]
         share = max(1, self.threads // workers)
 
         def limit_this_thread() -> None:  # the thread ends with the pool: nothing to restore
