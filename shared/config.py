@@ -7,7 +7,8 @@ a TOML file whose tables mirror the dataclasses below:
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300
     [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed
-    [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed, adaptive_noise
+    [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed, adaptive_noise,
+             token_noise_rows
     [fitness] chunk_mean_filter, adaptive_threshold
     [update] rule, alpha, alpha_decay_steps, momentum_shift,
              lr, lr_halve_steps, lr_halvings, beta1, beta2, weight_decay
@@ -58,6 +59,10 @@ class ESConfig:
     # d-eggs' overlays: per matrix row / column and vector element, noise fades where the
     # weights stopped moving (replica state; see shared/update.py)
     adaptive_noise: bool = False
+    # Only the token rows (embedding, egg head) with ids below this get noise, the others
+    # keep their initial values: the commonest tokens when ids are ranked by frequency, as
+    # eggroll-data prepare --tokenizer bpe ranks them; 0 = every row (see shared/model.py)
+    token_noise_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,10 @@ def validate(cfg: RunConfig) -> None:
         f"es.noise={es.noise!r} must be 'uniform' or 'gaussian'",
     )
     _check(
+        0 <= es.token_noise_rows <= m.vocab_size,
+        f"es.token_noise_rows={es.token_noise_rows} must be 0..model.vocab_size",
+    )
+    _check(
         up.rule in ("ztest", "momentum", "adamw"),
         f"update.rule={up.rule!r} must be 'ztest', 'momentum' or 'adamw'",
     )
@@ -295,10 +304,18 @@ PRESETS: dict[str, RunConfig] = {
         steps=1000,
     ),
     # d-eggs' transformer on a BPE vocabulary of 2048 (`eggroll-data prepare --tokenizer bpe
-    # --vocab-size 2048`), sized to learn on a 2-core CPU.
+    # --vocab-size 2048`), sized to learn on a 2-core CPU; only the 128 commonest tokens'
+    # rows get noise (the others get too few votes to do better than a random walk).
     "former-tiny": RunConfig(
         model=ModelConfig(arch="former", vocab_size=2048, n_layer=1, d_model=64),
-        es=ESConfig(population=512, chunk_size=128, seq_len=16, sigma_shift=3, noise="gaussian"),
+        es=ESConfig(
+            population=512,
+            chunk_size=128,
+            seq_len=16,
+            sigma_shift=3,
+            noise="gaussian",
+            token_noise_rows=128,
+        ),
         update=UpdateConfig(rule="momentum", momentum_shift=1),
         validation=ValidationConfig(every_steps=50, max_tokens=16384),
         steps=1000,

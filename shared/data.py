@@ -190,6 +190,9 @@ class DataMeta:
     on input.bin only; `baselines_per_byte` holds the same scores in bits per byte of the
     text valid.bin decodes to, which is `valid_bytes` bytes long (:func:`text_bytes`). A
     meta.json written before those two existed loads with ``{}`` and 0 (unknown).
+    `ids_by_frequency` says that the ids after the separator (id 0) are ranked by their count
+    in input.bin, the most frequent first (as `prepare --tokenizer bpe` numbers a vocabulary
+    it trains; es.token_noise_rows relies on it); older files load with False.
     """
 
     format_version: int
@@ -203,6 +206,7 @@ class DataMeta:
     baselines: dict[str, float] = field(default_factory=dict)
     baselines_per_byte: dict[str, float] = field(default_factory=dict)
     valid_bytes: int = 0
+    ids_by_frequency: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -249,6 +253,8 @@ class DataMeta:
                 isinstance(v, int | float) and not isinstance(v, bool) for v in scores.values()
             ):
                 raise DataError(f"{where}: {name} must map names to numbers")
+        if not isinstance(raw["ids_by_frequency"], bool):
+            raise DataError(f"{where}: ids_by_frequency must be true or false")
         token_dtype(raw["vocab_size"])  # range check
         return cls(
             format_version=version,
@@ -262,11 +268,17 @@ class DataMeta:
             baselines={str(k): float(v) for k, v in raw["baselines"].items()},
             baselines_per_byte={str(k): float(v) for k, v in raw["baselines_per_byte"].items()},
             valid_bytes=raw["valid_bytes"],
+            ids_by_frequency=raw["ids_by_frequency"],
         )
 
 
-# Keys a meta.json from before bits per byte lacks, with the values it loads with.
-_OPTIONAL: dict[str, object] = {"baselines_per_byte": {}, "valid_bytes": 0}
+# Keys a meta.json from before bits per byte (or ranked ids) lacks, with the values it
+# loads with.
+_OPTIONAL: dict[str, object] = {
+    "baselines_per_byte": {},
+    "valid_bytes": 0,
+    "ids_by_frequency": False,
+}
 
 
 def _is_hex(text: str) -> bool:

@@ -26,6 +26,13 @@ With adaptive noise (es.adaptive_noise) a, b and u1 * u2 are first scaled by the
 per-row, per-column and per-element factors f in 1/64 units: sign(v) * ((|v| * f) >> 6)
 (`pair_noise`; the overlays and their rule are in shared/update.py).
 
+Token noise (es.token_noise_rows = K > 0) perturbs only the token rows (the embedding's,
+and the EGG head's) with ids below K: the others get a = 0, so they keep their initial
+values. `eggroll-data prepare --tokenizer bpe` ranks ids by training frequency, so these are
+the K commonest tokens: with few votes per step, a rare token's row gets almost no evidence
+and its z-test moves are mostly false ones, a random walk that inflates rare tokens'
+probability; keeping those rows still spends the votes on the rows they can move.
+
 Unlike nano-egg, no hidden state is carried across steps: every antithetic pair reads its
 own window of seq_len + 1 tokens (chunks move between workers) and starts from zero.
 """
@@ -54,6 +61,17 @@ class ParamSpec:
     # (1.0 in fixed point), "zero"
     init: str
     tensor_id: int  # the noise stream of this tensor
+
+
+TOKEN_TENSORS = ("emb", "head")  # matrices whose rows are token ids
+
+
+@cache
+def token_row_factors(vocab_size: int, rows: int) -> np.ndarray:
+    """Token noise factors (1/64 units) of rows 0..vocab_size-1: 64 below `rows`, else 0."""
+    factors = np.where(np.arange(vocab_size) < rows, 64, 0).astype(np.int32)
+    factors.flags.writeable = False
+    return factors
 
 
 def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
@@ -121,8 +139,9 @@ class PairNoise:
 
 @dataclass(frozen=True)
 class NoiseScales:
-    """Adaptive noise factors in 1/64 units (0..64), per tensor name: `rows` scale a matrix's
-    a (its out index), `cols` its b (its in index), `elements` a vector's u1 * u2."""
+    """Noise factors in 1/64 units (0..64), per tensor name: `rows` scale a matrix's a (its
+    out index), `cols` its b (its in index), `elements` a vector's u1 * u2. A tensor absent
+    from a dict is not scaled there."""
 
     rows: dict[str, np.ndarray]
     cols: dict[str, np.ndarray]
@@ -139,8 +158,8 @@ def pair_noise(
     cfg: RunConfig, step: int, pairs: np.ndarray, scales: NoiseScales | None = None
 ) -> PairNoise:
     """Regenerate every tensor's noise for these pairs: indices [0, out) are a, then b.
-    With `scales` (adaptive noise) each value is scaled by its row, column or element's
-    factor; the forward pass and the update both use the scaled values."""
+    With `scales` (adaptive or token noise) each value is scaled by its row, column or
+    element's factor; the forward pass and the update both use the scaled values."""
     es = cfg.es
     a, b, u = {}, {}, {}
     for spec in param_specs(cfg.model):
@@ -148,14 +167,15 @@ def pair_noise(
             out, inp = spec.shape
             block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, out + inp, es.noise)
             a[spec.name], b[spec.name] = block[:, :out], block[:, out:]
-            if scales is not None:
+            if scales is not None and spec.name in scales.rows:
                 a[spec.name] = scale_noise(a[spec.name], scales.rows[spec.name])
+            if scales is not None and spec.name in scales.cols:
                 b[spec.name] = scale_noise(b[spec.name], scales.cols[spec.name])
         else:
             (n,) = spec.shape
             block = noise_block(es.run_seed, step, pairs, spec.tensor_id, 0, 2 * n, es.noise)
             u[spec.name] = block[:, :n].astype(np.int16) * block[:, n:].astype(np.int16)
-            if scales is not None:
+            if scales is not None and spec.name in scales.elements:
                 u[spec.name] = scale_noise(u[spec.name], scales.elements[spec.name])
     return PairNoise(np.asarray(pairs), a, b, u)
 

@@ -70,7 +70,9 @@ sign(v) * ((|v| * f) >> 6) (shared/model.py `pair_noise`): a by its row, b by it
 u1 * u2 by its element. Unlike d-eggs, Z is accumulated from the same scaled noise the
 members were evaluated with. After each update, for every row, column and element:
 any of its weights changed -> ov = min(ov + 5, 127), else ov = max(ov - 1, -127). The
-overlays follow the rule's state in the digest and the checkpoints. The z-test thresholds
+overlays follow the rule's state in the digest and the checkpoints. Token noise
+(es.token_noise_rows, shared/model.py) scales the token rows' a the same way, by fixed
+factors of 64 or 0, multiplied into the overlays where both are on. The z-test thresholds
 assume full-scale noise, so faded noise only makes them stricter.
 """
 
@@ -85,7 +87,7 @@ import numpy as np
 
 from .config import RunConfig, UpdateConfig
 from .matmul import exact_matmul
-from .model import NoiseScales, pair_noise, param_specs
+from .model import TOKEN_TENSORS, NoiseScales, pair_noise, param_specs, token_row_factors
 from .noise import max_abs, second_moment
 
 # round(2**32 * P(|N(0, 1)| >= k / 16)) for k = 0..96 (z from 0 to 6). Pinned, because a
@@ -278,21 +280,29 @@ def initial_opt_state(cfg: RunConfig) -> dict[str, np.ndarray]:
 
 
 def noise_scales(cfg: RunConfig, opt: dict[str, np.ndarray]) -> NoiseScales | None:
-    """The forward and update noise factors (1/64 units) of a replica's overlays, or None
-    without adaptive noise."""
-    if not cfg.es.adaptive_noise:
+    """The forward and update noise factors (1/64 units): the replica's overlays (adaptive
+    noise) and the token rows' fixed factors (token noise), multiplied where both apply as
+    (f_overlay * f_token) >> 6; None without either."""
+    es = cfg.es
+    if not es.adaptive_noise and not es.token_noise_rows:
         return None
-
-    def factor(name: str) -> np.ndarray:
-        return np.clip(opt[name].astype(np.int32), 0, OVERLAY_START)
-
     rows, cols, elements = {}, {}, {}
-    for s in param_specs(cfg.model):
-        if s.kind == "matrix":
-            rows[s.name] = factor(f"overlay.rows.{s.name}")
-            cols[s.name] = factor(f"overlay.cols.{s.name}")
-        else:
-            elements[s.name] = factor(f"overlay.{s.name}")
+    if es.adaptive_noise:
+
+        def factor(name: str) -> np.ndarray:
+            return np.clip(opt[name].astype(np.int32), 0, OVERLAY_START)
+
+        for s in param_specs(cfg.model):
+            if s.kind == "matrix":
+                rows[s.name] = factor(f"overlay.rows.{s.name}")
+                cols[s.name] = factor(f"overlay.cols.{s.name}")
+            else:
+                elements[s.name] = factor(f"overlay.{s.name}")
+    if es.token_noise_rows:
+        tokens = token_row_factors(cfg.model.vocab_size, es.token_noise_rows)
+        for s in param_specs(cfg.model):
+            if s.name in TOKEN_TENSORS:
+                rows[s.name] = (rows[s.name] * tokens) >> 6 if s.name in rows else tokens
     return NoiseScales(rows, cols, elements)
 
 

@@ -142,6 +142,15 @@ def test_adaptive_noise_is_refused_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
+def test_token_noise_is_refused_in_one_line() -> None:
+    cfg = CONFIGS["uniform"].replace(
+        es=ESConfig(population=16, chunk_size=8, seq_len=4, token_noise_rows=4)
+    )
+    with pytest.raises(BackendUnavailable, match=r"cannot run es\.token_noise_rows") as info:
+        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
+    assert "\n" not in str(info.value)
+
+
 def test_the_former_is_refused_in_one_line() -> None:
     cfg = CONFIGS["uniform"].replace(model=ModelConfig(arch="former", vocab_size=16, d_model=8))
     with pytest.raises(BackendUnavailable, match="egg model only") as info:

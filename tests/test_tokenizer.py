@@ -39,6 +39,7 @@ from eggroll_dist.worker.tokenizer import (
     bytes_to_unicode,
     encode_documents,
     load_tokenizer,
+    renumber,
     tokenizer_pieces,
     train_bpe,
 )
@@ -163,6 +164,41 @@ def test_builtin_bpe_round_trips_every_document(builtin_bpe: tuple[Path, Result]
     assert "bits/byte" in result.stdout and result.stdout.count("\n") == 1
 
 
+def test_trained_ids_are_ranked_by_train_frequency(builtin_bpe: tuple[Path, Result]) -> None:
+    out, result = builtin_bpe
+    data = load_data_dir(out)
+    counts = np.bincount(data.train, minlength=512)
+    assert data.meta.ids_by_frequency
+    assert np.all(counts[2:] <= counts[1:-1]) and counts[1] > 10 * counts[300]
+    # tokenizer.json is the renumbered vocabulary: it encodes a document to the ids written
+    # for it, and every id's piece is the one decoding.bin holds.
+    tok = load_tokenizer(out / TOKENIZER_FILE)
+    assert tokenizer_pieces(tok) == data.decoding
+    doc = split_documents(builtin_documents())[0][3]
+    ids = encode_documents(tok, [doc], data.decoding)[0]
+    start = data.train.tobytes().find(np.asarray([0, *ids], np.uint32).tobytes())
+    assert start >= 0 and start % 4 == 0
+    assert "numbered the tokens by their frequency" in result.stderr
+
+
+def test_renumbering_keeps_the_pieces() -> None:
+    tok = train_bpe(["the cat and the hat and the bat"] * 20, 270)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    order = [0, *range(size - 1, 0, -1)]
+    again = renumber(tok, order)
+    old, new = tokenizer_pieces(tok), tokenizer_pieces(again)
+    assert new == [old[i] for i in order]
+    text = "the hat and the cat"
+    assert [new[i] for i in again.encode(text).ids] == [old[i] for i in tok.encode(text).ids]
+    assert again.token_to_id(SEPARATOR) == 0
+
+
+def test_byte_data_is_not_ranked(tmp_path: Path) -> None:
+    files = [str(p) for p in _write_corpus(tmp_path / "text")]
+    assert _prepare([*files, "--out", str(tmp_path / "bytes")]).exit_code == 0
+    assert not load_data_dir(tmp_path / "bytes").meta.ids_by_frequency
+
+
 def test_bits_per_byte_are_consistent(builtin_bpe: tuple[Path, Result], tmp_path: Path) -> None:
     out, _ = builtin_bpe
     bpe = load_data_dir(out).meta
@@ -200,6 +236,9 @@ def test_old_meta_without_bits_per_byte_loads() -> None:
     }
     meta = DataMeta.from_json(json.dumps(raw))
     assert meta.baselines_per_byte == {} and meta.valid_bytes == 0
+    assert not meta.ids_by_frequency
+    with pytest.raises(DataError, match="ids_by_frequency"):
+        DataMeta.from_json(json.dumps({**raw, "ids_by_frequency": 1}))
     raw["valid_bytes"] = -1
     with pytest.raises(DataError, match="valid_bytes"):
         DataMeta.from_json(json.dumps(raw))

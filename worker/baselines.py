@@ -220,4 +220,11 @@ def data_meta(
         baselines={k: round(v, 6) for k, v in scores.per_token.items()},
         baselines_per_byte={k: round(v, 6) for k, v in scores.per_byte.items()},
         valid_bytes=scores.valid_bytes,
+        ids_by_frequency=ranked_by_frequency(train, vocab),
     )
+
+
+def ranked_by_frequency(train: np.ndarray, vocab_size: int) -> bool:
+    """Whether ids 1.. are in order of falling count in `train` (ties in any order)."""
+    counts = np.bincount(train, minlength=vocab_size)[1:]
+    return bool(np.all(counts[1:] <= counts[:-1]))

@@ -23,7 +23,9 @@ the Python build, so meta.json records the Python version in its source.
 
 Tokens. By default the vocabulary is bytes. With ``--tokenizer bpe`` a byte-level BPE is
 trained on the train documents (see ``tokenizer.py``) and the ids are little-endian uint32;
-``--tokenizer FILE.json`` reuses a tokenizer. Either way documents and split are the same,
+a trained vocabulary is then numbered by frequency in the train split (id 1 the commonest
+token; the separator stays 0), which es.token_noise_rows relies on. ``--tokenizer FILE.json``
+reuses a tokenizer and its numbering. Either way documents and split are the same,
 each document is id 0 followed by its ids, and the text is read twice in blocks (train,
 then encode), never held whole.
 
@@ -75,7 +77,7 @@ from ..shared.data import (
 from ..shared.window import data_too_short, step_tokens
 from .baselines import BASELINE_NAMES, data_meta
 from .import_deggs import import_data_dir
-from .tokenizer import encode_documents, load_tokenizer, tokenizer_pieces, train_bpe
+from .tokenizer import encode_documents, load_tokenizer, renumber, tokenizer_pieces, train_bpe
 
 SPLIT_ABOVE_BYTES = 64 * 1024
 DOC_TARGET_BYTES = 16 * 1024
@@ -560,6 +562,43 @@ def _encode_pass(
             path.unlink(missing_ok=True)
 
 
+RANK_BLOCK_IDS = 1 << 24  # ids read at once while counting and renumbering
+
+
+def _rank_by_frequency(
+    root: Path, tokenizer: Tokenizer, pieces: Sequence[bytes]
+) -> tuple[Tokenizer, list[bytes]]:
+    """Renumber a trained vocabulary so that ids 1.. go by falling count in input.bin (ties
+    by the trainer's order; the separator stays 0), rewriting input.bin and valid.bin.
+    Frequency-ranked ids let es.token_noise_rows fade the noise of rare tokens' rows."""
+    vocab = len(pieces)
+    dtype = token_dtype(vocab)
+    counts = np.zeros(vocab, dtype=np.int64)
+    for block in _id_blocks(root / INPUT_FILE, dtype):
+        counts += np.bincount(block, minlength=vocab)
+    order = np.concatenate([[0], 1 + np.argsort(-counts[1:], kind="stable")])
+    new_id = np.empty(vocab, dtype=dtype)
+    new_id[order] = np.arange(vocab)
+    for name in (INPUT_FILE, VALID_FILE):
+        partial = root / f".{name}.partial"
+        try:
+            with open(partial, "wb") as f:
+                for block in _id_blocks(root / name, dtype):
+                    f.write(new_id[block].tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, root / name)
+        finally:
+            partial.unlink(missing_ok=True)
+    return renumber(tokenizer, order.tolist()), [pieces[i] for i in order]
+
+
+def _id_blocks(path: Path, dtype: np.dtype) -> Iterator[np.ndarray]:
+    with open(path, "rb") as f:
+        while (block := np.fromfile(f, dtype=dtype, count=RANK_BLOCK_IDS)).size:
+            yield block
+
+
 def prepare_tokenized_data_dir(
     docs: DocSource,
     out: Path | str,
@@ -589,7 +628,8 @@ def prepare_tokenized_data_dir(
             if not flags[-1]:
                 yield doc.decode("utf-8")
 
-    if tokenizer is None:
+    trained = tokenizer is None
+    if trained:
         say(f"training a byte-level BPE of {vocab_size:,} tokens on the train documents ...")
         tokenizer = train_bpe(train_texts(), vocab_size)
         meter.line()
@@ -605,6 +645,9 @@ def prepare_tokenized_data_dir(
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     _encode_pass(docs, flags, tokenizer, pieces, root, _Meter(say, "encoded"))
+    if trained:
+        tokenizer, pieces = _rank_by_frequency(root, tokenizer, pieces)
+        say("numbered the tokens by their frequency in the train split")
     fsync_dir(root)
     train = read_tokens(root / INPUT_FILE, vocab)
     valid = read_tokens(root / VALID_FILE, vocab)
@@ -820,6 +863,7 @@ def info(directory: Path, verify: bool) -> None:
         ("train tokens", f"{m.train_tokens:,}"),
         ("valid tokens", f"{m.valid_tokens:,}"),
         ("documents", f"{m.documents:,} ({m.valid_documents:,} in valid)"),
+        ("ids by frequency", "yes" if m.ids_by_frequency else "no"),
         ("sha256", m.sha256 + (" (verified)" if verify else " (not checked)")),
     ]
     # Known baselines first, in their usual order, then any a newer writer added.

@@ -13,6 +13,7 @@ special token at id 0 and byte-level pieces for everything that is not an added 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -27,6 +28,7 @@ __all__ = [
     "check_tokenizer",
     "encode_documents",
     "load_tokenizer",
+    "renumber",
     "tokenizer_pieces",
     "train_bpe",
 ]
@@ -80,6 +82,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(texts, trainer=trainer)
     check_tokenizer(tok, "the trained tokenizer")
     return tok
+
+
+def renumber(tok: Tokenizer, order: Sequence[int]) -> Tokenizer:
+    """The same tokenizer with the token of old id order[i] as id i. A BPE's ids are labels:
+    its merges name tokens by their strings, so encoding gives the same pieces, renumbered."""
+    new_id = {int(old): new for new, old in enumerate(order)}
+    data = json.loads(tok.to_str())
+    data["model"]["vocab"] = {piece: new_id[i] for piece, i in data["model"]["vocab"].items()}
+    for added in data["added_tokens"]:
+        added["id"] = new_id[added["id"]]
+    out = Tokenizer.from_str(json.dumps(data))
+    check_tokenizer(out, "the renumbered tokenizer")
+    return out
 
 
 def load_tokenizer(path: Path | str) -> Tokenizer:

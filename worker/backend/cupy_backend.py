@@ -197,6 +197,11 @@ class CupyBackend:
                 "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
                 "noise): use --backend numpy"
             )
+        if cfg.es.token_noise_rows:
+            raise BackendUnavailable(
+                "the CuPy backend cannot run es.token_noise_rows (its kernels draw unscaled "
+                "noise): use --backend numpy"
+            )
         vmax = max_abs(cfg.es.noise)
         if cfg.pairs * vmax * vmax >= 1 << 31:
             raise BackendUnavailable(

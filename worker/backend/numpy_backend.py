@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import structlog
 from threadpoolctl import ThreadpoolController
 
 from ...shared.config import RunConfig
@@ -34,6 +35,8 @@ from ...shared.window import (
     validation_windows,
 )
 from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation
+
+log = structlog.get_logger("eggroll.worker")
 
 WORKERS_PER_HOST_VAR = "EGGROLL_WORKERS_PER_HOST"
 
@@ -104,6 +107,13 @@ class NumpyBackend:
         # Bytes each token id decodes to, for bits per byte of the held-out text.
         self.piece_bytes = np.array([len(p) for p in dataset.decoding], dtype=np.int64)
         self.load_state(state)
+        if state.config.es.token_noise_rows and not dataset.meta.ids_by_frequency:
+            log.warning(
+                "es.token_noise_rows trains only the token rows with low ids, but this "
+                "data's ids are not ranked by frequency (meta.json ids_by_frequency): they "
+                "are not the commonest tokens; `eggroll-data prepare --tokenizer bpe` ranks "
+                "the vocabulary it trains"
+            )
 
     def _compute(self):  # a context manager; threadpoolctl's type is private
         """The BLAS (and OpenMP) pools limited to `self.threads`, restored afterwards."""

@@ -1,0 +1,130 @@
+"""Token noise (es.token_noise_rows): only the token rows with ids below K get noise, in the
+forward pass and in Z alike, so only they move; K = vocab_size is exactly no scaling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eggroll_dist.shared.config import (
+    ConfigError,
+    ESConfig,
+    ModelConfig,
+    RunConfig,
+    UpdateConfig,
+    ValidationConfig,
+    validate,
+)
+from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.shared.model import (
+    TOKEN_TENSORS,
+    init_params,
+    pair_noise,
+    param_specs,
+    token_row_factors,
+)
+from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.shared.update import apply_update, initial_opt_state, noise_scales
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.train import train
+
+VOCAB, ROWS = 40, 12
+
+
+def _cfg(arch: str, rows: int, rule: str = "ztest", adaptive: bool = False) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(arch=arch, vocab_size=VOCAB, n_layer=1, d_model=8),
+        es=ESConfig(
+            population=64,
+            chunk_size=32,
+            seq_len=4,
+            noise="gaussian",
+            token_noise_rows=rows,
+            adaptive_noise=adaptive,
+        ),
+        update=UpdateConfig(rule=rule, alpha=0.5),
+    )
+
+
+def test_factors_are_full_below_the_rows_and_zero_above() -> None:
+    factors = token_row_factors(6, 2)
+    assert factors.tolist() == [64, 64, 0, 0, 0, 0]
+    assert not factors.flags.writeable
+    assert token_row_factors(3, 3).tolist() == [64, 64, 64]
+
+
+@pytest.mark.parametrize("arch", ["egg", "former"])
+def test_only_the_token_rows_below_k_get_noise(arch: str) -> None:
+    cfg, plain = _cfg(arch, ROWS), _cfg(arch, 0)
+    pairs = np.arange(32)
+    scaled = pair_noise(cfg, 3, pairs, noise_scales(cfg, initial_opt_state(cfg)))
+    full = pair_noise(plain, 3, pairs, noise_scales(plain, initial_opt_state(plain)))
+    token_tensors = [s.name for s in param_specs(cfg.model) if s.name in TOKEN_TENSORS]
+    assert token_tensors == (["emb", "head"] if arch == "egg" else ["emb"])
+    for name, a in scaled.a.items():
+        if name in TOKEN_TENSORS:
+            assert np.array_equal(a[:, :ROWS], full.a[name][:, :ROWS])
+            assert not a[:, ROWS:].any() and full.a[name][:, ROWS:].any()
+        else:
+            assert np.array_equal(a, full.a[name])
+        assert np.array_equal(scaled.b[name], full.b[name])
+    for name, u in scaled.u.items():
+        assert np.array_equal(u, full.u[name])
+
+
+@pytest.mark.parametrize("rule", ["ztest", "momentum"])
+@pytest.mark.parametrize("arch", ["egg", "former"])
+def test_only_the_rows_with_noise_move(arch: str, rule: str) -> None:
+    cfg = _cfg(arch, ROWS, rule)
+    params, opt = init_params(cfg.model), initial_opt_state(cfg)
+    start = {name: params[name].copy() for name in TOKEN_TENSORS if name in params}
+    rng = np.random.default_rng(1)
+    for step in range(6):
+        fitness = rng.integers(-1, 2, size=cfg.pairs).astype(np.int8)
+        updated = apply_update(cfg, step, params, opt, fitness)
+        params, opt = updated.params, updated.opt
+    for name, before in start.items():
+        assert np.array_equal(params[name][ROWS:], before[ROWS:])
+        assert not np.array_equal(params[name][:ROWS], before[:ROWS])
+
+
+def test_token_noise_multiplies_into_the_overlays() -> None:
+    cfg = _cfg("egg", ROWS, adaptive=True)
+    opt = initial_opt_state(cfg)
+    overlay = np.arange(VOCAB, dtype=np.int8) * 3 - 20  # some below 0, some above 64
+    opt["overlay.rows.emb"] = overlay
+    scales = noise_scales(cfg, opt)
+    expected = (np.clip(overlay.astype(np.int32), 0, 64) * token_row_factors(VOCAB, ROWS)) >> 6
+    assert np.array_equal(scales.rows["emb"], expected)
+    assert np.array_equal(scales.rows["head"], token_row_factors(VOCAB, ROWS))
+
+
+def test_all_rows_is_exactly_no_token_noise(words_data: Path) -> None:
+    """K = vocab_size scales every value by 64/64: the same fitness and weights as K = 0."""
+    runs = []
+    for rows in (0, 256, 100):
+        cfg = RunConfig(
+            model=ModelConfig(arch="former", vocab_size=256, n_layer=1, d_model=8),
+            es=ESConfig(population=32, chunk_size=16, seq_len=6, token_noise_rows=rows),
+            update=UpdateConfig(rule="momentum", alpha=0.5),
+            validation=ValidationConfig(every_steps=0, max_tokens=400),
+        )
+        runs.append(
+            train(cfg, NumpyBackend(load_data_dir(words_data), ReplicaState.initial(cfg)), 3)
+        )
+    none, every, some = runs
+    assert none.fitness == every.fitness
+    for name, w in none.state.params.items():
+        assert np.array_equal(w, every.state.params[name])
+    assert some.fitness != none.fitness
+    assert np.array_equal(
+        some.state.params["emb"][100:], init_params(some.state.config.model)["emb"][100:]
+    )
+
+
+@pytest.mark.parametrize("rows", [-1, VOCAB + 1])
+def test_rows_outside_the_vocabulary_are_refused(rows: int) -> None:
+    with pytest.raises(ConfigError, match=r"es\.token_noise_rows"):
+        validate(_cfg("egg", rows))
