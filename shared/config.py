@@ -60,7 +60,8 @@ class ESConfig:
     # weights stopped moving (replica state; see shared/update.py)
     adaptive_noise: bool = False
     # Only the token rows (embedding, egg head) with ids below this get noise, the others
-    # keep their initial values: the commonest tokens when ids are ranked by frequency, as
+    # get no votes (only adamw's decay moves them): the commonest tokens when ids are
+    # ranked by frequency, as
     # eggroll-data prepare --tokenizer bpe ranks them; 0 = every row (see shared/model.py)
     token_noise_rows: int = 0
 

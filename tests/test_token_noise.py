@@ -1,5 +1,6 @@
 """Token noise (es.token_noise_rows): only the token rows with ids below K get noise, in the
-forward pass and in Z alike, so only they move; K = vocab_size is exactly no scaling."""
+forward pass and in Z alike, so only they move (under ztest and momentum; AdamW's weight
+decay moves every matrix row); K = vocab_size is exactly no scaling."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_all_rows_is_exactly_no_token_noise(words_data: Path) -> None:
     assert none.fitness == every.fitness
     for name, w in none.state.params.items():
         assert np.array_equal(w, every.state.params[name])
-    assert some.fitness != none.fitness
+    assert some.fitness[0] != none.fitness[0]  # the forward pass uses the token noise
     assert np.array_equal(
         some.state.params["emb"][100:], init_params(some.state.config.model)["emb"][100:]
     )

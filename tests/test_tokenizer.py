@@ -193,6 +193,25 @@ def test_renumbering_keeps_the_pieces() -> None:
     assert again.token_to_id(SEPARATOR) == 0
 
 
+def test_renumbering_in_small_blocks_gives_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = [str(p) for p in _write_corpus(tmp_path / "text")]
+    whole, blocks = tmp_path / "whole", tmp_path / "blocks"
+    args = ["--tokenizer", "bpe", "--vocab-size", "300", "--out"]
+    assert _prepare([*files, *args, str(whole)]).exit_code == 0
+    monkeypatch.setattr(prepare_module, "RANK_BLOCK_IDS", 1000)
+    assert _prepare([*files, *args, str(blocks)]).exit_code == 0
+    for name in (INPUT_FILE, VALID_FILE, DECODING_FILE, META_FILE, TOKENIZER_FILE):
+        assert (whole / name).read_bytes() == (blocks / name).read_bytes(), name
+    data = load_data_dir(blocks)
+    assert data.meta.ids_by_frequency and len(data.train) > 3000
+    docs = [d for p in files for d in file_documents(p)]
+    assert sorted(
+        _documents(data.train, data.decoding) + _documents(data.valid, data.decoding)
+    ) == sorted(docs)
+
+
 def test_byte_data_is_not_ranked(tmp_path: Path) -> None:
     files = [str(p) for p in _write_corpus(tmp_path / "text")]
     assert _prepare([*files, "--out", str(tmp_path / "bytes")]).exit_code == 0

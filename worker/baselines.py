@@ -226,5 +226,5 @@ def data_meta(
 
 def ranked_by_frequency(train: np.ndarray, vocab_size: int) -> bool:
     """Whether ids 1.. are in order of falling count in `train` (ties in any order)."""
-    counts = np.bincount(train, minlength=vocab_size)[1:]
+    counts = _counts(train, vocab_size)[1:]
     return bool(np.all(counts[1:] <= counts[:-1]))

@@ -570,7 +570,7 @@ def _rank_by_frequency(
 ) -> tuple[Tokenizer, list[bytes]]:
     """Renumber a trained vocabulary so that ids 1.. go by falling count in input.bin (ties
     by the trainer's order; the separator stays 0), rewriting input.bin and valid.bin.
-    Frequency-ranked ids let es.token_noise_rows fade the noise of rare tokens' rows."""
+    Frequency-ranked ids let es.token_noise_rows leave rare tokens' rows without noise."""
     vocab = len(pieces)
     dtype = token_dtype(vocab)
     counts = np.zeros(vocab, dtype=np.int64)

@@ -2,7 +2,8 @@
 
 A vocabulary trained here is GPT-2 style byte-level BPE (the `tokenizers` library, offline):
 id 0 is the reserved special token ``<|doc|>``, the document separator (as byte 0 is in the
-byte vocabulary), then the 256 byte symbols, then the merges. Every token stands for a fixed
+byte vocabulary), then the 256 byte symbols and the merges, which `prepare` renumbers by
+frequency (`renumber`) once the train split is encoded. Every token stands for a fixed
 string of raw bytes, so decoding.bin holds exactly those bytes and concatenating the pieces
 of a document's ids gives back its UTF-8 text, byte for byte. The separator decodes to the
 single byte 0, as in the byte vocabulary: both count the same bytes of text.
@@ -89,6 +90,8 @@ def renumber(tok: Tokenizer, order: Sequence[int]) -> Tokenizer:
     its merges name tokens by their strings, so encoding gives the same pieces, renumbered."""
     new_id = {int(old): new for new, old in enumerate(order)}
     data = json.loads(tok.to_str())
+    if data.get("post_processor") is not None:  # it may name ids of its own
+        raise ValueError("renumber: a tokenizer with a post-processor is not supported")
     data["model"]["vocab"] = {piece: new_id[i] for piece, i in data["model"]["vocab"].items()}
     for added in data["added_tokens"]:
         added["id"] = new_id[added["id"]]

@@ -185,7 +185,7 @@ class NumpyBackend:
     def _evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
         cfg = self.config
         losses = []
-        scales = noise_scales(cfg, self.state.opt)  # adaptive noise: the update uses them too
+        scales = noise_scales(cfg, self.state.opt)  # adaptive, token noise: the update too
         for lo in range(first_member, first_member + count, self.batch_members):
             hi = min(lo + self.batch_members, first_member + count)
             pairs = np.arange(lo // 2, hi // 2)
