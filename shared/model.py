@@ -67,12 +67,16 @@ class ParamSpec:
 TOKEN_TENSORS = ("emb", "head")  # matrices whose rows are token ids
 
 
+def _read_only(table: np.ndarray) -> np.ndarray:
+    """A cached table that no caller can change for the others."""
+    table.flags.writeable = False
+    return table
+
+
 @cache
 def token_row_factors(vocab_size: int, rows: int) -> np.ndarray:
     """Token noise factors (1/64 units) of rows 0..vocab_size-1: 64 below `rows`, else 0."""
-    factors = np.where(np.arange(vocab_size) < rows, 64, 0).astype(np.int32)
-    factors.flags.writeable = False
-    return factors
+    return _read_only(np.where(np.arange(vocab_size) < rows, 64, 0).astype(np.int32))
 
 
 def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
@@ -220,7 +224,7 @@ def _exp2_table() -> np.ndarray:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if mid**16 <= 1 << (64 + i) else (lo, mid - 1)
         table.append(lo)
-    return np.array(table, dtype=np.int32)  # <= 2**20: sums of 2048 of them fit int32
+    return _read_only(np.array(table, dtype=np.int32))  # <= 2**20: 2048 of them fit int32
 
 
 @cache
@@ -233,7 +237,7 @@ def _log2_thresholds() -> np.ndarray:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if mid**16 >= 1 << (31 * 16 + j) else (mid + 1, hi)
         th.append(lo)
-    return np.array(th, dtype=np.int64)
+    return _read_only(np.array(th, dtype=np.int64))
 
 
 def floor_log2_16(s: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ from math import isqrt
 import numpy as np
 import pytest
 
+from eggroll_dist.shared import model as model_module
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.model import (
     EggModel,
@@ -133,6 +134,14 @@ def test_floor_log2_16_is_exact() -> None:
     for value, k in zip(s.tolist(), got.tolist(), strict=True):
         # k = floor(16 log2 s)  <=>  2**k <= s**16 < 2**(k+1)
         assert 1 << k <= value**16 < 1 << (k + 1)
+
+
+def test_loss_tables_are_read_only() -> None:
+    """Cached and shared by every model in the process: nobody may change them."""
+    for table in (model_module._exp2_table(), model_module._log2_thresholds()):
+        assert not table.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            table[0] = 0
 
 
 def test_token_loss_tracks_true_log_softmax() -> None:
