@@ -39,7 +39,8 @@ BIGRAM_LAMBDAS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
 _BLOCK_TOKENS = 1 << 22
 
 
-def _counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+def token_counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """How often each id occurs (int64), converting a block of ids at a time."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for start in range(0, len(tokens), _BLOCK_TOKENS):
         block = np.asarray(tokens[start : start + _BLOCK_TOKENS], dtype=np.int64)
@@ -49,7 +50,7 @@ def _counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
 
 def _unigram_probs(train: np.ndarray, vocab_size: int) -> np.ndarray:
     # Add-one (Laplace) smoothing: every id has probability > 0, so held-out bits are finite.
-    return (_counts(train, vocab_size) + 1.0) / (len(train) + vocab_size)
+    return (token_counts(train, vocab_size) + 1.0) / (len(train) + vocab_size)
 
 
 def unigram_bits(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> float:
@@ -99,7 +100,7 @@ def _bigram_terms(
     ctx = np.asarray(valid[:-1], dtype=np.int64)
     nxt = np.asarray(valid[1:], dtype=np.int64)
     # Context counts: how often each id is followed by anything in train.
-    ctx_counts = _counts(np.asarray(train[:-1]), vocab_size)
+    ctx_counts = token_counts(np.asarray(train[:-1]), vocab_size)
     pair_counts = _pair_counts(train_codes, valid_codes, vocab_size)
     c = ctx_counts[ctx]
     seen = c > 0
@@ -226,5 +227,5 @@ def data_meta(
 
 def ranked_by_frequency(train: np.ndarray, vocab_size: int) -> bool:
     """Whether ids 1.. are in order of falling count in `train` (ties in any order)."""
-    counts = _counts(train, vocab_size)[1:]
+    counts = token_counts(train, vocab_size)[1:]
     return bool(np.all(counts[1:] <= counts[:-1]))

@@ -75,7 +75,7 @@ from ..shared.data import (
     write_tokens,
 )
 from ..shared.window import data_too_short, step_tokens
-from .baselines import BASELINE_NAMES, data_meta
+from .baselines import BASELINE_NAMES, data_meta, token_counts
 from .import_deggs import import_data_dir
 from .tokenizer import encode_documents, load_tokenizer, renumber, tokenizer_pieces, train_bpe
 
@@ -562,7 +562,7 @@ def _encode_pass(
             path.unlink(missing_ok=True)
 
 
-RANK_BLOCK_IDS = 1 << 24  # ids read at once while counting and renumbering
+RANK_BLOCK_IDS = 1 << 24  # ids renumbered at once
 
 
 def _rank_by_frequency(
@@ -573,30 +573,24 @@ def _rank_by_frequency(
     Frequency-ranked ids let es.token_noise_rows leave rare tokens' rows without noise."""
     vocab = len(pieces)
     dtype = token_dtype(vocab)
-    counts = np.zeros(vocab, dtype=np.int64)
-    for block in _id_blocks(root / INPUT_FILE, dtype):
-        counts += np.bincount(block, minlength=vocab)
+    counts = token_counts(np.memmap(root / INPUT_FILE, dtype=dtype, mode="r"), vocab)
     order = np.concatenate([[0], 1 + np.argsort(-counts[1:], kind="stable")])
     new_id = np.empty(vocab, dtype=dtype)
     new_id[order] = np.arange(vocab)
     for name in (INPUT_FILE, VALID_FILE):
         partial = root / f".{name}.partial"
         try:
+            ids = np.memmap(root / name, dtype=dtype, mode="r")
             with open(partial, "wb") as f:
-                for block in _id_blocks(root / name, dtype):
-                    f.write(new_id[block].tobytes())
+                for lo in range(0, len(ids), RANK_BLOCK_IDS):
+                    f.write(new_id[ids[lo : lo + RANK_BLOCK_IDS]].tobytes())
                 f.flush()
                 os.fsync(f.fileno())
+            del ids  # the mapping closes before the file is replaced
             os.replace(partial, root / name)
         finally:
             partial.unlink(missing_ok=True)
     return renumber(tokenizer, order.tolist()), [pieces[i] for i in order]
-
-
-def _id_blocks(path: Path, dtype: np.dtype) -> Iterator[np.ndarray]:
-    with open(path, "rb") as f:
-        while (block := np.fromfile(f, dtype=dtype, count=RANK_BLOCK_IDS)).size:
-            yield block
 
 
 def prepare_tokenized_data_dir(
