@@ -12,6 +12,7 @@ never a float rounding). The CuPy backend mirrors this file and must match it ex
         x = R(x + MM(ATTN(q, k, v), wo))
         x = MLP(x, ...)
     logits = MM(NORM(x, ln_f), EMB)                           # (M, T, V), the head is EMB
+    logits = clip(logits + head_bias)                         # only with model.head_bias
 
     MLP(x)    = R(x + MM(GELU[clip(MM(NORM(x, ln), up) + up_bias)], down) + down_bias)
     MM(x, W)  = clip((x @ W^T + (((x . b) * a) >> (4 + sigma_shift))) // (16 * isqrt(in)))
@@ -37,6 +38,11 @@ The tied embedding has ONE stream used both ways: its row for the input token is
 the perturbed matrix, `EMB[tok] + (a[tok] * b) >> shift`, and the head is MM with the same a, b
 (d-eggs perturbed the two uses differently: its W-A2). Both are `(2**s W + a b^T) >> s` applied
 exactly, which is what the tests materialise per member.
+
+The head bias (model.head_bias, not in d-eggs) is a vector over the vocabulary with the
+vectors' noise: it carries the marginal, so the hidden state does not have to (without it
+the final hidden states collapse toward one direction that carries it). Its "zipf" start
+(shared.model.zipf_bias) gives a vocabulary ranked by frequency p(v) ~ 1/v from the outset.
 
 Positions: RoPE positions are 0..seq_len-1 within a window; generation slides a window of at
 most seq_len tokens, so no position beyond the table is ever read (d-eggs read past its table).
@@ -104,6 +110,8 @@ def former_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
         ]
         layout += mlp(p, "ln2")
     layout += [("ln_f", (d,), "vector", "sixteen"), ("ln_f_bias", (d,), "vector", "zero")]
+    if m.head_bias != "none":  # last: the other tensors keep their noise streams
+        layout += [("head_bias", (v,), "vector", m.head_bias)]
     return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
 
 
@@ -347,8 +355,12 @@ class FormerModel:
         return self._norm(x, "ln_f", noise)
 
     def head(self, h: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
-        """Logits (M, T, V) of hidden states h (M, T, D): MM with the embedding itself."""
-        return self._mm(h, "emb", noise)
+        """Logits (M, T, V) of hidden states h (M, T, D): MM with the embedding itself,
+        plus the head bias if the model has one."""
+        logits = self._mm(h, "emb", noise)
+        if "head_bias" in self.params:
+            logits = _clip8(logits + self._vector("head_bias", noise))
+        return logits
 
     def logits(self, inputs: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
         """Logits (M, T, V) after each of inputs (M, T): base-2 log-odds in 1/16 bit."""

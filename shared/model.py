@@ -27,7 +27,8 @@ per-row, per-column and per-element factors f in 1/64 units: sign(v) * ((|v| * f
 (`pair_noise`; the overlays and their rule are in shared/update.py).
 
 Token noise (es.token_noise_rows = K > 0) perturbs only the token rows (the embedding's,
-and the EGG head's) with ids below K: the others get a = 0, so their votes are zero and
+the EGG head's, the former's head bias) with ids below K: the others get a = 0 (u1 * u2 = 0
+for the bias), so their votes are zero and
 they keep their initial values (but for AdamW's weight decay). `eggroll-data prepare
 --tokenizer bpe` ranks ids by training frequency, so these are the K commonest tokens: with
 few votes per step, a rare token's row gets almost no evidence and its z-test moves are
@@ -59,12 +60,13 @@ class ParamSpec:
     shape: tuple[int, ...]  # matrices are (out, in); the embedding is (vocab, D)
     kind: str  # "matrix": rank-1 noise a (out) b (in); "vector": full-rank u1 * u2 noise
     # "gaussian" (int8 bell, std ~16), "small" (the bell / 8 toward zero, std ~2), "sixteen"
-    # (1.0 in fixed point), "zero"
+    # (1.0 in fixed point), "zero", "zipf" (`zipf_bias`)
     init: str
     tensor_id: int  # the noise stream of this tensor
 
 
-TOKEN_TENSORS = ("emb", "head")  # matrices whose rows are token ids
+TOKEN_TENSORS = ("emb", "head", "head_bias")  # rows (matrices) or elements that are token ids
+ZIPF_TOP = 64  # the commonest token's starting head bias: 4 bits, leaving headroom below 127
 
 
 def _read_only(table: np.ndarray) -> np.ndarray:
@@ -77,6 +79,17 @@ def _read_only(table: np.ndarray) -> np.ndarray:
 def token_row_factors(vocab_size: int, rows: int) -> np.ndarray:
     """Token noise factors (1/64 units) of rows 0..vocab_size-1: 64 below `rows`, else 0."""
     return _read_only(np.where(np.arange(vocab_size) < rows, 64, 0).astype(np.int32))
+
+
+@cache
+def zipf_bias(vocab_size: int) -> np.ndarray:
+    """The "zipf" start of a head bias, in the logits' 1/16 bits: id v >= 1 gets
+    clip(64 - floor(16 * log2(v)), -127, 127), so that p(v) ~ 1/v (Zipf's law, when id 1 is
+    the commonest token); id 0, the document separator wherever it ranks, gets the rarest
+    id's value (a separator is far rarer than the commonest tokens)."""
+    ids = np.maximum(np.arange(vocab_size, dtype=np.int64), 1)
+    ids[0] = vocab_size - 1
+    return _read_only(np.clip(ZIPF_TOP - floor_log2_16(ids), -127, 127).astype(np.int8))
 
 
 def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
@@ -119,6 +132,8 @@ def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
             values = init_values(m.init_seed, spec.tensor_id, size)
             if spec.init == "small":  # an eighth, rounded toward zero: still symmetric
                 values = np.sign(values) * (np.abs(values) >> 3)
+        elif spec.init == "zipf":
+            values = zipf_bias(m.vocab_size)
         else:
             values = np.full(size, 16 if spec.init == "sixteen" else 0, dtype=np.int8)
         params[spec.name] = np.clip(values, -127, 127).astype(np.int8).reshape(spec.shape)

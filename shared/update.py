@@ -71,9 +71,10 @@ u1 * u2 by its element. Unlike d-eggs, Z is accumulated from the same scaled noi
 members were evaluated with. After each update, for every row, column and element:
 any of its weights changed -> ov = min(ov + 5, 127), else ov = max(ov - 1, -127). The
 overlays follow the rule's state in the digest and the checkpoints. Token noise
-(es.token_noise_rows, shared/model.py) scales the token rows' a the same way, by fixed
-factors of 64 or 0, multiplied into the overlays where both are on. The z-test thresholds
-assume full-scale noise, so faded noise only makes them stricter.
+(es.token_noise_rows, shared/model.py) scales the token rows' a (and the head bias's
+elements) the same way, by fixed factors of 64 or 0, multiplied into the overlays where
+both are on. The z-test thresholds assume full-scale noise, so faded noise only makes them
+stricter.
 """
 
 from __future__ import annotations
@@ -302,7 +303,8 @@ def noise_scales(cfg: RunConfig, opt: dict[str, np.ndarray]) -> NoiseScales | No
         tokens = token_row_factors(cfg.model.vocab_size, es.token_noise_rows)
         for s in param_specs(cfg.model):
             if s.name in TOKEN_TENSORS:
-                rows[s.name] = (rows[s.name] * tokens) >> 6 if s.name in rows else tokens
+                into = rows if s.kind == "matrix" else elements  # a's rows; a bias's elements
+                into[s.name] = (into[s.name] * tokens) >> 6 if s.name in into else tokens
     return NoiseScales(rows, cols, elements)
 
 

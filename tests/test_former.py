@@ -29,6 +29,7 @@ from eggroll_dist.shared.model import (
     pair_noise,
     param_specs,
     token_loss,
+    zipf_bias,
 )
 from eggroll_dist.shared.noise import init_values, noise_block
 from eggroll_dist.shared.sample import SampleSettings, generate
@@ -70,10 +71,16 @@ def _config(
     seq_len: int = 6,
     noise: str = "uniform",
     sigma_shift: int = 2,
+    head_bias: str = "none",
 ) -> RunConfig:
     return RunConfig(
         model=ModelConfig(
-            arch="former", vocab_size=vocab, n_layer=n_layer, d_model=d_model, init_seed=3
+            arch="former",
+            vocab_size=vocab,
+            n_layer=n_layer,
+            d_model=d_model,
+            init_seed=3,
+            head_bias=head_bias,
         ),
         es=ESConfig(
             population=8, chunk_size=8, seq_len=seq_len, sigma_shift=sigma_shift, noise=noise
@@ -251,7 +258,8 @@ def test_the_embedding_starts_at_an_eighth_rounded_toward_zero() -> None:
 def test_the_initial_former_tiny_is_near_uniform() -> None:
     """The tied embedding is the head: small, it starts within 0.05 bits of log2(vocab)
     (at the other matrices' scale the random logits cost about half a bit)."""
-    cfg = preset("former-tiny")
+    tiny = preset("former-tiny")
+    cfg = tiny.replace(model=ModelConfig(**{**tiny.model.__dict__, "head_bias": "none"}))
     tokens = np.random.default_rng(5).integers(0, 2048, size=(8, cfg.es.seq_len + 1))
     params = init_params(cfg.model)
 
@@ -263,6 +271,39 @@ def test_the_initial_former_tiny_is_near_uniform() -> None:
     spec = next(s for s in param_specs(cfg.model) if s.name == "emb")
     bell = init_values(cfg.model.init_seed, spec.tensor_id, 2048 * 64).reshape(2048, 64)
     assert mean_bits({**params, "emb": bell}) > 11.3
+
+
+def test_the_zipf_head_bias_is_golden_and_one_over_rank() -> None:
+    table = zipf_bias(2048)
+    assert table.dtype == np.int8 and not table.flags.writeable
+    # 64 - floor(16 log2 v); id 0 (the separator) starts as the rarest id
+    assert table[:10].tolist() == [-111, 64, 48, 39, 32, 27, 23, 20, 16, 14]
+    assert table[[100, 1000, 2047]].tolist() == [-42, -95, -111]
+    ids = np.arange(1, 2048)
+    want = np.clip(64 - np.floor(16 * np.log2(ids) + 1e-9), -127, 127)
+    assert np.array_equal(table[1:], want)
+    long = zipf_bias(8192)  # clipped in the long tail: 2**(191/16) ~ 3922
+    assert long[3922] == -126 and long[3923:].tolist() == [-127] * (8192 - 3923)
+    cfg = _config(vocab=2048, head_bias="zipf")
+    params = init_params(cfg.model)
+    assert np.array_equal(params["head_bias"], table)
+    assert not init_params(_config(vocab=2048, head_bias="zero").model)["head_bias"].any()
+    # Its tensor comes last, so every other tensor keeps its noise stream and start.
+    plain = init_params(_config(vocab=2048).model)
+    assert list(params)[:-1] == list(plain) and list(params)[-1] == "head_bias"
+    assert all(np.array_equal(params[name], w) for name, w in plain.items())
+
+
+def test_the_head_bias_is_added_to_the_logits_and_clipped() -> None:
+    cfg = _config(vocab=24, head_bias="zero")
+    params = init_params(cfg.model)
+    tokens = np.random.default_rng(6).integers(0, 24, size=(2, cfg.es.seq_len))
+    plain = FormerModel(cfg, params).logits(tokens)
+    params["head_bias"] = np.where(np.arange(24) % 2, 127, -127).astype(np.int8)
+    biased = FormerModel(cfg, params).logits(tokens)
+    total = plain + params["head_bias"]
+    assert np.array_equal(biased, np.clip(total, -127, 127))
+    assert total.max() > 127 and total.min() < -127  # both clips were exercised
 
 
 # ------------------------------------------------------------------- explicit reference
@@ -337,17 +378,27 @@ def _reference_member_losses(cfg, params, noise, k: int, sign: int, tokens) -> l
             x = rn(x + mm(out, p + "wo"))
             x = mlp(x, p, "ln2")
         logits = mm(norm(x, "ln_f"), "emb")
+        if "head_bias" in specs:
+            logits = np.clip(logits + vector("head_bias"), -127, 127)
         losses.append(int(token_loss(logits[None, :], np.array([tokens[t + 1]]))[0]))
     return losses
 
 
 @pytest.mark.parametrize(
-    "d_model,noise_kind,sigma_shift", [(8, "uniform", 2), (128, "gaussian", 4), (16, "uniform", 0)]
+    "d_model,noise_kind,sigma_shift,head_bias",
+    [
+        (8, "uniform", 2, "none"),
+        (128, "gaussian", 4, "none"),
+        (16, "uniform", 0, "none"),
+        (16, "gaussian", 0, "zipf"),
+    ],
 )
 def test_rank1_forward_equals_explicit_perturbed_weights(
-    d_model: int, noise_kind: str, sigma_shift: int
+    d_model: int, noise_kind: str, sigma_shift: int, head_bias: str
 ) -> None:
-    cfg = _config(d_model=d_model, vocab=24, noise=noise_kind, sigma_shift=sigma_shift)
+    cfg = _config(
+        d_model=d_model, vocab=24, noise=noise_kind, sigma_shift=sigma_shift, head_bias=head_bias
+    )
     params = init_params(cfg.model)
     _random_vectors(cfg, params, 0)
     pairs = np.array([0, 5, 123])
@@ -386,7 +437,15 @@ def test_unperturbed_forward_equals_zero_noise_reference() -> None:
 def test_extreme_weights_at_width_256_do_not_overflow() -> None:
     """All weights and vectors at +-127, the largest noise: the int32 path still equals the
     int64 reference (an int32 overflow would wrap silently and differ)."""
-    cfg = _config(d_model=256, n_layer=1, vocab=32, seq_len=3, noise="gaussian", sigma_shift=0)
+    cfg = _config(
+        d_model=256,
+        n_layer=1,
+        vocab=32,
+        seq_len=3,
+        noise="gaussian",
+        sigma_shift=0,
+        head_bias="zero",
+    )
     rng = np.random.default_rng(3)
     params = {}
     for spec in param_specs(cfg.model):

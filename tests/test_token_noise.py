@@ -1,6 +1,7 @@
-"""Token noise (es.token_noise_rows): only the token rows with ids below K get noise, in the
-forward pass and in Z alike, so only they move (under ztest and momentum; AdamW's weight
-decay moves every matrix row); K = vocab_size is exactly no scaling."""
+"""Token noise (es.token_noise_rows): only the token rows (and head bias elements) with ids
+below K get noise, in the forward pass and in Z alike, so only they move (under ztest and
+momentum; AdamW's weight decay moves every matrix row); K = vocab_size is exactly no
+scaling."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog.testing
 
 from eggroll_dist.shared.config import (
     ConfigError,
@@ -34,9 +36,19 @@ from eggroll_dist.worker.train import train
 VOCAB, ROWS = 40, 12
 
 
+ARCHS = ["egg", "former", "former+bias"]  # the last: the former with a zipf head bias
+
+
 def _cfg(arch: str, rows: int, rule: str = "ztest", adaptive: bool = False) -> RunConfig:
+    arch, _, bias = arch.partition("+")
     return RunConfig(
-        model=ModelConfig(arch=arch, vocab_size=VOCAB, n_layer=1, d_model=8),
+        model=ModelConfig(
+            arch=arch,
+            vocab_size=VOCAB,
+            n_layer=1,
+            d_model=8,
+            head_bias="zipf" if bias else "none",
+        ),
         es=ESConfig(
             population=64,
             chunk_size=32,
@@ -56,27 +68,28 @@ def test_factors_are_full_below_the_rows_and_zero_above() -> None:
     assert token_row_factors(3, 3).tolist() == [64, 64, 64]
 
 
-@pytest.mark.parametrize("arch", ["egg", "former"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_only_the_token_rows_below_k_get_noise(arch: str) -> None:
     cfg, plain = _cfg(arch, ROWS), _cfg(arch, 0)
     pairs = np.arange(32)
     scaled = pair_noise(cfg, 3, pairs, noise_scales(cfg, initial_opt_state(cfg)))
     full = pair_noise(plain, 3, pairs, noise_scales(plain, initial_opt_state(plain)))
     token_tensors = [s.name for s in param_specs(cfg.model) if s.name in TOKEN_TENSORS]
-    assert token_tensors == (["emb", "head"] if arch == "egg" else ["emb"])
-    for name, a in scaled.a.items():
+    expected = {"egg": ["emb", "head"], "former": ["emb"], "former+bias": ["emb", "head_bias"]}
+    assert token_tensors == expected[arch]
+    for name, values in [*scaled.a.items(), *scaled.u.items()]:
+        whole = full.a[name] if name in full.a else full.u[name]
         if name in TOKEN_TENSORS:
-            assert np.array_equal(a[:, :ROWS], full.a[name][:, :ROWS])
-            assert not a[:, ROWS:].any() and full.a[name][:, ROWS:].any()
+            assert np.array_equal(values[:, :ROWS], whole[:, :ROWS])
+            assert not values[:, ROWS:].any() and whole[:, ROWS:].any()
         else:
-            assert np.array_equal(a, full.a[name])
-        assert np.array_equal(scaled.b[name], full.b[name])
-    for name, u in scaled.u.items():
-        assert np.array_equal(u, full.u[name])
+            assert np.array_equal(values, whole)
+    for name, b in scaled.b.items():
+        assert np.array_equal(b, full.b[name])
 
 
 @pytest.mark.parametrize("rule", ["ztest", "momentum"])
-@pytest.mark.parametrize("arch", ["egg", "former"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_only_the_rows_with_noise_move(arch: str, rule: str) -> None:
     cfg = _cfg(arch, ROWS, rule)
     params, opt = init_params(cfg.model), initial_opt_state(cfg)
@@ -129,3 +142,30 @@ def test_all_rows_is_exactly_no_token_noise(words_data: Path) -> None:
 def test_rows_outside_the_vocabulary_are_refused(rows: int) -> None:
     with pytest.raises(ConfigError, match=r"es\.token_noise_rows"):
         validate(_cfg("egg", rows))
+
+
+@pytest.mark.parametrize(
+    "model,es,setting",
+    [
+        ({}, {"token_noise_rows": 8}, "es.token_noise_rows"),
+        ({"head_bias": "zipf"}, {}, "model.head_bias = 'zipf'"),
+        ({"head_bias": "zero"}, {}, None),
+    ],
+)
+def test_settings_for_ranked_ids_warn_on_unranked_data(
+    words_data: Path, model: dict, es: dict, setting: str | None
+) -> None:
+    dataset = load_data_dir(words_data)
+    assert not dataset.meta.ids_by_frequency  # bytes keep their own numbering
+    cfg = RunConfig(
+        model=ModelConfig(arch="former", vocab_size=256, n_layer=1, d_model=8, **model),
+        es=ESConfig(population=8, chunk_size=8, seq_len=4, **es),
+    )
+    with structlog.testing.capture_logs() as events:
+        NumpyBackend(dataset, ReplicaState.initial(cfg))
+    warnings = [e["event"] for e in events if e["log_level"] == "warning"]
+    if setting is None:
+        assert not warnings
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(setting)
+        assert "not ranked by frequency" in warnings[0]

@@ -107,13 +107,17 @@ class NumpyBackend:
         # Bytes each token id decodes to, for bits per byte of the held-out text.
         self.piece_bytes = np.array([len(p) for p in dataset.decoding], dtype=np.int64)
         self.load_state(state)
-        if state.config.es.token_noise_rows and not dataset.meta.ids_by_frequency:
-            log.warning(
-                "es.token_noise_rows trains only the token rows with low ids, but this "
-                "data's ids are not ranked by frequency (meta.json ids_by_frequency): they "
-                "are not the commonest tokens; `eggroll-data prepare --tokenizer bpe` ranks "
-                "the vocabulary it trains"
-            )
+        cfg = state.config
+        for setting, on in (
+            ("es.token_noise_rows", cfg.es.token_noise_rows),
+            ("model.head_bias = 'zipf'", cfg.model.head_bias == "zipf"),
+        ):
+            if on and not dataset.meta.ids_by_frequency:
+                log.warning(
+                    f"{setting} assumes that low ids are the commonest tokens, but this "
+                    "data's ids are not ranked by frequency (meta.json ids_by_frequency); "
+                    "`eggroll-data prepare --tokenizer bpe` ranks the vocabulary it trains"
+                )
 
     def _compute(self):  # a context manager; threadpoolctl's type is private
         """The BLAS (and OpenMP) pools limited to `self.threads`, restored afterwards."""
