@@ -63,10 +63,10 @@ class ESConfig:
     # d-eggs' overlays: per matrix row / column and vector element, noise fades where the
     # weights stopped moving (replica state; see shared/update.py)
     adaptive_noise: bool = False
-    # Only the token rows (embedding, egg head) with ids below this get noise, the others
-    # get no votes (only adamw's decay moves them): the commonest tokens when ids are
-    # ranked by frequency, as
-    # eggroll-data prepare --tokenizer bpe ranks them; 0 = every row (see shared/model.py)
+    # Only the token rows (embedding, egg head, former head bias) with ids below this get
+    # noise; the others get no votes (only adamw's decay moves them). These are the
+    # commonest tokens when ids are ranked by frequency, as `eggroll-data prepare
+    # --tokenizer bpe` ranks them; 0 = every row (see shared/model.py)
     token_noise_rows: int = 0
 
 
@@ -328,8 +328,9 @@ PRESETS: dict[str, RunConfig] = {
     # d-eggs' transformer on a BPE vocabulary of 2048 (`eggroll-data prepare --tokenizer bpe
     # --vocab-size 2048`), sized to learn on a 2-core CPU; only the 128 commonest tokens'
     # rows get noise (the others get too few votes to do better than a random walk), and a
-    # head bias that starts at Zipf's law carries the marginal. Validation scores the whole
-    # held-out split: the tokens the baselines are measured on.
+    # head bias that starts at Zipf's law carries the marginal. Validation scores up to
+    # 32,768 held-out tokens: the whole split of the built-in corpus, which the baselines
+    # are measured on.
     "former-tiny": RunConfig(
         model=ModelConfig(arch="former", vocab_size=2048, n_layer=1, d_model=64, head_bias="zipf"),
         es=ESConfig(
@@ -341,7 +342,7 @@ PRESETS: dict[str, RunConfig] = {
             token_noise_rows=128,
         ),
         update=UpdateConfig(rule="momentum", momentum_shift=1),
-        validation=ValidationConfig(every_steps=100, max_tokens=0),
+        validation=ValidationConfig(every_steps=100, max_tokens=32768),
         steps=1000,
     ),
     # d-eggs' headline configuration: width 256, 4 layers of 4 heads, T = 64, vocabulary

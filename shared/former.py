@@ -358,7 +358,7 @@ class FormerModel:
         """Logits (M, T, V) of hidden states h (M, T, D): MM with the embedding itself,
         plus the head bias if the model has one."""
         logits = self._mm(h, "emb", noise)
-        if "head_bias" in self.params:
+        if self.cfg.model.head_bias != "none":
             logits = _clip8(logits + self._vector("head_bias", noise))
         return logits
 

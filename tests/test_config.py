@@ -50,6 +50,9 @@ def test_later_settings_at_their_default_keep_older_digests() -> None:
         for section, key in LATER_SETTINGS:
             default = getattr(type(getattr(cfg, section))(), key)
             assert (key in data[section]) == (getattr(getattr(cfg, section), key) != default)
+    # Pinned: the digests these presets had before any later setting existed.
+    assert preset("tiny").digest().hex()[:16] == "5f3a4f277f4f3142"
+    assert preset("d-eggs").digest().hex()[:16] == "5d230aa4ed359a96"
     old = preset("d-eggs")
     written_before = {"format": 1, **dataclasses.asdict(old)}  # what older versions wrote
     del written_before["model"]["head_bias"]

@@ -80,7 +80,9 @@ def key_values(default: Any) -> st.SearchStrategy[Any]:
     elif isinstance(default, float):
         typed = st.floats(-1, 40) | st.integers(-1, 40).map(float)
     else:
-        typed = st.sampled_from(["egg", "ztest", "uniform", "gaussian", ""])
+        typed = st.sampled_from(
+            ["egg", "former", "ztest", "uniform", "gaussian", "none", "zero", "zipf", ""]
+        )
     return st.one_of(st.just(default), typed, VALUES)
 
 

@@ -29,6 +29,7 @@ from eggroll_dist.shared.model import (
     pair_noise,
     param_specs,
     token_loss,
+    true_bits,
     zipf_bias,
 )
 from eggroll_dist.shared.noise import init_values, noise_block
@@ -255,22 +256,31 @@ def test_the_embedding_starts_at_an_eighth_rounded_toward_zero() -> None:
     assert abs(emb.mean()) < 0.05  # toward zero: no floor bias
 
 
-def test_the_initial_former_tiny_is_near_uniform() -> None:
-    """The tied embedding is the head: small, it starts within 0.05 bits of log2(vocab)
-    (at the other matrices' scale the random logits cost about half a bit)."""
+def test_the_initial_former_tiny_starts_at_its_head_bias() -> None:
+    """The tied embedding is the head: small, so without a head bias the model starts
+    within 0.05 bits of log2(vocab) (at the other matrices' scale the random logits cost
+    about half a bit), and with the preset's Zipf bias within 0.05 bits of the bias alone."""
     tiny = preset("former-tiny")
     cfg = tiny.replace(model=ModelConfig(**{**tiny.model.__dict__, "head_bias": "none"}))
-    tokens = np.random.default_rng(5).integers(0, 2048, size=(8, cfg.es.seq_len + 1))
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 2048, size=(8, cfg.es.seq_len + 1))
     params = init_params(cfg.model)
 
-    def mean_bits(params: dict[str, np.ndarray]) -> float:
+    def mean_bits(cfg: RunConfig, params: dict[str, np.ndarray], tokens: np.ndarray) -> float:
         _, bits = FormerModel(cfg, params).forward(tokens, float_bits=True)
         return bits.sum() / tokens[:, 1:].size
 
-    assert 10.95 < mean_bits(params) < 11.05
+    assert 10.95 < mean_bits(cfg, params, tokens) < 11.05
     spec = next(s for s in param_specs(cfg.model) if s.name == "emb")
     bell = init_values(cfg.model.init_seed, spec.tensor_id, 2048 * 64).reshape(2048, 64)
-    assert mean_bits({**params, "emb": bell}) > 11.3
+    assert mean_bits(cfg, {**params, "emb": bell}, tokens) > 11.3
+    # Tokens drawn by Zipf's law: the preset scores them as its bias alone would.
+    zipf = 1 / np.arange(1, 2048)
+    drawn = 1 + rng.choice(2047, size=(8, tiny.es.seq_len + 1), p=zipf / zipf.sum())
+    bias = np.broadcast_to(zipf_bias(2048).astype(np.int64), (drawn[:, 1:].size, 2048))
+    alone = true_bits(bias, drawn[:, 1:].reshape(-1)).mean()
+    assert alone < 9.5  # 1/rank: far below uniform's 11 bits on such tokens
+    assert abs(mean_bits(tiny, init_params(tiny.model), drawn) - alone) < 0.05
 
 
 def test_the_zipf_head_bias_is_golden_and_one_over_rank() -> None:
@@ -390,7 +400,7 @@ def _reference_member_losses(cfg, params, noise, k: int, sign: int, tokens) -> l
         (8, "uniform", 2, "none"),
         (128, "gaussian", 4, "none"),
         (16, "uniform", 0, "none"),
-        (16, "gaussian", 0, "zipf"),
+        (16, "gaussian", 0, "zipf"),  # the bias randomised like the other vectors
     ],
 )
 def test_rank1_forward_equals_explicit_perturbed_weights(
@@ -466,7 +476,7 @@ def test_extreme_weights_at_width_256_do_not_overflow() -> None:
 def test_forward_is_deterministic_and_independent_of_blocking(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cfg = _config(d_model=16, vocab=40)
+    cfg = _config(d_model=16, vocab=40, head_bias="zipf")
     params = init_params(cfg.model)
     pn = pair_noise(cfg, 3, np.arange(5))
     tokens = np.repeat(np.random.default_rng(4).integers(0, 40, size=(5, 7)), 2, axis=0)

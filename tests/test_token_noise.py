@@ -104,15 +104,18 @@ def test_only_the_rows_with_noise_move(arch: str, rule: str) -> None:
         assert not np.array_equal(params[name][:ROWS], before[:ROWS])
 
 
-def test_token_noise_multiplies_into_the_overlays() -> None:
-    cfg = _cfg("egg", ROWS, adaptive=True)
+@pytest.mark.parametrize("arch", ["egg", "former+bias"])
+def test_token_noise_multiplies_into_the_overlays(arch: str) -> None:
+    cfg = _cfg(arch, ROWS, adaptive=True)
     opt = initial_opt_state(cfg)
     overlay = np.arange(VOCAB, dtype=np.int8) * 3 - 20  # some below 0, some above 64
     opt["overlay.rows.emb"] = overlay
     scales = noise_scales(cfg, opt)
-    expected = (np.clip(overlay.astype(np.int32), 0, 64) * token_row_factors(VOCAB, ROWS)) >> 6
+    factors = token_row_factors(VOCAB, ROWS)
+    expected = (np.clip(overlay.astype(np.int32), 0, 64) * factors) >> 6
     assert np.array_equal(scales.rows["emb"], expected)
-    assert np.array_equal(scales.rows["head"], token_row_factors(VOCAB, ROWS))
+    other, name = (scales.rows, "head") if arch == "egg" else (scales.elements, "head_bias")
+    assert np.array_equal(other[name], factors)  # overlays at their start: 64
 
 
 def test_all_rows_is_exactly_no_token_noise(words_data: Path) -> None:
@@ -120,7 +123,9 @@ def test_all_rows_is_exactly_no_token_noise(words_data: Path) -> None:
     runs = []
     for rows in (0, 256, 100):
         cfg = RunConfig(
-            model=ModelConfig(arch="former", vocab_size=256, n_layer=1, d_model=8),
+            model=ModelConfig(
+                arch="former", vocab_size=256, n_layer=1, d_model=8, head_bias="zipf"
+            ),
             es=ESConfig(population=32, chunk_size=16, seq_len=6, token_noise_rows=rows),
             update=UpdateConfig(rule="momentum", alpha=0.5),
             validation=ValidationConfig(every_steps=0, max_tokens=400),
@@ -133,9 +138,9 @@ def test_all_rows_is_exactly_no_token_noise(words_data: Path) -> None:
     for name, w in none.state.params.items():
         assert np.array_equal(w, every.state.params[name])
     assert some.fitness[0] != none.fitness[0]  # the forward pass uses the token noise
-    assert np.array_equal(
-        some.state.params["emb"][100:], init_params(some.state.config.model)["emb"][100:]
-    )
+    start = init_params(some.state.config.model)
+    for name in ("emb", "head_bias"):
+        assert np.array_equal(some.state.params[name][100:], start[name][100:])
 
 
 @pytest.mark.parametrize("rows", [-1, VOCAB + 1])
