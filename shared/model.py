@@ -28,12 +28,11 @@ per-row, per-column and per-element factors f in 1/64 units: sign(v) * ((|v| * f
 
 Token noise (es.token_noise_rows = K > 0) perturbs only the token rows (the embedding's,
 the EGG head's, the former's head bias) with ids below K: the others get a = 0 (u1 * u2 = 0
-for the bias), so their votes are zero and
-they keep their initial values (but for AdamW's weight decay). `eggroll-data prepare
---tokenizer bpe` ranks ids by training frequency, so these are the K commonest tokens: with
-few votes per step, a rare token's row gets almost no evidence and its z-test moves are
-mostly false ones, a random walk that inflates rare tokens' probability; holding those rows
-still leaves the votes to the rows they can move.
+for the bias), so their votes are zero and they keep their initial values (but for AdamW's
+weight decay). `eggroll-data prepare --tokenizer bpe` ranks ids by training frequency, so
+these are the K commonest tokens: with few votes per step, a rare token's row gets almost
+no evidence and its z-test moves are mostly false ones, a random walk that inflates rare
+tokens' probability; holding those rows still leaves the votes to the rows they can move.
 
 Unlike nano-egg, no hidden state is carried across steps: every antithetic pair reads its
 own window of seq_len + 1 tokens (chunks move between workers) and starts from zero.
