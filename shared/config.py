@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .model import ARCHS
+from .rules import RULES
+
 CONFIG_FORMAT = 1
 MAX_SEED = (1 << 64) - 1
 
@@ -36,7 +39,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = "egg"  # "egg" (nano-egg's minGRU, shared/model.py) or "former" (shared/former.py)
+    arch: str = "egg"  # a name in shared/model.py ARCHS: "egg" (nano-egg's minGRU), "former"
     vocab_size: int = 256
     n_layer: int = 1
     d_model: int = 64
@@ -61,12 +64,12 @@ class ESConfig:
     noise: str = "uniform"  # "uniform" (d-eggs) or "gaussian"
     run_seed: int = 0
     # d-eggs' overlays: per matrix row / column and vector element, noise fades where the
-    # weights stopped moving (replica state; see shared/update.py)
+    # weights stopped moving (replica state; see shared/perturb.py)
     adaptive_noise: bool = False
     # Only the token rows (embedding, egg head, former head bias) with ids below this get
     # noise; the others get no votes (only adamw's decay moves them). These are the
     # commonest tokens when ids are ranked by frequency, as `eggroll-data prepare
-    # --tokenizer bpe` ranks them; 0 = every row (see shared/model.py)
+    # --tokenizer bpe` ranks them; 0 = every row (see shared/perturb.py)
     token_noise_rows: int = 0
 
 
@@ -78,8 +81,8 @@ class FitnessConfig:
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    # "ztest" (stateless), "momentum" (an accumulator per weight) or "adamw" (fixed-point
-    # AdamW with a per-weight accumulator; shared/update.py specifies every operation)
+    # a name in shared/rules RULES: "ztest" (stateless), "momentum" (an accumulator per
+    # weight) or "adamw" (fixed-point AdamW; each rule's module specifies every operation)
     rule: str = "ztest"
     # alpha > 1 (an integer): level a_t = 1 / ((2**alpha - 1) * t / alpha_decay_steps + 1);
     # alpha <= 1: a constant level. About a_t of the weights move by one step each update.
@@ -162,6 +165,12 @@ _SECTIONS = {
 }
 
 
+def _names(registry: dict[str, Any]) -> str:
+    """'a', 'b' or 'c': a registry's keys for an error line."""
+    names = [repr(n) for n in registry]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -170,25 +179,18 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError with one clear line for the first invalid value."""
     m, es, up = cfg.model, cfg.es, cfg.update
-    _check(m.arch in ("egg", "former"), f"model.arch={m.arch!r} must be 'egg' or 'former'")
+    _check(m.arch in ARCHS, f"model.arch={m.arch!r} must be {_names(ARCHS)}")
     _check(2 <= m.vocab_size <= 1 << 20, f"model.vocab_size={m.vocab_size} must be 2..2**20")
     _check(1 <= m.n_layer <= 64, f"model.n_layer={m.n_layer} must be 1..64")
     # 1024 keeps every int32 product of the forward pass far from overflow.
     _check(4 <= m.d_model <= 1024, f"model.d_model={m.d_model} must be 4..1024")
     _check(0 <= m.n_head <= m.d_model, f"model.n_head={m.n_head} must be 0..d_model")
-    if m.arch == "former":  # RoPE rotates pairs of a head's dimensions
-        _check(
-            m.d_model % m.heads == 0 and (m.d_model // m.heads) % 2 == 0,
-            f"model.d_model={m.d_model} must split into {m.heads} heads of an even size",
-        )
     _check(
         m.head_bias in ("none", "zero", "zipf"),
         f"model.head_bias={m.head_bias!r} must be 'none', 'zero' or 'zipf'",
     )
-    _check(
-        m.head_bias == "none" or m.arch == "former",
-        f"model.head_bias={m.head_bias!r} needs model.arch='former'",
-    )
+    problem = ARCHS[m.arch].check(m)  # the architecture's own settings
+    _check(problem is None, problem or "")
     _check(
         es.population >= 2 and es.population % 2 == 0,
         f"es.population={es.population} must be even and >= 2 (members come in ± pairs)",
@@ -211,10 +213,7 @@ def validate(cfg: RunConfig) -> None:
         0 <= es.token_noise_rows <= m.vocab_size,
         f"es.token_noise_rows={es.token_noise_rows} must be 0..model.vocab_size",
     )
-    _check(
-        up.rule in ("ztest", "momentum", "adamw"),
-        f"update.rule={up.rule!r} must be 'ztest', 'momentum' or 'adamw'",
-    )
+    _check(up.rule in RULES, f"update.rule={up.rule!r} must be {_names(RULES)}")
     # The bounds keep every fixed-point product of the adamw rule inside int64.
     _check(1 / (1 << 16) <= up.lr <= 16, f"update.lr={up.lr} must be in 2**-16..16 (weight steps)")
     _check(up.lr_halve_steps >= 1, f"update.lr_halve_steps={up.lr_halve_steps} must be >= 1")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import FitnessConfig, RunConfig
-from .model import token_loss
+from .loss import token_loss
 
 
 def _iroot(x: int, n: int) -> int:

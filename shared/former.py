@@ -32,17 +32,17 @@ Tables (each pinned by golden tests):
 GELU and ROPE are computed in `decimal` arithmetic at 60 digits, which is software, the same
 on every machine (exp and ln correctly rounded; the series below are plain arithmetic).
 
-Noise is the EGG model's (shared.model): member m perturbs every matrix W by the rank-1
+Noise and MM are shared/perturb.py's: member m perturbs every matrix W by the rank-1
 `a_m b_m^T` (a carries the antithetic sign) and every vector p by `(sign * u1 * u2) >> shift`.
 The tied embedding has ONE stream used both ways: its row for the input token is the row of
 the perturbed matrix, `EMB[tok] + (a[tok] * b) >> shift`, and the head is MM with the same a, b
-(d-eggs perturbed the two uses differently: its W-A2). Both are `(2**s W + a b^T) >> s` applied
-exactly, which is what the tests materialise per member.
+(d-eggs perturbed the embedding and the head with two different streams). Both are
+`(2**s W + a b^T) >> s` applied exactly, which is what the tests materialise per member.
 
 The head bias (model.head_bias, not in d-eggs) is a vector over the vocabulary with the
 vectors' noise: it carries the marginal, so the hidden state does not have to (without it
 the final hidden states collapse toward one direction that carries it). Its "zipf" start
-(shared.model.zipf_bias) gives a vocabulary ranked by frequency p(v) ~ 1/v from the outset.
+(shared.loss.zipf_bias) gives a vocabulary ranked by frequency p(v) ~ 1/v from the outset.
 
 Positions: RoPE positions are 0..seq_len-1 within a window; generation slides a window of at
 most seq_len tokens, so no position beyond the table is ever read (d-eggs read past its table).
@@ -53,13 +53,16 @@ from __future__ import annotations
 from decimal import Context, Decimal, localcontext
 from functools import cache
 from math import isqrt
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import ModelConfig, RunConfig
-from .matmul import F32_EXACT, exact_matmul
-from .model import MemberNoise, ParamSpec, floor_div, token_loss, true_bits
-from .noise import max_abs
+from .loss import token_loss, true_bits
+from .matmul import clip8, floor_div, frozen
+from .perturb import MemberNoise, ParamSpec, perturbed_mm, perturbed_rows
+
+if TYPE_CHECKING:
+    from .config import ModelConfig, RunConfig
 
 SOFTMAX_BITS = 18  # SOFTMAX[0] = 2**18
 SOFTMAX_SHIFT = 8  # score units per softmax table step
@@ -74,7 +77,7 @@ BLOCK_LOGITS = 1 << 22
 
 
 @cache
-def former_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
+def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     """d-eggs' tensors in its order (matrices are (out, in); the attention has no biases):
     the embedding (vocab, D) and its bias, the embedding MLP (norm gain and bias, up (4D, D)
     and its bias, down (D, 4D) and its bias), per layer a norm, Q, K, V, O (D, D) and an MLP
@@ -115,6 +118,13 @@ def former_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
 
 
+def check(m: ModelConfig) -> str | None:
+    """RoPE rotates pairs of a head's dimensions: each head needs an even size."""
+    if m.d_model % m.heads or (m.d_model // m.heads) % 2:
+        return f"model.d_model={m.d_model} must split into {m.heads} heads of an even size"
+    return None
+
+
 # -------------------------------------------------------------------------------- tables
 
 
@@ -123,14 +133,7 @@ def softmax_table() -> np.ndarray:
     """SOFTMAX[e] = floor(2**18 * 2**(-e/4)) for e in 0..255: floor of a fourth root is
     isqrt(isqrt(.)), exact; 2**(72 - e) < 1 gives 0 beyond e = 72."""
     top = 4 * SOFTMAX_BITS
-    return _frozen([isqrt(isqrt(1 << (top - e))) if e <= top else 0 for e in range(256)])
-
-
-def _frozen(values: list[int] | np.ndarray, dtype: type = np.int64) -> np.ndarray:
-    """A cached table, read-only so that no caller can change it for the others."""
-    table = np.array(values, dtype=dtype)
-    table.flags.writeable = False
-    return table
+    return frozen([isqrt(isqrt(1 << (top - e))) if e <= top else 0 for e in range(256)])
 
 
 def _round_half_up(x: Decimal) -> int:
@@ -177,7 +180,7 @@ def gelu_table() -> np.ndarray:
     with localcontext(_ctx()):
         pi = _pi()
         values = [_round_half_up(j * _phi(Decimal(j) / 16, pi)) for j in range(-128, 128)]
-    return _frozen(np.clip(values, -127, 127), np.int32)
+    return frozen(np.clip(values, -127, 127), np.int32)
 
 
 @cache
@@ -208,14 +211,10 @@ def rope_table(positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
                 cos[t, i] = _round_half_up(rc * scale)
                 sin[t, i] = _round_half_up(rs * scale)
                 rc, rs = rc * c - rs * s, rs * c + rc * s
-    return _frozen(cos, np.int32), _frozen(sin, np.int32)
+    return frozen(cos, np.int32), frozen(sin, np.int32)
 
 
 # ---------------------------------------------------------------------- integer operations
-
-
-def _clip8(x: np.ndarray) -> np.ndarray:
-    return np.clip(x, -127, 127, out=x)
 
 
 def renorm(v: np.ndarray) -> np.ndarray:
@@ -257,14 +256,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return out.transpose(0, 2, 1, 3).astype(np.int32)
 
 
-def _slice(noise: MemberNoise | None, lo: int, hi: int) -> MemberNoise | None:
-    if noise is None:
-        return None
-    return MemberNoise(
-        {k: v[lo:hi] for k, v in noise.a.items()},
-        {k: v[lo:hi] for k, v in noise.b.items()},
-        {k: v[lo:hi] for k, v in noise.vectors.items()},
-    )
+def _rows(noise: MemberNoise | None, lo: int, hi: int) -> MemberNoise | None:
+    return None if noise is None else noise.rows(lo, hi)
 
 
 # ------------------------------------------------------------------------------- model
@@ -273,10 +266,11 @@ def _slice(noise: MemberNoise | None, lo: int, hi: int) -> MemberNoise | None:
 class FormerModel:
     """Forward pass of the former for a batch of members (or unperturbed rows)."""
 
+    carries_state = False  # reads each window whole: there is no state to carry
+
     def __init__(self, cfg: RunConfig, params: dict[str, np.ndarray]):
         self.cfg = cfg
         self.params = params
-        self.shift = 4 + cfg.es.sigma_shift
         self.heads = cfg.model.heads
         self.context = cfg.es.seq_len
         self.rope = rope_table(self.context, cfg.model.d_model // self.heads)
@@ -284,27 +278,12 @@ class FormerModel:
         # float32 transposes for exact BLAS GEMMs (|x|, |w| <= 127; see matmul.py).
         self.wt = {
             s.name: np.ascontiguousarray(params[s.name].T, dtype=np.float32)
-            for s in former_specs(cfg.model)
+            for s in specs(cfg.model)
             if s.kind == "matrix"
         }
 
     def _mm(self, x: np.ndarray, name: str, noise: MemberNoise | None) -> np.ndarray:
-        """MM(x, W) for x (M, T, in) |x| <= 127: shared base GEMM + rank-1 member correction.
-
-        int32 bounds (in <= 4096 as d_model <= 1024): |x W^T| <= 127**2 * 4096 < 2**26;
-        |x . b| <= 127 * 55 * 4096 < 2**25 and |(x . b) * a| <= 2**25 * 55 < 2**31."""
-        wt = self.wt[name]
-        m, t, k = x.shape
-        xf = x.astype(np.float32)
-        acc = exact_matmul(xf.reshape(m * t, k), wt, 127, 127).reshape(m, t, -1)
-        if noise is not None:
-            # x . b per member and position: a batched GEMV of integers, exact in float32
-            # while k * 127 * max|b| <= 2**24 (see matmul.py), else in float64.
-            exact32 = k * 127 * max_abs(self.cfg.es.noise) <= F32_EXACT
-            dtype = np.float32 if exact32 else np.float64
-            xb = xf.astype(dtype, copy=False) @ noise.b[name][:, :, None].astype(dtype, copy=False)
-            acc += (xb.astype(np.int32) * noise.a[name][:, None, :]) >> self.shift
-        return _clip8(floor_div(acc, 16 * isqrt(k)))
+        return perturbed_mm(x, self.wt[name], noise, name, self.cfg)  # (M, T, out)
 
     def _vector(self, name: str, noise: MemberNoise | None) -> np.ndarray:
         """The (member's) vector parameter, shaped to broadcast over (M, T, n)."""
@@ -316,11 +295,11 @@ class FormerModel:
         """NORM: |x * w| <= 127**2, the bias <= 127: int32 with room."""
         mav = np.maximum(np.abs(x).sum(axis=-1, keepdims=True) // x.shape[-1], 1)
         scaled = floor_div(x * self._vector(name, noise), mav)
-        return _clip8(scaled + self._vector(name + "_bias", noise))
+        return clip8(scaled + self._vector(name + "_bias", noise))
 
     def _mlp(self, x: np.ndarray, p: str, ln: str, noise: MemberNoise | None) -> np.ndarray:
-        up = _clip8(self._mm(self._norm(x, p + ln, noise), p + "up", noise))
-        up = _clip8(up + self._vector(p + "up_bias", noise))
+        up = clip8(self._mm(self._norm(x, p + ln, noise), p + "up", noise))
+        up = clip8(up + self._vector(p + "up_bias", noise))
         hidden = self.gelu[up + 128]
         down = self._mm(hidden, p + "down", noise)
         return renorm(x + down + self._vector(p + "down_bias", noise))  # |.| <= 381
@@ -337,12 +316,8 @@ class FormerModel:
         return renorm(x + self._mm(out, p + "wo", noise))  # |.| <= 254
 
     def _embed(self, inputs: np.ndarray, noise: MemberNoise | None) -> np.ndarray:
-        x = self.params["emb"][inputs].astype(np.int32)  # (M, T, D)
-        if noise is not None:
-            rows = np.arange(len(inputs))[:, None]
-            a_tok = noise.a["emb"][rows, inputs]  # (M, T): the perturbed matrix's rows
-            x += (a_tok[:, :, None] * noise.b["emb"].astype(np.int32)[:, None, :]) >> self.shift
-        return _clip8(x + self._vector("emb_bias", noise))
+        x = perturbed_rows(self.params["emb"], inputs, noise, "emb", self.cfg)  # (M, T, D)
+        return clip8(x + self._vector("emb_bias", noise))
 
     def hidden(self, inputs: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
         """The normed final hidden state (M, T, D) after each of inputs (M, T), T <= seq_len."""
@@ -359,7 +334,7 @@ class FormerModel:
         plus the head bias if the model has one."""
         logits = self._mm(h, "emb", noise)
         if self.cfg.model.head_bias != "none":
-            logits = _clip8(logits + self._vector("head_bias", noise))
+            logits = clip8(logits + self._vector("head_bias", noise))
         return logits
 
     def logits(self, inputs: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
@@ -379,11 +354,11 @@ class FormerModel:
         rows, cols = max(1, BLOCK_LOGITS // (v * t)), min(t, max(1, BLOCK_LOGITS // v))
         for lo in range(0, m, members):
             hi = min(lo + members, m)
-            part = _slice(noise, lo, hi)
+            part = _rows(noise, lo, hi)
             h = self.hidden(tokens[lo:hi, :t], part)
             for r in range(lo, hi, rows):  # head blocks: whole rows, or spans of one row
                 r_hi = min(r + rows, hi)
-                sub = _slice(part, r - lo, r_hi - lo)
+                sub = _rows(part, r - lo, r_hi - lo)
                 for c in range(0, t, cols):
                     c_hi = min(c + cols, t)
                     logits = self.head(h[r - lo : r_hi - lo, c:c_hi], sub).reshape(-1, v)
@@ -426,3 +401,7 @@ class FormerGenerator:
         inputs = np.array([state], dtype=np.int64)
         h = self.model.hidden(inputs)
         return state, self.model.head(h[:, -1:])[0, 0]
+
+
+MODEL = FormerModel
+GENERATOR = FormerGenerator

@@ -1,4 +1,5 @@
-"""Exact integer matrix products on the CPU through float32 BLAS.
+"""Exact integer arithmetic on the CPU through floating point: matrix products through
+float32 BLAS and floor division through float64, plus the int8 clip every model uses.
 
 `np.matmul` on integer dtypes skips BLAS (about 100x slower) and `int8 @ int8` wraps
 silently. float32 represents every integer up to 2**24 exactly, and BLAS only ever adds
@@ -37,3 +38,27 @@ def exact_matmul(a: np.ndarray, b: np.ndarray, max_abs_a: int, max_abs_b: int) -
     for lo in range(0, k, kb):
         total += (a32[..., lo : lo + kb] @ b32[lo : lo + kb]).astype(np.int64)
     return total.astype(out_dtype, copy=False)
+
+
+def floor_div(a: np.ndarray, b: int | np.ndarray) -> np.ndarray:
+    """floor(a / b) for int32 a and positive b, exactly, without slow integer division.
+
+    A power-of-two divisor is an arithmetic shift. Otherwise float64 division is correctly
+    rounded, and its error (< |a / b| * 2**-53) is smaller than the distance 1/b from a
+    non-integer quotient to the next integer while |a| < 2**53, so floor() is exact.
+    """
+    if isinstance(b, int) and b & (b - 1) == 0:
+        return a >> (b.bit_length() - 1)
+    return np.floor(a / np.asarray(b, dtype=np.float64)).astype(np.int32)
+
+
+def clip8(x: np.ndarray) -> np.ndarray:
+    """Clip in place to the int8 range [-127, 127] (never -128: negation stays in range)."""
+    return np.clip(x, -127, 127, out=x)
+
+
+def frozen(values: list[int] | np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """A cached table as a read-only array, so that no caller can change it for the others."""
+    table = np.array(values, dtype=dtype)
+    table.flags.writeable = False
+    return table

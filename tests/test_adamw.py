@@ -20,18 +20,18 @@ from eggroll_dist.shared.config import (
 )
 from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.noise import max_abs
-from eggroll_dist.shared.update import (
+from eggroll_dist.shared.rules.adamw import (
     ACC_LIMIT,
-    ONE,
     R_LIMIT,
+    bias_correction,
+    grad_shift,
+    lr_at,
+)
+from eggroll_dist.shared.rules.fixedpoint import ONE, fixed16, isqrt_array
+from eggroll_dist.shared.update import (
     accumulate_z,
     apply_update,
-    bias_correction,
-    fixed16,
-    grad_shift,
     initial_opt_state,
-    isqrt_array,
-    lr_at,
     state_specs,
     update_from_z,
 )

@@ -17,13 +17,14 @@ from eggroll_dist.shared.config import (
     ValidationConfig,
 )
 from eggroll_dist.shared.data import load_data_dir
-from eggroll_dist.shared.model import (
-    EggModel,
-    init_params,
+from eggroll_dist.shared.egg import EggModel
+from eggroll_dist.shared.model import init_params, param_specs
+from eggroll_dist.shared.perturb import (
     member_noise,
+    noise_scales,
     pair_noise,
-    param_specs,
     scale_noise,
+    update_overlays,
 )
 from eggroll_dist.shared.replica import (
     ReplicaState,
@@ -31,14 +32,7 @@ from eggroll_dist.shared.replica import (
     encode_checkpoint,
     replay,
 )
-from eggroll_dist.shared.update import (
-    accumulate_z,
-    apply_update,
-    initial_opt_state,
-    noise_scales,
-    state_specs,
-    update_overlays,
-)
+from eggroll_dist.shared.update import accumulate_z, apply_update, initial_opt_state, state_specs
 from eggroll_dist.shared.window import pair_windows
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.train import train
@@ -81,7 +75,7 @@ def test_overlays_are_state_after_the_rule_state() -> None:
     assert all((v == 64).all() and v.dtype == np.int8 for k, v in opt.items() if "overlay" in k)
     off = cfg.replace(es=ESConfig(population=40, chunk_size=20, seq_len=4))
     assert not any("overlay" in s.name for s in state_specs(off))
-    assert noise_scales(off, {}) is None
+    assert noise_scales(off, param_specs(off.model), {}) is None
 
 
 def test_scale_noise_by_hand_and_symmetric() -> None:
@@ -106,7 +100,7 @@ def test_overlay_rule_per_row_column_and_element_by_hand() -> None:
     opt["overlay.rows.layers.0.wf"][:] = [125, 126, 127, -127, -126, 0, 1, 64]
     opt["overlay.cols.layers.0.wf"][:] = [125, 126, 127, -127, -126, 0, 1, 64]
     opt["overlay.layers.0.ln1"][:] = [125, 126, 127, -127, -126, 0, 1, 64]
-    out = update_overlays(cfg, old, new, opt)
+    out = update_overlays(param_specs(cfg.model), old, new, opt)
     assert out["overlay.rows.layers.0.wf"].tolist() == [124, 125, 127, -127, -127, -1, 0, 63]
     assert out["overlay.cols.layers.0.wf"].tolist() == [124, 125, 126, -127, -127, 5, 0, 63]
     assert out["overlay.layers.0.ln1"].tolist() == [124, 125, 126, -122, -127, -1, 0, 63]
@@ -122,8 +116,8 @@ def test_z_gemm_equals_the_explicit_sum_of_the_scaled_noise(noise: str) -> None:
     cfg = _cfg(noise=noise)
     opt = _random_overlays(cfg, 1)
     fitness = np.random.default_rng(2).integers(-1, 2, cfg.pairs).astype(np.int8)
-    z = accumulate_z(cfg, 4, fitness, noise_scales(cfg, opt))
-    raw = pair_noise(cfg, 4, np.arange(cfg.pairs))
+    z = accumulate_z(cfg, 4, fitness, noise_scales(cfg, param_specs(cfg.model), opt))
+    raw = pair_noise(cfg, param_specs(cfg.model), 4, np.arange(cfg.pairs))
 
     def scaled(v: int, ov: int) -> int:  # sign(v) * ((|v| * clip(ov, 0, 64)) >> 6)
         f = min(max(ov, 0), 64)
@@ -151,12 +145,16 @@ def test_members_of_a_pair_stay_mirror_images() -> None:
     cfg = _cfg()
     opt = _random_overlays(cfg, 3)
     params = init_params(cfg.model)
-    pn = pair_noise(cfg, 0, np.arange(5), noise_scales(cfg, opt))
+    pn = pair_noise(
+        cfg, param_specs(cfg.model), 0, np.arange(5), noise_scales(cfg, param_specs(cfg.model), opt)
+    )
     mn = member_noise(pn, params, cfg.es.sigma_shift)
     for n, a in mn.a.items():
         assert np.array_equal(a[1::2], -a[0::2]) and np.array_equal(mn.b[n][1::2], mn.b[n][0::2])
     for n, u in pn.u.items():
-        scaled_down = np.abs(u) <= np.abs(pair_noise(cfg, 0, np.arange(5)).u[n])
+        scaled_down = np.abs(u) <= np.abs(
+            pair_noise(cfg, param_specs(cfg.model), 0, np.arange(5)).u[n]
+        )
         assert scaled_down.all()
 
 
@@ -173,7 +171,13 @@ def test_the_forward_pass_uses_the_scaled_noise(words_data: Path) -> None:
     # by hand: the same model with explicitly scaled member noise
     pairs = np.arange(4)
     params = backend.state.params
-    mn = member_noise(pair_noise(cfg, 0, pairs, noise_scales(cfg, opt)), params, 4)
+    mn = member_noise(
+        pair_noise(
+            cfg, param_specs(cfg.model), 0, pairs, noise_scales(cfg, param_specs(cfg.model), opt)
+        ),
+        params,
+        4,
+    )
     tokens = np.repeat(pair_windows(cfg, backend.dataset.train, 0, pairs), 2, axis=0)
     loss, _ = EggModel(cfg, params).forward(tokens, mn)
     assert got.loss_sum == int(loss.sum())

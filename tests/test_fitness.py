@@ -6,7 +6,7 @@ import numpy as np
 
 from eggroll_dist.shared.config import FitnessConfig, preset
 from eggroll_dist.shared.fitness import chunk_loss_range, pair_fitness
-from eggroll_dist.shared.model import token_loss
+from eggroll_dist.shared.loss import token_loss
 
 
 def test_sign_of_loss_difference() -> None:

@@ -22,17 +22,10 @@ from eggroll_dist.shared.former import (
     rope_table,
     softmax_table,
 )
-from eggroll_dist.shared.model import (
-    MemberNoise,
-    init_params,
-    member_noise,
-    pair_noise,
-    param_specs,
-    token_loss,
-    true_bits,
-    zipf_bias,
-)
+from eggroll_dist.shared.loss import token_loss, true_bits, zipf_bias
+from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.noise import init_values, noise_block
+from eggroll_dist.shared.perturb import MemberNoise, member_noise, pair_noise
 from eggroll_dist.shared.sample import SampleSettings, generate
 
 # GELU[j + 128] for j = -36..127 (below -35 every entry is 0).
@@ -238,7 +231,7 @@ def test_init_and_pair_noise_follow_the_hashed_streams() -> None:
     for spec in param_specs(cfg.model):
         assert a[spec.name].dtype == np.int8 and a[spec.name].shape == spec.shape
         assert np.array_equal(a[spec.name], b[spec.name])
-    pn = pair_noise(cfg, 7, np.array([2, 9]))
+    pn = pair_noise(cfg, param_specs(cfg.model), 7, np.array([2, 9]))
     wq = next(s for s in param_specs(cfg.model) if s.name == "layers.1.wq")
     block = noise_block(0, 7, np.array([2, 9]), wq.tensor_id, 0, 16, "gaussian")
     assert np.array_equal(pn.a["layers.1.wq"], block[:, :8])
@@ -412,7 +405,7 @@ def test_rank1_forward_equals_explicit_perturbed_weights(
     params = init_params(cfg.model)
     _random_vectors(cfg, params, 0)
     pairs = np.array([0, 5, 123])
-    pn = pair_noise(cfg, 11, pairs)
+    pn = pair_noise(cfg, param_specs(cfg.model), 11, pairs)
     tokens = np.random.default_rng(1).integers(0, 24, size=(len(pairs), cfg.es.seq_len + 1))
     model = FormerModel(cfg, params)
     noise = member_noise(pn, params, sigma_shift)
@@ -432,7 +425,7 @@ def test_unperturbed_forward_equals_zero_noise_reference() -> None:
     params = init_params(cfg.model)
     _random_vectors(cfg, params, 1)
     tokens = np.random.default_rng(2).integers(0, 16, size=(2, cfg.es.seq_len + 1))
-    pn = pair_noise(cfg, 0, np.arange(2))
+    pn = pair_noise(cfg, param_specs(cfg.model), 0, np.arange(2))
     zero = type(pn)(
         pn.pairs,
         {k: v * 0 for k, v in pn.a.items()},
@@ -461,7 +454,7 @@ def test_extreme_weights_at_width_256_do_not_overflow() -> None:
     for spec in param_specs(cfg.model):
         signs = rng.integers(0, 8, size=spec.shape) > 0  # mostly +127: sums pile up
         params[spec.name] = np.where(signs, 127, -127).astype(np.int8)
-    pn = pair_noise(cfg, 1, np.array([4]))
+    pn = pair_noise(cfg, param_specs(cfg.model), 1, np.array([4]))
     tokens = np.array([[1, 2, 3, 4]])
     loss, _ = FormerModel(cfg, params).forward(
         np.repeat(tokens, 2, axis=0), member_noise(pn, params, 0)
@@ -478,7 +471,7 @@ def test_forward_is_deterministic_and_independent_of_blocking(
 ) -> None:
     cfg = _config(d_model=16, vocab=40, head_bias="zipf")
     params = init_params(cfg.model)
-    pn = pair_noise(cfg, 3, np.arange(5))
+    pn = pair_noise(cfg, param_specs(cfg.model), 3, np.arange(5))
     tokens = np.repeat(np.random.default_rng(4).integers(0, 40, size=(5, 7)), 2, axis=0)
     noise = member_noise(pn, params, cfg.es.sigma_shift)
     first = FormerModel(cfg, params).position_losses(tokens, noise, float_bits=True)
@@ -496,7 +489,9 @@ def test_forward_is_deterministic_and_independent_of_blocking(
 def test_later_tokens_do_not_change_earlier_losses() -> None:
     cfg = _config(d_model=16, vocab=40, seq_len=8)
     params = init_params(cfg.model)
-    noise = member_noise(pair_noise(cfg, 0, np.arange(2)), params, cfg.es.sigma_shift)
+    noise = member_noise(
+        pair_noise(cfg, param_specs(cfg.model), 0, np.arange(2)), params, cfg.es.sigma_shift
+    )
     tokens = np.repeat(np.random.default_rng(5).integers(0, 40, size=(2, 9)), 2, axis=0)
     model = FormerModel(cfg, params)
     base, _ = model.position_losses(tokens, noise)

@@ -28,9 +28,12 @@ from kernel_target import (
     to_host,
 )
 
-from eggroll_dist.shared import model as egg
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.egg import EggModel
+from eggroll_dist.shared.loss import exp2_table, log2_thresholds, token_loss
+from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key
+from eggroll_dist.shared.perturb import member_noise, pair_noise
 from eggroll_dist.shared.update import accumulate_z
 from eggroll_dist.worker.backend.cupy_backend import (
     SIGNATURES,
@@ -79,14 +82,14 @@ def cdiv(a: int, b: int) -> int:
 def test_noise_rows_and_member_vectors(k: Kernels, noise: str) -> None:
     cfg, step = cfg_for(noise), 7
     pairs = np.array([0, 3, 1 << 20, 12345, 35], dtype=np.int64)
-    pn = egg.pair_noise(cfg, step, pairs)
-    params = egg.init_params(cfg.model)
+    pn = pair_noise(cfg, param_specs(cfg.model), step, pairs)
+    params = init_params(cfg.model)
     params["layers.0.bf"] = np.arange(-18, 18, dtype=np.int8) * 7  # clipping at both ends
-    mn = egg.member_noise(pn, params, cfg.es.sigma_shift)
+    mn = member_noise(pn, params, cfg.es.sigma_shift)
     kind = i32(NOISE_KINDS.index(noise))
     for name in ("emb", "layers.0.w1", "head"):
         out, inp = params[name].shape
-        tid = u64(egg.param_specs(cfg.model)[list(params).index(name)].tensor_id)
+        tid = u64(param_specs(cfg.model)[list(params).index(name)].tensor_id)
         for start, count, want in ((0, out, pn.a[name]), (out, inp, pn.b[name])):
             got = poisoned((len(pairs), count), np.int8)
             k(
@@ -96,7 +99,7 @@ def test_noise_rows_and_member_vectors(k: Kernels, noise: str) -> None:
                 *(key_dev(cfg, step), dev(pairs), tid, u32(start), i32(count), kind, got),
             )
             assert np.array_equal(to_host(got), want), name
-    for spec in egg.param_specs(cfg.model):
+    for spec in param_specs(cfg.model):
         if spec.kind != "vector":
             continue
         (n,) = spec.shape
@@ -119,7 +122,7 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
     want_z = accumulate_z(cfg, step, fitness)
     kind = i32(NOISE_KINDS.index(noise))
     ppad = cdiv(cfg.pairs, 32) * 32
-    for spec in egg.param_specs(cfg.model):
+    for spec in param_specs(cfg.model):
         tid, size = u64(spec.tensor_id), int(np.prod(spec.shape))
         z = poisoned(spec.shape, np.int32)
         if spec.kind == "vector":
@@ -145,7 +148,7 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
                 *(key_dev(cfg, step), tid, u32(start), i32(count), kind, weight),
                 *(i32(cfg.pairs), i32(ppad), dst),
             )
-        pn = egg.pair_noise(cfg, step, np.arange(cfg.pairs))
+        pn = pair_noise(cfg, param_specs(cfg.model), step, np.arange(cfg.pairs))
         want_at = np.zeros((out, ppad), np.int8)
         want_at[:, : cfg.pairs] = (pn.a[spec.name] * fitness[:, None]).T
         assert np.array_equal(to_host(at), want_at), spec.name
@@ -184,9 +187,9 @@ def test_ztest_apply_with_changed_count(k: Kernels) -> None:
 
 def member_batch(cfg: RunConfig, n_pairs: int = 35, step: int = 2):
     pairs = np.arange(n_pairs, dtype=np.int64) * 3 + 1
-    params = egg.init_params(cfg.model)
-    pn = egg.pair_noise(cfg, step, pairs)
-    return pairs, params, pn, egg.member_noise(pn, params, cfg.es.sigma_shift)
+    params = init_params(cfg.model)
+    pn = pair_noise(cfg, param_specs(cfg.model), step, pairs)
+    return pairs, params, pn, member_noise(pn, params, cfg.es.sigma_shift)
 
 
 def test_embed_and_state_reset(k: Kernels) -> None:
@@ -199,13 +202,13 @@ def test_embed_and_state_reset(k: Kernels) -> None:
     states = dev(rng.integers(-127, 128, size=(2, m, d)).astype(np.int8))
     before = to_host(states)
     x = poisoned((m, d), np.int8)
-    model = egg.EggModel(cfg, params)
+    model = EggModel(cfg, params)
     k(
         "embed",
         (m,),
         (128,),
         *(dev(tokens), i32(5), i32(2), dev(params["emb"]), dev(pn.a["emb"]), dev(pn.b["emb"])),
-        *(i32(m), i32(d), i32(v), i32(model.shift), states, i32(2), x),
+        *(i32(m), i32(d), i32(v), i32(4 + cfg.es.sigma_shift), states, i32(2), x),
     )
     tok = np.repeat(tokens[:, 2], 2)
     assert np.array_equal(to_host(x), model._embed(tok, mn))
@@ -220,7 +223,7 @@ def test_norm_rowdot_and_loss(k: Kernels) -> None:
     rng = np.random.default_rng(4)
     x = rng.integers(-127, 128, size=(m, d)).astype(np.int8)
     x[0], x[1] = 0, 127  # mav 0 -> 1, and the largest products
-    model = egg.EggModel(cfg, params)
+    model = EggModel(cfg, params)
     h = poisoned((m, d), np.int8)
     w_ln = mn.vectors["layers.0.ln1"].astype(np.int8)
     k("mav_norm", (cdiv(m, 8),), (256,), dev(x), dev(w_ln), i32(m), i32(d), h)
@@ -243,9 +246,9 @@ def test_norm_rowdot_and_loss(k: Kernels) -> None:
         (cdiv(m, 8),),
         (256,),
         *(dev(logits), dev(tokens), i32(3), i32(1), i32(m), i32(v)),
-        *(dev(egg._exp2_table()), dev(egg._log2_thresholds()), loss),
+        *(dev(exp2_table()), dev(log2_thresholds()), loss),
     )
-    want = 1000 + egg.token_loss(logits.astype(np.int64), np.repeat(tokens[:, 1], 2))
+    want = 1000 + token_loss(logits.astype(np.int64), np.repeat(tokens[:, 1], 2))
     assert np.array_equal(to_host(loss), want)
 
 
@@ -254,7 +257,7 @@ def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
     cfg = cfg_for(d=36, vocab=70)  # K = 36 (a partial stage), N = 70, M = 70: partial tiles
     pairs, params, pn, mn = member_batch(cfg)
     m = 2 * len(pairs)
-    model = egg.EggModel(cfg, params)
+    model = EggModel(cfg, params)
     rng = np.random.default_rng(6)
     for name in ("layers.0.w1", "layers.0.w2", "head"):
         n_out, k_in = params[name].shape
@@ -269,7 +272,7 @@ def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
                 (cdiv(n_out, 32), cdiv(m, 64)),
                 (256,),
                 *(dev(x), dev(params[name]), xb, dev(pn.a[name]), i32(m), i32(n_out)),
-                *(i32(k_in), i32(model.shift), i32(16 * isqrt(k_in))),
+                *(i32(k_in), i32(4 + cfg.es.sigma_shift), i32(16 * isqrt(k_in))),
                 *(out if residual else xp.zeros(0, dtype=xp.int8), out),
             )
             expect = np.clip(res + want, -127, 127) if residual else want
@@ -281,7 +284,7 @@ def test_gate_and_candidate(k: Kernels, suffix: str) -> None:
     cfg = cfg_for(d=68)  # two N tiles, the second partial
     pairs, params, pn, mn = member_batch(cfg)
     d, m = cfg.model.d_model, 2 * len(pairs)
-    model = egg.EggModel(cfg, params)
+    model = EggModel(cfg, params)
     rng = np.random.default_rng(8)
     h, s, x = (rng.integers(-127, 128, size=(m, d)).astype(np.int8) for _ in range(3))
     p = "layers.0."
@@ -304,7 +307,7 @@ def test_gate_and_candidate(k: Kernels, suffix: str) -> None:
     )
     s_new = s32 + (((f + 127) * (c - s32)) >> 8)
     x_new = np.clip(x + s_new, -127, 127)
-    scalars = (i32(m), i32(d), i32(model.shift), i32(16 * isqrt(d)))
+    scalars = (i32(m), i32(d), i32(4 + cfg.es.sigma_shift), i32(16 * isqrt(d)))
     grid = (cdiv(d, 32), cdiv(m, 64))
     f_got, g_got = poisoned((m, d), np.int8), poisoned((m, d), np.int8)
     k(

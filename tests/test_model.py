@@ -8,18 +8,17 @@ from math import isqrt
 import numpy as np
 import pytest
 
-from eggroll_dist.shared import model as model_module
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
-from eggroll_dist.shared.model import (
-    EggModel,
+from eggroll_dist.shared.egg import EggModel
+from eggroll_dist.shared.loss import (
+    exp2_table,
     floor_log2_16,
-    init_params,
-    member_noise,
-    pair_noise,
-    param_specs,
+    log2_thresholds,
     token_loss,
     true_bits,
 )
+from eggroll_dist.shared.model import init_params, param_specs
+from eggroll_dist.shared.perturb import member_noise, pair_noise
 
 
 def _small_config(noise: str = "uniform", sigma_shift: int = 2) -> RunConfig:
@@ -84,7 +83,7 @@ def test_rank1_forward_equals_explicit_perturbed_weights(noise_kind: str, sigma_
         if spec.kind == "vector":
             params[spec.name] = rng.integers(-40, 41, size=spec.shape).astype(np.int8)
     pairs = np.array([0, 5, 17, 123])
-    pn = pair_noise(cfg, 11, pairs)
+    pn = pair_noise(cfg, param_specs(cfg.model), 11, pairs)
     tokens = rng.integers(0, 16, size=(len(pairs), cfg.es.seq_len + 1))
     tokens[1, 3] = 0  # a document boundary resets the state
     model = EggModel(cfg, params)
@@ -99,7 +98,7 @@ def test_unperturbed_forward_equals_zero_noise_reference() -> None:
     cfg = _small_config()
     params = init_params(cfg.model)
     tokens = np.random.default_rng(1).integers(0, 16, size=(3, cfg.es.seq_len + 1))
-    pn = pair_noise(cfg, 0, np.arange(3))
+    pn = pair_noise(cfg, param_specs(cfg.model), 0, np.arange(3))
     zero = type(pn)(
         pn.pairs,
         {k: v * 0 for k, v in pn.a.items()},
@@ -114,7 +113,7 @@ def test_unperturbed_forward_equals_zero_noise_reference() -> None:
 def test_antithetic_members_differ() -> None:
     cfg = _small_config()
     params = init_params(cfg.model)
-    pn = pair_noise(cfg, 0, np.arange(4))
+    pn = pair_noise(cfg, param_specs(cfg.model), 0, np.arange(4))
     tokens = np.repeat(np.random.default_rng(2).integers(0, 16, size=(4, 7)), 2, axis=0)
     loss, _ = EggModel(cfg, params).forward(tokens, member_noise(pn, params, 2))
     assert np.any(loss[0::2] != loss[1::2])
@@ -138,7 +137,7 @@ def test_floor_log2_16_is_exact() -> None:
 
 def test_loss_tables_are_read_only() -> None:
     """Cached and shared by every model in the process: nobody may change them."""
-    for table in (model_module._exp2_table(), model_module._log2_thresholds()):
+    for table in (exp2_table(), log2_thresholds()):
         assert not table.flags.writeable
         with pytest.raises(ValueError, match="read-only"):
             table[0] = 0

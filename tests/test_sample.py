@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
-from eggroll_dist.shared.model import EggGenerator, EggModel, init_params, token_loss
+from eggroll_dist.shared.egg import EggGenerator, EggModel
+from eggroll_dist.shared.loss import token_loss
+from eggroll_dist.shared.model import init_params
 from eggroll_dist.shared.sample import (
     TOP_WEIGHT,
     SampleError,

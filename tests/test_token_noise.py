@@ -21,15 +21,10 @@ from eggroll_dist.shared.config import (
     validate,
 )
 from eggroll_dist.shared.data import load_data_dir
-from eggroll_dist.shared.model import (
-    TOKEN_TENSORS,
-    init_params,
-    pair_noise,
-    param_specs,
-    token_row_factors,
-)
+from eggroll_dist.shared.model import init_params, param_specs
+from eggroll_dist.shared.perturb import TOKEN_TENSORS, noise_scales, pair_noise, token_row_factors
 from eggroll_dist.shared.replica import ReplicaState
-from eggroll_dist.shared.update import apply_update, initial_opt_state, noise_scales
+from eggroll_dist.shared.update import apply_update, initial_opt_state
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.train import train
 
@@ -72,8 +67,20 @@ def test_factors_are_full_below_the_rows_and_zero_above() -> None:
 def test_only_the_token_rows_below_k_get_noise(arch: str) -> None:
     cfg, plain = _cfg(arch, ROWS), _cfg(arch, 0)
     pairs = np.arange(32)
-    scaled = pair_noise(cfg, 3, pairs, noise_scales(cfg, initial_opt_state(cfg)))
-    full = pair_noise(plain, 3, pairs, noise_scales(plain, initial_opt_state(plain)))
+    scaled = pair_noise(
+        cfg,
+        param_specs(cfg.model),
+        3,
+        pairs,
+        noise_scales(cfg, param_specs(cfg.model), initial_opt_state(cfg)),
+    )
+    full = pair_noise(
+        plain,
+        param_specs(plain.model),
+        3,
+        pairs,
+        noise_scales(plain, param_specs(plain.model), initial_opt_state(plain)),
+    )
     token_tensors = [s.name for s in param_specs(cfg.model) if s.name in TOKEN_TENSORS]
     expected = {"egg": ["emb", "head"], "former": ["emb"], "former+bias": ["emb", "head_bias"]}
     assert token_tensors == expected[arch]
@@ -110,7 +117,7 @@ def test_token_noise_multiplies_into_the_overlays(arch: str) -> None:
     opt = initial_opt_state(cfg)
     overlay = np.arange(VOCAB, dtype=np.int8) * 3 - 20  # some below 0, some above 64
     opt["overlay.rows.emb"] = overlay
-    scales = noise_scales(cfg, opt)
+    scales = noise_scales(cfg, param_specs(cfg.model), opt)
     factors = token_row_factors(VOCAB, ROWS)
     expected = (np.clip(overlay.astype(np.int32), 0, 64) * factors) >> 6
     assert np.array_equal(scales.rows["emb"], expected)

@@ -9,19 +9,12 @@ import numpy as np
 import pytest
 
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig
-from eggroll_dist.shared.model import init_params, pair_noise, param_specs
+from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.noise import second_moment
-from eggroll_dist.shared.update import (
-    TAIL_2POW32,
-    accumulate_z,
-    alpha_at,
-    apply_update,
-    initial_opt_state,
-    momentum_gain,
-    move_threshold,
-    update_from_z,
-    z_sixteenths,
-)
+from eggroll_dist.shared.perturb import pair_noise
+from eggroll_dist.shared.rules.momentum import momentum_gain
+from eggroll_dist.shared.rules.ztest import TAIL_2POW32, alpha_at, move_threshold, z_sixteenths
+from eggroll_dist.shared.update import accumulate_z, apply_update, initial_opt_state, update_from_z
 
 
 def _cfg(noise: str = "uniform", population: int = 40) -> RunConfig:
@@ -37,7 +30,7 @@ def test_z_gemm_equals_explicit_per_pair_sum(noise: str) -> None:
     rng = np.random.default_rng(0)
     fitness = rng.integers(-1, 2, size=cfg.pairs).astype(np.int8)
     z = accumulate_z(cfg, 3, fitness)
-    pn = pair_noise(cfg, 3, np.arange(cfg.pairs))
+    pn = pair_noise(cfg, param_specs(cfg.model), 3, np.arange(cfg.pairs))
     for spec in param_specs(cfg.model):
         want = np.zeros(spec.shape, dtype=np.int64)
         for k in range(cfg.pairs):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
+from eggroll_dist.shared.egg import EggModel
 from eggroll_dist.shared.logs import HELD_OUT_FIELDS, held_out_text
-from eggroll_dist.shared.model import EggModel, token_loss, true_bits
+from eggroll_dist.shared.loss import token_loss, true_bits
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.window import (
     VALIDATION_STREAMS,

@@ -33,10 +33,12 @@ import numpy as np
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.model import _exp2_table, _log2_thresholds, param_specs
+from ...shared.loss import exp2_table, log2_thresholds
+from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.replica import ReplicaState
-from ...shared.update import alpha_at, apply_update, move_threshold
+from ...shared.rules.ztest import alpha_at, move_threshold
+from ...shared.update import apply_update
 from ...shared.window import pair_windows
 from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
 from .numpy_backend import NumpyBackend
@@ -230,8 +232,8 @@ class CupyBackend:
         self._step_key = xp.zeros(1, dtype=xp.uint64)
         self._threshold = xp.zeros(1, dtype=xp.int64)
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
-        self._exp2 = xp.asarray(_exp2_table())
-        self._log2_th = xp.asarray(_log2_thresholds())
+        self._exp2 = xp.asarray(exp2_table())
+        self._log2_th = xp.asarray(log2_thresholds())
         self._null8 = xp.zeros(0, dtype=xp.int8)
         self._update_graph: Callable[[], None] | None = None
         self._update_buffers: dict[str, Any] = {}

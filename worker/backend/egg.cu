@@ -1,5 +1,6 @@
 // Kernels of the CuPy backend: the EGG model's forward pass and the ztest update, in int8
-// and int32 only, matching shared/ (noise.py, model.py, update.py) bit for bit.
+// and int32 only, matching shared/ (noise.py, perturb.py, egg.py, loss.py, update.py and
+// rules/ztest.py) bit for bit.
 //
 // One source, three compilers: NVRTC (cupy.RawModule) on a GPU, NVRTC for the sm_80/sm_90
 // resource check in CI, and g++ through the test suite's CPU emulation layer, which defines

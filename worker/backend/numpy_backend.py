@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import structlog
@@ -25,9 +26,11 @@ from threadpoolctl import ThreadpoolController
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.model import build_model, member_noise, pair_noise, token_loss, true_bits
+from ...shared.loss import token_loss, true_bits
+from ...shared.model import Recurrent, build_model, param_specs
+from ...shared.perturb import member_noise, noise_scales, pair_noise
 from ...shared.replica import ReplicaState
-from ...shared.update import apply_update, noise_scales
+from ...shared.update import apply_update
 from ...shared.window import (
     VALIDATION_STREAMS,
     pair_windows,
@@ -189,12 +192,13 @@ class NumpyBackend:
     def _evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
         cfg = self.config
         losses = []
-        scales = noise_scales(cfg, self.state.opt)  # adaptive, token noise: the update too
+        specs = param_specs(cfg.model)
+        scales = noise_scales(cfg, specs, self.state.opt)  # adaptive, token noise
         for lo in range(first_member, first_member + count, self.batch_members):
             hi = min(lo + self.batch_members, first_member + count)
             pairs = np.arange(lo // 2, hi // 2)
             noise = member_noise(
-                pair_noise(cfg, step, pairs, scales), self.state.params, cfg.es.sigma_shift
+                pair_noise(cfg, specs, step, pairs, scales), self.state.params, cfg.es.sigma_shift
             )
             tokens = np.repeat(pair_windows(cfg, self.dataset.train, step, pairs), 2, axis=0)
             loss, _ = self.model.forward(tokens, noise)
@@ -214,18 +218,17 @@ class NumpyBackend:
     def validate(self, rows_per_batch: int = 512, streams: int = VALIDATION_STREAMS) -> Validation:
         """Both held-out metrics of the unperturbed model over the same target tokens: the
         windows of training, and the span cut into `streams` streams with the state carried
-        (only a recurrent model has a state to carry)."""
+        (only a model that `carries_state` has a state to carry)."""
         cfg, valid = self.config, self.dataset.valid
-        windows = validation_windows(cfg, valid)
         with self._compute():
-            if cfg.model.arch != "egg":  # a transformer reads each window whole
-                return Validation(self._score_windows(windows, rows_per_batch), None)
-            short = self._score(windows, np.full(len(windows), cfg.es.seq_len), rows_per_batch)
+            short = self._score_windows(validation_windows(cfg, valid), rows_per_batch)
+            if not self.model.carries_state:
+                return Validation(short, None)
             carried = self._score(*validation_streams(cfg, valid, streams), rows_per_batch)
         return Validation(short, carried)
 
     def _score_windows(self, windows: np.ndarray, rows_per_batch: int) -> HeldOut:
-        """The window metric through the model's whole-window forward pass."""
+        """The window metric: each window scored from its start, as in training."""
         loss, bits = 0, []
         for lo in range(0, len(windows), rows_per_batch):
             rows = windows[lo : lo + rows_per_batch]
@@ -237,19 +240,21 @@ class NumpyBackend:
         return HeldOut(n, text_bytes, loss / n, math.fsum(np.concatenate(bits)) / n)
 
     def _score(self, tokens: np.ndarray, lengths: np.ndarray, rows_per_batch: int) -> HeldOut:
-        """Each row read token by token from a zero state, its state carried to the end: row
-        i reads tokens[i, :lengths[i]] and predicts tokens[i, 1 : lengths[i] + 1] (lengths
-        longest first). The bits are summed exactly (fsum), so neither the batching nor the
-        cut of the span changes them beyond the per-token values."""
+        """Each row read token by token from a zero state, its state carried to the end (a
+        `Recurrent` model): row i reads tokens[i, :lengths[i]] and predicts
+        tokens[i, 1 : lengths[i] + 1] (lengths longest first). The bits are summed exactly
+        (fsum), so neither the batching nor the cut of the span changes them beyond the
+        per-token values."""
+        model = cast(Recurrent, self.model)
         loss, bits, text_bytes = 0, [], 0
         for lo in range(0, len(tokens), rows_per_batch):
             rows, ends = tokens[lo : lo + rows_per_batch], lengths[lo : lo + rows_per_batch]
-            state = self.model.initial_state(len(rows))
+            state = model.initial_state(len(rows))
             for t in range(int(ends[0])):
                 reading = int(np.count_nonzero(ends > t))  # a prefix: longest rows first
                 if reading < len(state[0]):
                     state = [s[:reading] for s in state]
-                logits = self.model.step(state, rows[:reading, t])
+                logits = model.step(state, rows[:reading, t])
                 target = rows[:reading, t + 1]
                 loss += int(token_loss(logits, target).sum())
                 bits.append(true_bits(logits, target))
