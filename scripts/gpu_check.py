@@ -92,7 +92,7 @@ def _script(name: str) -> str:
 
 def mixed_run(log_dir: Path, backends: list[str], steps: int = 4) -> tuple[bool, float, str]:
     """A coordinator and one worker per backend on loopback; no DIVERGED, all steps done."""
-    from eggroll_dist.worker.prepare import prepare_data_dir
+    from eggroll_dist.worker.data.build import prepare_data_dir
 
     t0 = time.perf_counter()
     work = log_dir / "mixed"

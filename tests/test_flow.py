@@ -73,7 +73,7 @@ from eggroll_dist.worker import session as session_module
 from eggroll_dist.worker.backend import Backend, HeldOut
 from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.prepare import prepare_data_dir
+from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.replica import write_sample
 from eggroll_dist.worker.session import (
     Apply,

@@ -39,7 +39,8 @@ from ..shared.replica import load_checkpoint
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import get_backend
-from .prepare import builtin_documents, builtin_source, prepare_data_dir
+from .data.build import prepare_data_dir
+from .data.builtin import builtin_documents, builtin_source
 
 
 def _exe(name: str) -> str:
