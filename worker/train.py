@@ -25,48 +25,15 @@ from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
 from ..shared.logs import baselines_text, configure_logging, held_out_text
-from ..shared.model import build_generator
 from ..shared.replica import ReplicaState, save_checkpoint
-from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
-from ..shared.vocab import decode, escape
-from ..shared.window import data_too_short, held_out_prompt
+from ..shared.sample import TrainingSamples
+from ..shared.vocab import escape
+from ..shared.window import data_too_short
 from .backend import Backend, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
-
-
-@dataclass(frozen=True)
-class TrainingSamples:
-    """Every `every` steps (0: only when asked, as a worker is by SAMPLE), the unperturbed
-    model continues a held-out document, by default document 0 with seed = step:
-    `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
-
-    every: int
-    valid: np.ndarray
-    pieces: list[bytes]
-    settings: SampleSettings = field(default_factory=SampleSettings)
-
-    def tokens(
-        self,
-        state: ReplicaState,
-        seed: int | None = None,
-        document: int = 0,
-        prompt_tokens: int = PROMPT_TOKENS,
-        new_tokens: int = NEW_TOKENS,
-    ) -> tuple[list[int], list[int]]:
-        """(kept prompt, continuation) as token ids; the seed defaults to the state's step."""
-        model = build_generator(state.config, state.params)
-        prompt = held_out_prompt(self.valid, document, min(prompt_tokens, model.context))
-        kept = fit_prompt(prompt, model.context, model.vocab_size)
-        seed = state.step if seed is None else seed
-        return kept, list(generate(model, kept, new_tokens, self.settings, seed=seed))
-
-    def write(self, state: ReplicaState) -> tuple[str, str]:
-        """(prompt, continuation) as text, unescaped."""
-        kept, out = self.tokens(state)
-        return decode(kept, self.pieces), decode(out, self.pieces)
 
 
 @dataclass
