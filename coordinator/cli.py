@@ -21,6 +21,7 @@ from ..shared.cli import OneLineError, command, config_options, log_format_optio
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
+from ..shared.save_dir import Layout
 from .metrics import Metrics
 from .run import Fatal
 from .server import Coordinator, Options
@@ -244,7 +245,7 @@ def main(
         raise OneLineError(str(exc)) from None
     try:
         given = resolve_config(preset_name, config_path) if preset_name or config_path else None
-        if given is None and not (save_dir / "run.json").exists():
+        if given is None and not Layout(save_dir).run_file.exists():
             given = resolve_config(None, None)  # a new run without flags: the default preset
         store = RunStore.open(save_dir, given)
     except (ConfigError, StoreError) as exc:

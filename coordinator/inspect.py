@@ -1,5 +1,5 @@
-"""`eggroll-inspect SAVE_DIR`: what a save directory (layout: store.py) holds, read-only,
-so it is safe on a live run."""
+"""`eggroll-inspect SAVE_DIR`: what a save directory (layout: shared/save_dir.py) holds,
+read-only, so it is safe on a live run."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import click
 
 from ..shared.cli import command
-from ..shared.config import PRESETS, ConfigError, RunConfig, from_dict
-from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.config import PRESETS, RunConfig
+from ..shared.logs import STEP, VALIDATION
 from ..shared.replica import CheckpointError, load_checkpoint
-from .store import StoreError, read_digests
+from ..shared.save_dir import Layout, SaveDir, SaveDirError
 
 
 def preset_of(config: RunConfig) -> str | None:
@@ -50,15 +50,16 @@ def history(save_dir: Path) -> dict[str, Any]:
         "step_s_last": None,
         "steps_timed": 0,
     }
-    summary, log = save_dir / "summary.json", save_dir / "logs" / "coordinator.log"
+    layout = Layout(save_dir)
+    summary, log = layout.summary, layout.coordinator_log
     sources, times = [], []
     try:
         if log.is_file():  # eggroll-local: every step, and the coordinator's validations
             events = _events(log)
-            steps = [e for e in events if e.get("event") == "step"]
-            valid = [e for e in events if e.get("event") == "validation"]
+            steps = [e for e in events if e.get("event") == STEP]
+            valid = [e for e in events if e.get("event") == VALIDATION]
             times = [float(e["step_s"]) for e in steps if "step_s" in e]
-            sources.append(f"logs/{log.name}")
+            sources.append(log.relative_to(save_dir).as_posix())
             if steps:
                 found.update(train_loss_bits=steps[-1].get("loss_bits"))
             if valid:
@@ -87,29 +88,21 @@ def history(save_dir: Path) -> dict[str, Any]:
 
 
 def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
-    """A summary of the run in `save_dir` (raises click.ClickException if there is none)."""
-    try:
-        run = json.loads((save_dir / "run.json").read_text())
-        config = from_dict(run["config"])
-    except FileNotFoundError:
-        raise click.ClickException(f"{save_dir} holds no run (no run.json)") from None
-    except (ValueError, KeyError, ConfigError) as exc:
-        raise click.ClickException(f"{save_dir}/run.json is unreadable: {exc}") from None
+    """A summary of the run in `save_dir` (SaveDirError if it holds none)."""
+    run_dir = SaveDir.open(save_dir)
+    config = run_dir.config
     log_ok, log_error, steps = True, None, 0
     try:
-        log = FitnessLog.open(save_dir / "fitness.log", repair=False)  # verifies every CRC
-        steps = log.steps
-        if log.config_digest != config.digest():
-            log_ok, log_error = False, "fitness.log belongs to another run config"
-    except FitnessLogError as exc:
+        steps = run_dir.fitness_log().steps  # verifies every CRC
+    except SaveDirError as exc:
         log_ok, log_error = False, str(exc)
     try:
-        agreed, _ = read_digests(save_dir / "digests.log")
-    except StoreError as exc:
+        agreed = run_dir.digests()
+    except SaveDirError as exc:
         agreed, log_ok, log_error = {}, False, str(exc)
     digests = {s: f"{d:016x}" for s, d in agreed.items()}
     snapshots = []
-    for path in sorted((save_dir / "snapshots").glob("step-*.ckpt")):
+    for path in run_dir.layout.snapshot_files():
         entry: dict[str, Any] = {"file": str(path), "bytes": path.stat().st_size}
         try:
             state = load_checkpoint(path)
@@ -120,10 +113,10 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
         snapshots.append(entry)
     return {
         "save_dir": str(save_dir),
-        "run_id": run.get("run_id"),
+        "run_id": run_dir.run.get("run_id"),
         "preset": preset_of(config),
         "config_digest": config.digest().hex(),
-        "data_digest": run.get("data_digest"),
+        "data_digest": run_dir.run.get("data_digest"),
         "step": steps,
         "pairs_per_step": config.pairs,
         "replica_digest": digests.get(steps),  # the state after every committed step
@@ -166,7 +159,10 @@ def _history_line(info: dict[str, Any]) -> str:
 @click.option("--last", default=5, show_default=True, help="How many recent digests to show.")
 def main(save_dir: Path, as_json: bool, last: int) -> None:
     """Show a run's steps, digests, snapshots and fitness-log integrity."""
-    info = inspect_run(save_dir, last)
+    try:
+        info = inspect_run(save_dir, last)
+    except SaveDirError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:

@@ -1,11 +1,7 @@
-"""The save directory: everything the coordinator keeps, crash-safe.
+"""The save directory, written: everything the coordinator keeps, crash-safe.
 
-    run.json         run id, run config, data digest (rewritten atomically)
-    fitness.log      one fsync'd record per committed step: the run itself
-    digests.log      "step digest" lines: the agreed replica digest at each step
-    snapshots/       step-00000100.ckpt ...: replica states streamed from workers
-    .lock            held while a coordinator runs on this directory
-
+The layout (run.json, fitness.log, digests.log, snapshots/, .lock) and its names and
+writers are shared/save_dir.py's; this module is the one writer that holds the lock.
 Steps committed = records in fitness.log. A snapshot only shortens catch-up; losing one
 loses nothing.
 """
@@ -13,47 +9,23 @@ loses nothing.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import re
-import secrets
-import time
 from pathlib import Path
 
 from ..shared.atomic_file import fsync_dir, write_atomic
-from ..shared.config import ConfigError, RunConfig, from_dict
+from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.save_dir import (
+    Layout,
+    SaveDirError,
+    digest_line,
+    new_run,
+    read_digests,
+    read_run,
+    write_run,
+)
 
-RUN_FORMAT = 1
-
-
-_DIGEST_LINE = re.compile(rb"(0|[1-9][0-9]{0,18}) ([0-9a-f]{16})")
 _STALE_TMP = ".*.tmp"  # write_atomic's temporary files, left by a crash
-
-
-def read_digests(path: Path) -> tuple[dict[int, int], int]:
-    """Agreed digests from digests.log ("step digest-hex" lines) and the byte length of its
-    good lines. A malformed or unterminated last line is a torn append and is left out; a
-    malformed line before it is StoreError."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return {}, 0
-    digests: dict[int, int] = {}
-    good = 0
-    lines = data.split(b"\n")  # the last item is b"" when the file ends in a newline
-    for number, line in enumerate(lines[:-1], 1):
-        match = _DIGEST_LINE.fullmatch(line)
-        if match is None:
-            if number == len(lines) - 1 and not lines[-1]:
-                break  # the last line, torn
-            raise StoreError(
-                f"{path} line {number} is malformed; the file is a check that workers "
-                "rebuild, so delete it (or that line) and start again"
-            )
-        digests[int(match[1])] = int(match[2], 16)
-        good += len(line) + 1
-    return digests, good
 
 
 class StoreError(Exception):
@@ -63,6 +35,7 @@ class StoreError(Exception):
 class RunStore:
     def __init__(self, path: Path, run: dict, log: FitnessLog, config: RunConfig, lock_fd: int):
         self.path = path
+        self.layout = Layout(path)
         self._run = run
         self.fitness_log = log
         self.config = config
@@ -75,10 +48,11 @@ class RunStore:
     def open(cls, path: str | Path, config: RunConfig | None) -> RunStore:
         """Open the run in `path`, or start one there with `config` (None: must exist)."""
         path = Path(path)
+        layout = Layout(path)
         try:
-            (path / "snapshots").mkdir(parents=True, exist_ok=True)
+            layout.snapshots.mkdir(parents=True, exist_ok=True)
             fsync_dir(path)
-            lock_fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            lock_fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise StoreError(f"cannot use --save-dir {path}: {exc.strerror}") from None
         try:
@@ -87,10 +61,10 @@ class RunStore:
             os.close(lock_fd)
             raise StoreError(f"another coordinator is running on {path}") from None
         try:
-            for stale in [*path.glob(_STALE_TMP), *(path / "snapshots").glob(_STALE_TMP)]:
+            for stale in [*path.glob(_STALE_TMP), *layout.snapshots.glob(_STALE_TMP)]:
                 stale.unlink(missing_ok=True)  # we hold the lock: no writer is alive
-            run, stored = cls._load_or_create_run(path, config)
-            log_path = path / "fitness.log"
+            run, stored = cls._load_or_create_run(layout, config)
+            log_path = layout.fitness_log
             if log_path.exists():
                 log = FitnessLog.open(log_path)
                 if log.config_digest != stored.digest() or log.pairs != stored.pairs:
@@ -110,27 +84,17 @@ class RunStore:
             raise StoreError(str(exc)) from None
 
     @staticmethod
-    def _load_or_create_run(path: Path, config: RunConfig | None) -> tuple[dict, RunConfig]:
-        run_file = path / "run.json"
-        if not run_file.exists():
-            if config is None:
-                raise StoreError(f"{path} holds no run (no run.json)")
-            run = {
-                "format": RUN_FORMAT,
-                "run_id": secrets.token_hex(16),
-                "created": time.time(),
-                "config": config.to_dict(),
-                "data_digest": None,
-            }
-            write_atomic(run_file, json.dumps(run, indent=2).encode())
+    def _load_or_create_run(layout: Layout, config: RunConfig | None) -> tuple[dict, RunConfig]:
+        path = layout.root
+        if not layout.run_file.exists() and config is not None:
+            run = new_run(config)
+            write_run(layout, run)
             return run, config
         try:
-            run = json.loads(run_file.read_text())
-            stored = from_dict(run["config"])
-        except (ValueError, KeyError, ConfigError) as exc:
-            raise StoreError(
-                f"{run_file} is unreadable ({exc}); restore it or use a new --save-dir"
-            ) from None
+            run, stored = read_run(layout)
+        except SaveDirError as exc:
+            remedy = "" if not layout.run_file.exists() else "; restore it or use a new --save-dir"
+            raise StoreError(f"{exc}{remedy}") from None
         if config is not None and config.digest() != stored.digest():
             raise StoreError(
                 f"--save-dir {path} holds a run with config digest {stored.digest().hex()[:16]}, "
@@ -168,13 +132,16 @@ class RunStore:
 
     def set_data_digest(self, digest: bytes) -> None:
         self._run["data_digest"] = digest.hex()
-        write_atomic(self.path / "run.json", json.dumps(self._run, indent=2).encode())
+        write_run(self.layout, self._run)
 
     # ------------------------------------------------------------------------ digests
 
     def _load_digests(self) -> dict[int, int]:
-        path = self.path / "digests.log"
-        digests, good = read_digests(path)
+        path = self.layout.digests_log
+        try:
+            digests, good = read_digests(path)
+        except SaveDirError as exc:
+            raise StoreError(str(exc)) from None
         if path.exists() and path.stat().st_size != good:
             with open(path, "r+b") as f:  # cut a torn last line before appending more
                 f.truncate(good)
@@ -188,26 +155,20 @@ class RunStore:
         open, so a per-step fsync would buy nothing."""
         self.digests[step] = digest
         if self._digests_fd is None:
-            path = self.path / "digests.log"
+            path = self.layout.digests_log
             new = not path.exists()
             self._digests_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             if new:
                 fsync_dir(self.path)
-        os.write(self._digests_fd, b"%d %016x\n" % (step, digest))
+        os.write(self._digests_fd, digest_line(step, digest))
 
     # ---------------------------------------------------------------------- snapshots
 
     def snapshot_path(self, step: int) -> Path:
-        return self.path / "snapshots" / f"step-{step:08d}.ckpt"
+        return self.layout.snapshot(step)
 
     def _scan_snapshots(self) -> list[int]:
-        steps = []
-        for p in (self.path / "snapshots").glob("step-*.ckpt"):
-            try:
-                steps.append(int(p.stem.split("-")[1]))
-            except ValueError:
-                continue
-        return sorted(s for s in steps if s <= self.steps)
+        return [s for s in self.layout.snapshot_steps() if s <= self.steps]
 
     @property
     def latest_snapshot(self) -> int | None:

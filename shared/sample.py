@@ -23,19 +23,28 @@ So min-p drops exactly the tokens whose probability under w is below min_p * p_m
 presence penalty counts a token once however often it occurs (d-eggs subtracted its
 "presence" penalty per occurrence: that is the frequency penalty here), and the same model,
 prompt, settings and seed give the same tokens on any machine.
+
+A replica's sample is agreed the same way: held-out document d, seed s and these settings
+give this text at a step, whoever writes it. `TrainingSamples` and `write_sample` say so
+once, for eggroll-train, the worker daemon (SAMPLE) and eggroll-sample's checks alike.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Protocol
 
 import numpy as np
 
+from .data import Dataset
+from .model import build_generator
 from .noise import DOMAIN_SAMPLE, hash_key
+from .replica import ReplicaState
+from .vocab import decode
+from .window import held_out_prompt
 
 MILLI = 1000
 MAX_TEMPERATURE = 100 * MILLI
@@ -210,3 +219,82 @@ def generate(
         counts[tok] += 1
         if position + 1 < new_tokens:
             state, logits = model.step(state, tok)
+
+
+# --- held-out samples of a replica ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainingSamples:
+    """Every `every` steps (0: only when asked, as a worker is by SAMPLE), the unperturbed
+    model continues a held-out document, by default document 0 with seed = step:
+    `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
+
+    every: int
+    valid: np.ndarray
+    pieces: list[bytes]
+    settings: SampleSettings = field(default_factory=SampleSettings)
+
+    def tokens(
+        self,
+        state: ReplicaState,
+        seed: int | None = None,
+        document: int = 0,
+        prompt_tokens: int = PROMPT_TOKENS,
+        new_tokens: int = NEW_TOKENS,
+    ) -> tuple[list[int], list[int]]:
+        """(kept prompt, continuation) as token ids; the seed defaults to the state's step."""
+        model = build_generator(state.config, state.params)
+        prompt = held_out_prompt(self.valid, document, min(prompt_tokens, model.context))
+        kept = fit_prompt(prompt, model.context, model.vocab_size)
+        seed = state.step if seed is None else seed
+        return kept, list(generate(model, kept, new_tokens, self.settings, seed=seed))
+
+    def write(self, state: ReplicaState) -> tuple[str, str]:
+        """(prompt, continuation) as text, unescaped."""
+        kept, out = self.tokens(state)
+        return decode(kept, self.pieces), decode(out, self.pieces)
+
+
+class SampleRequest(Protocol):
+    """What a sample request names (the protocol's SAMPLE message has these fields)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def prompt_index(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def new_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> int: ...
+    @property
+    def min_p(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def presence_penalty(self) -> int: ...
+    @property
+    def frequency_penalty(self) -> int: ...
+
+
+def write_sample(
+    state: ReplicaState, dataset: Dataset, request: SampleRequest
+) -> tuple[bytes, bytes]:
+    """A sample request answered with the unperturbed `state`: (prompt, continuation) as
+    the vocabulary's bytes, whole (the carrier cuts them to what it holds)."""
+    settings = SampleSettings(
+        temperature=request.temperature,
+        min_p=request.min_p,
+        top_k=request.top_k,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+    )
+    samples = TrainingSamples(0, dataset.valid, dataset.decoding, settings)
+    kept, out = samples.tokens(
+        state, request.seed, request.prompt_index, request.prompt_tokens, request.new_tokens
+    )
+    pieces = dataset.decoding
+    prompt, text = (b"".join(pieces[t] for t in ids) for ids in (kept, out))
+    return prompt, text

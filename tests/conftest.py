@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from eggroll_dist.worker.prepare import prepare_data_dir
+from eggroll_dist.worker.data.build import prepare_data_dir
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ from eggroll_dist.coordinator.inspect import main as inspect_main
 from eggroll_dist.shared.config import preset
 from eggroll_dist.shared.fitness_log import FitnessLog, packed_size
 from eggroll_dist.worker.cli import main as worker_main
+from eggroll_dist.worker.data.cli import main as data_main
 from eggroll_dist.worker.local import main as local_main
-from eggroll_dist.worker.prepare import main as data_main
 from eggroll_dist.worker.sample import main as sample_main
 from eggroll_dist.worker.train import main as train_main
 

@@ -35,7 +35,7 @@ from eggroll_dist.shared.data import (
     write_meta,
     write_tokens,
 )
-from eggroll_dist.worker.baselines import (
+from eggroll_dist.worker.data.baselines import (
     BIGRAM_LAMBDAS,
     baselines,
     bigram_bits,

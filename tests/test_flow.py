@@ -68,13 +68,13 @@ from eggroll_dist.shared.replica import (
     encode_checkpoint,
     replay,
 )
+from eggroll_dist.shared.sample import TrainingSamples, write_sample
 from eggroll_dist.shared.vocab import NEWLINE_MARK, escape
 from eggroll_dist.worker import session as session_module
 from eggroll_dist.worker.backend import Backend, HeldOut
 from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.prepare import prepare_data_dir
-from eggroll_dist.worker.replica import write_sample
+from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.session import (
     Apply,
     Command,
@@ -93,7 +93,6 @@ from eggroll_dist.worker.session import (
     WorkerFatal,
 )
 from eggroll_dist.worker.session import Send as WorkerSend
-from eggroll_dist.worker.train import TrainingSamples
 
 # 16 members in 2 chunks of 8; validation only when a test asks for it.
 CFG = RunConfig(

@@ -20,8 +20,8 @@ from eggroll_dist.shared.data import (
     load_data_dir,
     text_bytes,
 )
-from eggroll_dist.worker.import_deggs import import_cut
-from eggroll_dist.worker.prepare import main
+from eggroll_dist.worker.data.cli import main
+from eggroll_dist.worker.data.import_deggs import import_cut
 from eggroll_dist.worker.train import main as train_main
 
 VOCAB = 300

@@ -21,15 +21,14 @@ from eggroll_dist.shared.data import (
     byte_pieces,
     load_data_dir,
 )
-from eggroll_dist.worker.prepare import (
+from eggroll_dist.worker.data.build import goes_to_valid, split_documents
+from eggroll_dist.worker.data.builtin import stdlib_modules
+from eggroll_dist.worker.data.cli import main
+from eggroll_dist.worker.data.documents import (
     DOC_TARGET_BYTES,
     SPLIT_ABOVE_BYTES,
     file_documents,
-    goes_to_valid,
-    main,
-    split_documents,
     split_text,
-    stdlib_modules,
 )
 
 # --- documents -----------------------------------------------------------------------

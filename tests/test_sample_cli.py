@@ -22,10 +22,11 @@ from eggroll_dist.shared.data import (
     write_tokens,
 )
 from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
+from eggroll_dist.shared.sample import TrainingSamples
 from eggroll_dist.shared.vocab import escape
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.sample import main
-from eggroll_dist.worker.train import TrainingSamples, train
+from eggroll_dist.worker.train import train
 
 TOML = """
 steps = 4

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from eggroll_dist.protocol.ternary import unpack_ternary
+from eggroll_dist.shared.save_dir import SaveDir
+
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = ROOT / "deploy" / "slurm" / "eggroll.sbatch"
 BIN = Path(sys.executable).parent
@@ -252,7 +255,9 @@ class ProcessWatch:
 
 
 def eggroll_train_digest(data_dir: Path, config: Path, tmp_path: Path) -> str:
-    summary = tmp_path / "train.json"
+    """The replica digest at step STEPS of the same run made by eggroll-train in one process,
+    read back from the save directory it leaves."""
+    save_dir = tmp_path / "train"
     done = subprocess.run(
         [
             str(BIN / "eggroll-train"),
@@ -262,8 +267,8 @@ def eggroll_train_digest(data_dir: Path, config: Path, tmp_path: Path) -> str:
             str(config),
             "--steps",
             str(STEPS),
-            "--summary-json",
-            str(summary),
+            "--save-dir",
+            str(save_dir),
             "--log-format",
             "json",
         ],
@@ -272,7 +277,7 @@ def eggroll_train_digest(data_dir: Path, config: Path, tmp_path: Path) -> str:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(summary.read_text())["replica_digest"]
+    return SaveDir.open(save_dir).state_at(STEPS, unpack_ternary).digest_hex()
 
 
 class Job:

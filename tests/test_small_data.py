@@ -11,7 +11,7 @@ import pytest
 
 from eggroll_dist.shared.config import preset
 from eggroll_dist.shared.window import data_too_short, step_tokens
-from eggroll_dist.worker.prepare import size_warnings
+from eggroll_dist.worker.data.build import size_warnings
 
 
 def _exe(name: str) -> str:

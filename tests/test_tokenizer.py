@@ -26,15 +26,13 @@ from eggroll_dist.shared.data import (
     load_data_dir,
     text_bytes,
 )
-from eggroll_dist.worker import prepare as prepare_module
-from eggroll_dist.worker.prepare import (
-    builtin_documents,
-    file_documents,
-    iter_file_documents,
-    main,
-    split_documents,
-)
-from eggroll_dist.worker.tokenizer import (
+from eggroll_dist.worker.data import build as build_module
+from eggroll_dist.worker.data import documents as documents_module
+from eggroll_dist.worker.data.build import split_documents
+from eggroll_dist.worker.data.builtin import builtin_documents
+from eggroll_dist.worker.data.cli import main
+from eggroll_dist.worker.data.documents import file_documents, iter_file_documents
+from eggroll_dist.worker.data.tokenizer import (
     SEPARATOR,
     bytes_to_unicode,
     encode_documents,
@@ -112,8 +110,8 @@ def test_block_reading_matches_whole_file(
 ) -> None:
     # Small thresholds exercise every level of the split (blank lines, lines, characters).
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(prepare_module, "SPLIT_ABOVE_BYTES", 64)
-        mp.setattr(prepare_module, "DOC_TARGET_BYTES", 16)
+        mp.setattr(documents_module, "SPLIT_ABOVE_BYTES", 64)
+        mp.setattr(documents_module, "DOC_TARGET_BYTES", 16)
         path = tmp_path_factory.mktemp("blocks") / "t.txt"
         path.write_bytes(("\ufeff" if bom else "").encode() + "".join(parts).encode())
         assert list(iter_file_documents(path, block)) == file_documents(path)
@@ -200,7 +198,7 @@ def test_renumbering_in_small_blocks_gives_the_same_files(
     whole, blocks = tmp_path / "whole", tmp_path / "blocks"
     args = ["--tokenizer", "bpe", "--vocab-size", "300", "--out"]
     assert _prepare([*files, *args, str(whole)]).exit_code == 0
-    monkeypatch.setattr(prepare_module, "RANK_BLOCK_IDS", 1000)
+    monkeypatch.setattr(build_module, "RANK_BLOCK_IDS", 1000)
     assert _prepare([*files, *args, str(blocks)]).exit_code == 0
     for name in (INPUT_FILE, VALID_FILE, DECODING_FILE, META_FILE, TOKENIZER_FILE):
         assert (whole / name).read_bytes() == (blocks / name).read_bytes(), name
@@ -323,8 +321,8 @@ def test_large_file_is_read_in_blocks_with_progress(
     path = tmp_path / "big.txt"
     path.write_text("\n\n".join(paragraphs))
     assert path.stat().st_size > 1_200_000
-    monkeypatch.setattr(prepare_module, "PROGRESS_EVERY_BYTES", 512 << 10)
-    monkeypatch.setattr(prepare_module, "ENCODE_BATCH_BYTES", 256 << 10)
+    monkeypatch.setattr(build_module, "PROGRESS_EVERY_BYTES", 512 << 10)
+    monkeypatch.setattr(build_module, "ENCODE_BATCH_BYTES", 256 << 10)
     out = tmp_path / "data"
     result = _prepare([str(path), "--tokenizer", "bpe", "--vocab-size", "400", "--out", str(out)])
     assert result.exit_code == 0, result.output

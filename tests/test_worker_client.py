@@ -63,7 +63,7 @@ from eggroll_dist.worker.backend import (
 )
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import WorkerClient, WorkerFatal
-from eggroll_dist.worker.prepare import prepare_data_dir
+from eggroll_dist.worker.data.build import prepare_data_dir
 
 CFG = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16), es=ESConfig(population=16, chunk_size=8, seq_len=8)

@@ -1,5 +1,6 @@
 """The worker side: a replica that evaluates chunks and applies every committed step, and
-the one-machine commands built on it (eggroll-data, eggroll-train, eggroll-local).
+the one-machine commands built on it (eggroll-data in `data/`, eggroll-train,
+eggroll-sample, eggroll-local).
 
 The session flow is pure code (`session.py`); `client.py` is the asyncio shell that
 reconnects, reads frames and carries out the session's commands; `replica.py` runs the

@@ -23,7 +23,7 @@ import click
 
 from ..shared.cli import command, config_options, threads_option
 from ..shared.config import ConfigError, resolve_config
-from ..shared.data import DataError, load_data_dir
+from ..shared.data import META_FILE, DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.logs import (
     LISTENING,
@@ -36,10 +36,12 @@ from ..shared.logs import (
     held_out_text,
 )
 from ..shared.replica import load_checkpoint
+from ..shared.save_dir import Layout
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import get_backend
-from .prepare import builtin_documents, builtin_source, prepare_data_dir
+from .data.build import prepare_data_dir
+from .data.builtin import builtin_documents, builtin_source
 
 
 def _exe(name: str) -> str:
@@ -141,13 +143,13 @@ def _committed_steps(save_dir: Path) -> int:
     """Steps the run in `save_dir` has committed (0 for a new run; a damaged log is left
     to the coordinator to repair or report)."""
     try:
-        return FitnessLog.open(save_dir / "fitness.log", repair=False).steps
+        return FitnessLog.open(Layout(save_dir).fitness_log, repair=False).steps
     except (OSError, FitnessLogError):
         return 0
 
 
 def _ensure_data(data_dir: Path) -> None:
-    if (data_dir / "meta.json").exists():
+    if (data_dir / META_FILE).exists():
         return
     click.echo(f"preparing the built-in corpus in {data_dir} ...")
     prepare_data_dir(builtin_documents(), data_dir, builtin_source(), echo=click.echo)
@@ -269,8 +271,8 @@ def main(
             "(pass --metrics-port to pick another)"
         )
         metrics_port = 0
-    logs = save_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    layout = Layout(save_dir)
+    layout.logs.mkdir(parents=True, exist_ok=True)
     coord_args = [
         "--save-dir",
         str(save_dir),
@@ -292,7 +294,7 @@ def main(
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
-    coordinator = CoordinatorProcess(coord_args, logs / "coordinator.log", steps)
+    coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)
     procs: list[subprocess.Popen] = []
     try:
         coordinator.ready.wait(60)
@@ -310,7 +312,7 @@ def main(
         if threads is not None:
             env["EGGROLL_THREADS"] = str(threads)
         for i in range(workers):
-            with open(logs / f"worker-{i}.log", "a") as out:
+            with open(layout.worker_log(i), "a") as out:
                 procs.append(
                     subprocess.Popen(
                         [
@@ -332,7 +334,7 @@ def main(
             for i, p in enumerate(procs):
                 if p.poll() is not None and p.returncode != 0:
                     raise click.ClickException(
-                        f"worker {i} exited with code {p.returncode}; see {logs}/worker-{i}.log"
+                        f"worker {i} exited with code {p.returncode}; see {layout.worker_log(i)}"
                     )
             time.sleep(0.2)
         coordinator.thread.join(5)
@@ -358,10 +360,12 @@ def _summarise(
     seconds: float,
     summary_json: Path | None,
 ) -> None:
-    snapshots = sorted((save_dir / "snapshots").glob("step-*.ckpt"))
-    if not snapshots:
-        raise click.ClickException(f"no snapshot in {save_dir}/snapshots to evaluate")
-    state = load_checkpoint(snapshots[-1])
+    layout = Layout(save_dir)
+    steps = layout.snapshot_steps()
+    if not steps:
+        raise click.ClickException(f"no snapshot in {layout.snapshots} to evaluate")
+    snapshot = layout.snapshot(steps[-1])
+    state = load_checkpoint(snapshot)
     validation = get_backend("numpy").build(dataset, state).validate()
     ran = coordinator.last_step - coordinator.start_step
     base = dataset.meta.baselines
@@ -376,14 +380,14 @@ def _summarise(
         "steps_per_second": ran / seconds if ran else 0.0,
         "seconds": seconds,
         "save_dir": str(save_dir),
-        "snapshot": str(snapshots[-1]),
+        "snapshot": str(snapshot),
     }
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
-    (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
+    layout.summary.write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
     click.echo(
         f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
         f"held-out {held_out_text(validation.log_fields())} "
         f"(baselines: {baselines_text(base, dataset.meta.baselines_per_byte)}); replica digest "
-        f"{state.digest_hex()}; checkpoints in {save_dir}/snapshots, logs in {save_dir}/logs"
+        f"{state.digest_hex()}; checkpoints in {layout.snapshots}, logs in {layout.logs}"
     )

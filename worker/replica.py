@@ -27,34 +27,14 @@ from ..protocol.messages import MAX_SAMPLE_TEXT_BYTES
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
 from ..shared.replica import CheckpointError, ReplicaState, decode_checkpoint, encode_checkpoint
-from ..shared.sample import SampleSettings
+from ..shared.sample import write_sample
 from .backend import Backend, BackendFactory, ChunkResult, Validation
-from .train import TrainingSamples
 
-__all__ = ["Replica", "write_sample"]
+__all__ = ["Replica"]
 
 log = structlog.get_logger("eggroll.worker")
 
 T = TypeVar("T")
-
-
-def write_sample(state: ReplicaState, dataset: Dataset, request: Sample) -> tuple[bytes, bytes]:
-    """SAMPLE answered with the unperturbed `state`: (prompt, continuation) as the
-    vocabulary's bytes, each cut to what SAMPLE_TEXT carries."""
-    settings = SampleSettings(
-        temperature=request.temperature,
-        min_p=request.min_p,
-        top_k=request.top_k,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-    )
-    samples = TrainingSamples(0, dataset.valid, dataset.decoding, settings)
-    kept, out = samples.tokens(
-        state, request.seed, request.prompt_index, request.prompt_tokens, request.new_tokens
-    )
-    pieces = dataset.decoding
-    prompt, text = (b"".join(pieces[t] for t in ids) for ids in (kept, out))
-    return prompt[:MAX_SAMPLE_TEXT_BYTES], text[:MAX_SAMPLE_TEXT_BYTES]
 
 
 class _BackendThread(concurrent.futures.Executor):
@@ -203,6 +183,8 @@ class Replica:
 
     async def sample(self, request: Sample) -> tuple[bytes, bytes]:
         """Generate from the host copy of the weights (as validation does on every backend),
-        on the backend thread: in order with the chunks, never during an update."""
+        on the backend thread: in order with the chunks, never during an update. Prompt and
+        continuation are each cut to what SAMPLE_TEXT carries."""
         backend = self._backend()
-        return await self._call(lambda: write_sample(backend.state, self.dataset, request))
+        prompt, text = await self._call(lambda: write_sample(backend.state, self.dataset, request))
+        return prompt[:MAX_SAMPLE_TEXT_BYTES], text[:MAX_SAMPLE_TEXT_BYTES]

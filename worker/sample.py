@@ -19,7 +19,6 @@ import click
 
 from ..protocol.ternary import unpack_ternary
 from ..shared.cli import command
-from ..shared.config import ConfigError, from_dict
 from ..shared.data import (
     DECODING_FILE,
     META_FILE,
@@ -29,9 +28,8 @@ from ..shared.data import (
     read_meta,
     read_tokens,
 )
-from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.model import build_generator
-from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint, replay
+from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint
 from ..shared.sample import (
     NEW_TOKENS,
     PROMPT_TOKENS,
@@ -42,6 +40,7 @@ from ..shared.sample import (
     milli_text,
     parse_milli,
 )
+from ..shared.save_dir import SaveDir, SaveDirError
 from ..shared.vocab import BYTE_VOCAB_SIZE, Detokenizer, VocabError, decode, encode
 from ..shared.vocab import escape as escape_text
 from ..shared.window import held_out_prompt
@@ -56,16 +55,6 @@ class SourceError(Exception):
 # ------------------------------------------------------------------------------ replica
 
 
-def _snapshot_steps(snapshots: Path) -> list[int]:
-    steps = []
-    for p in snapshots.glob("step-*.ckpt"):
-        try:
-            steps.append(int(p.stem.split("-", 1)[1]))
-        except ValueError:
-            continue
-    return sorted(steps)
-
-
 def load_replica(
     source: Path, step: int | None = None, on_replay: Callable[[int], None] | None = None
 ) -> tuple[ReplicaState, str]:
@@ -73,57 +62,37 @@ def load_replica(
     how many logged steps are about to be replayed."""
     if not source.exists():
         raise SourceError(f"{source} does not exist: give a save directory or a checkpoint file")
-    try:
-        if source.is_file():
+    if source.is_file():
+        try:
             state = load_checkpoint(source)
-            if step is not None and step != state.step:
-                raise SourceError(
-                    f"{source} holds step {state.step}, not {step}: give its save directory "
-                    "to replay other steps"
-                )
-            return state, f"checkpoint {source.name}"
-        return _from_save_dir(source, step, on_replay)
-    except (CheckpointError, FitnessLogError, ConfigError) as exc:
+        except CheckpointError as exc:
+            raise SourceError(str(exc)) from None
+        if step is not None and step != state.step:
+            raise SourceError(
+                f"{source} holds step {state.step}, not {step}: give its save directory "
+                "to replay other steps"
+            )
+        return state, f"checkpoint {source.name}"
+    try:
+        return _from_save_dir(SaveDir.open(source), step, on_replay)
+    except SaveDirError as exc:
         raise SourceError(str(exc)) from None
 
 
 def _from_save_dir(
-    root: Path, step: int | None, on_replay: Callable[[int], None] | None
+    run: SaveDir, step: int | None, on_replay: Callable[[int], None] | None
 ) -> tuple[ReplicaState, str]:
-    run_file = root / "run.json"
-    if not run_file.is_file():
-        raise SourceError(f"{root} holds no run (no run.json): give a save directory")
-    try:
-        cfg = from_dict(json.loads(run_file.read_text())["config"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SourceError(f"{run_file} is unreadable: {exc}") from None
-    log = None
-    if (root / "fitness.log").is_file():
-        log = FitnessLog.open(root / "fitness.log", repair=False)  # never write a live run
-        if log.config_digest != cfg.digest():
-            raise SourceError(f"{root / 'fitness.log'} belongs to another run config")
-    committed = log.steps if log else 0
-    snapshots = [s for s in _snapshot_steps(root / "snapshots") if s <= committed]
+    committed = run.steps
     if step is None:
+        snapshots = run.snapshot_steps()
         step = snapshots[-1] if snapshots else committed
     elif not 0 <= step <= committed:
-        raise SourceError(f"--step {step} is not in {root}: it has steps 0..{committed}")
-    base = max((s for s in snapshots if s <= step), default=None)
-    if base is None:
-        state, origin = ReplicaState.initial(cfg), "initial weights"
-    else:
-        state = load_checkpoint(root / "snapshots" / f"step-{base:08d}.ckpt")
-        if state.config.digest() != cfg.digest() or state.step != base:
-            raise SourceError(f"snapshot of step {base} in {root} belongs to another run")
-        origin = f"snapshot {base}"
-    if step > state.step:
-        assert log is not None  # step <= committed, so the log holds it
-        count = step - state.step
-        if on_replay is not None:
-            on_replay(count)
-        packed = log.read(state.step, count)
-        state = replay(state, (unpack_ternary(p, cfg.pairs) for p in packed))
-        origin += f" + {count} steps replayed"
+        raise SourceError(f"--step {step} is not in {run.path}: it has steps 0..{committed}")
+    base = run.base_of(step)
+    state = run.state_at(step, unpack_ternary, on_replay)
+    origin = "initial weights" if base is None else f"snapshot {base}"
+    if step > (base or 0):
+        origin += f" + {step - (base or 0)} steps replayed"
     return state, origin
 
 

@@ -2,8 +2,8 @@
 
 The population of each step is evaluated chunk by chunk exactly as workers would, the
 fitness of all pairs is packed, logged and applied. With --save-dir the run leaves the
-same files a coordinator does (run.json, fitness.log, snapshots/), so it can be inspected
-and replayed.
+same files a coordinator does (run.json, fitness.log, snapshots/; shared/save_dir.py), so
+it can be inspected and replayed.
 """
 
 from __future__ import annotations
@@ -25,48 +25,16 @@ from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog
 from ..shared.logs import baselines_text, configure_logging, held_out_text
-from ..shared.model import build_generator
 from ..shared.replica import ReplicaState, save_checkpoint
-from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings, fit_prompt, generate
-from ..shared.vocab import decode, escape
-from ..shared.window import data_too_short, held_out_prompt
+from ..shared.sample import TrainingSamples
+from ..shared.save_dir import Layout, new_run, write_run
+from ..shared.vocab import escape
+from ..shared.window import data_too_short
 from .backend import Backend, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
-
-
-@dataclass(frozen=True)
-class TrainingSamples:
-    """Every `every` steps (0: only when asked, as a worker is by SAMPLE), the unperturbed
-    model continues a held-out document, by default document 0 with seed = step:
-    `eggroll-sample SAVE_DIR --step S --seed S` writes the same text."""
-
-    every: int
-    valid: np.ndarray
-    pieces: list[bytes]
-    settings: SampleSettings = field(default_factory=SampleSettings)
-
-    def tokens(
-        self,
-        state: ReplicaState,
-        seed: int | None = None,
-        document: int = 0,
-        prompt_tokens: int = PROMPT_TOKENS,
-        new_tokens: int = NEW_TOKENS,
-    ) -> tuple[list[int], list[int]]:
-        """(kept prompt, continuation) as token ids; the seed defaults to the state's step."""
-        model = build_generator(state.config, state.params)
-        prompt = held_out_prompt(self.valid, document, min(prompt_tokens, model.context))
-        kept = fit_prompt(prompt, model.context, model.vocab_size)
-        seed = state.step if seed is None else seed
-        return kept, list(generate(model, kept, new_tokens, self.settings, seed=seed))
-
-    def write(self, state: ReplicaState) -> tuple[str, str]:
-        """(prompt, continuation) as text, unescaped."""
-        kept, out = self.tokens(state)
-        return decode(kept, self.pieces), decode(out, self.pieces)
 
 
 @dataclass
@@ -261,12 +229,13 @@ def main(
         raise click.ClickException(f"data in {data_dir}: {short}")
     steps = steps or cfg.steps
     fitness_log = None
-    if save_dir is not None:
-        if save_dir.exists() and any(save_dir.iterdir()):
+    layout = None if save_dir is None else Layout(save_dir)
+    if layout is not None:
+        if layout.root.exists() and any(layout.root.iterdir()):
             raise click.ClickException(f"--save-dir {save_dir} is not empty; pick a new directory")
-        (save_dir / "snapshots").mkdir(parents=True, exist_ok=True)
-        (save_dir / "run.json").write_text(json.dumps({"config": cfg.to_dict()}, indent=2))
-        fitness_log = FitnessLog.create(save_dir / "fitness.log", cfg.pairs, cfg.digest())
+        layout.snapshots.mkdir(parents=True, exist_ok=True)
+        write_run(layout, new_run(cfg))
+        fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
     log.info(
         "start",
         preset=preset_name or ("tiny" if not config_path else None),
@@ -283,13 +252,13 @@ def main(
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
     max_seconds = max_minutes * 60 if max_minutes is not None else None
     result = train(cfg, backend, steps, fitness_log, samples, max_seconds)
-    if save_dir is not None:
-        save_checkpoint(save_dir / "snapshots" / f"step-{result.state.step:08d}.ckpt", result.state)
+    if layout is not None:
+        save_checkpoint(layout.snapshot(result.state.step), result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
-    if save_dir is not None:  # for eggroll-inspect
-        (save_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if layout is not None:  # for eggroll-inspect
+        layout.summary.write_text(json.dumps(summary, indent=2) + "\n")
     meta = dataset.meta
     click.echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..shared.data import FORMAT_VERSION, DataMeta, decode_tokens, token_dtype, tokens_digest
+from ...shared.data import FORMAT_VERSION, DataMeta, decode_tokens, token_dtype, tokens_digest
 
 __all__ = [
     "BASELINE_NAMES",

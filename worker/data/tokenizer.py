@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..shared.data import DataError
+from ...shared.data import DataError
 
 __all__ = [
     "MIN_VOCAB_SIZE",

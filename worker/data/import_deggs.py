@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..shared.atomic_file import write_atomic
-from ..shared.data import (
+from ...shared.atomic_file import write_atomic
+from ...shared.data import (
     DECODING_FILE,
     INPUT_FILE,
     META_FILE,

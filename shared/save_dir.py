@@ -1,0 +1,272 @@
+"""The save directory: the one place that names its files, and the reading of one.
+
+    run.json         run id, run config, data digest (rewritten atomically)
+    fitness.log      one fsync'd record per committed step: the run itself
+    digests.log      "step digest" lines: the agreed replica digest at each step
+    snapshots/       step-00000100.ckpt ...: replica states (checkpoint files)
+    logs/            eggroll-local's logs: coordinator.log (JSON lines), worker-N.log
+    summary.json     the last summary of eggroll-train or eggroll-local
+    .lock            held while a coordinator runs on this directory
+
+Steps committed = records in fitness.log, and the state at step S is a pure function of
+them (`shared.replica.replay`): a snapshot only shortens the replay, losing one loses
+nothing. The coordinator's `RunStore` (coordinator/store.py) and `eggroll-train
+--save-dir` write a save directory with the names and writers below; `SaveDir` reads one
+without creating, repairing or locking anything, so it is safe on a live run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .atomic_file import write_atomic
+from .config import ConfigError, RunConfig, from_dict
+from .fitness_log import FitnessLog, FitnessLogError
+from .replica import CheckpointError, ReplicaState, load_checkpoint, replay
+
+RUN_FORMAT = 1
+RUN_FILE = "run.json"
+FITNESS_LOG = "fitness.log"
+DIGESTS_LOG = "digests.log"
+SNAPSHOTS = "snapshots"
+LOGS = "logs"
+COORDINATOR_LOG = "coordinator.log"
+SUMMARY_FILE = "summary.json"
+LOCK_FILE = ".lock"
+SNAPSHOT_GLOB = "step-*.ckpt"
+
+_SNAPSHOT_NAME = re.compile(r"step-([0-9]+)\.ckpt")
+_DIGEST_LINE = re.compile(rb"(0|[1-9][0-9]{0,18}) ([0-9a-f]{16})")
+
+# A fitness-log record's payload -> the step's fitness (int8 in {-1, 0, 1}, one per pair).
+# The payload is opaque to shared/ (see fitness_log.py): callers pass
+# protocol.ternary.unpack_ternary.
+UnpackFitness = Callable[[bytes, int], np.ndarray]
+
+
+class SaveDirError(Exception):
+    """A save directory that cannot be read, or a step it does not hold; the message says
+    why in one line."""
+
+
+def snapshot_name(step: int) -> str:
+    """The file name of the snapshot of `step` in snapshots/."""
+    return f"step-{step:08d}.ckpt"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each file of the save directory at `root` lives; nothing is read or created."""
+
+    root: Path
+
+    @property
+    def run_file(self) -> Path:
+        return self.root / RUN_FILE
+
+    @property
+    def fitness_log(self) -> Path:
+        return self.root / FITNESS_LOG
+
+    @property
+    def digests_log(self) -> Path:
+        return self.root / DIGESTS_LOG
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / SNAPSHOTS
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS
+
+    @property
+    def coordinator_log(self) -> Path:
+        return self.logs / COORDINATOR_LOG
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+    def worker_log(self, index: int) -> Path:
+        return self.logs / f"worker-{index}.log"
+
+    def snapshot(self, step: int) -> Path:
+        return self.snapshots / snapshot_name(step)
+
+    def snapshot_files(self) -> list[Path]:
+        """Every file named like a snapshot, by name (a damaged or odd one included)."""
+        return sorted(self.snapshots.glob(SNAPSHOT_GLOB))
+
+    def snapshot_steps(self) -> list[int]:
+        """The steps of the snapshot files present, ascending; names that `snapshot_name`
+        does not write are ignored."""
+        steps = []
+        for path in self.snapshots.glob(SNAPSHOT_GLOB):
+            match = _SNAPSHOT_NAME.fullmatch(path.name)
+            if match is not None and path.name == snapshot_name(int(match[1])):
+                steps.append(int(match[1]))
+        return sorted(steps)
+
+
+# --- writing (the coordinator's store and eggroll-train) ---------------------------------
+
+
+def new_run(config: RunConfig) -> dict[str, Any]:
+    """The run.json record of a new run: a fresh run id, no data digest yet."""
+    return {
+        "format": RUN_FORMAT,
+        "run_id": secrets.token_hex(16),
+        "created": time.time(),
+        "config": config.to_dict(),
+        "data_digest": None,
+    }
+
+
+def write_run(layout: Layout, run: dict[str, Any]) -> None:
+    """Write run.json atomically: a crash leaves the old record or the new one."""
+    write_atomic(layout.run_file, json.dumps(run, indent=2).encode())
+
+
+def digest_line(step: int, digest: int) -> bytes:
+    """The digests.log line that records the agreed replica digest at `step`."""
+    return b"%d %016x\n" % (step, digest)
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def read_run(layout: Layout) -> tuple[dict[str, Any], RunConfig]:
+    """run.json as stored (a record without run id or format still reads) and its config."""
+    if not layout.run_file.is_file():
+        raise SaveDirError(f"{layout.root} holds no run (no {RUN_FILE})")
+    try:
+        run = json.loads(layout.run_file.read_text())
+        return run, from_dict(run["config"])
+    except (ValueError, KeyError, TypeError, ConfigError) as exc:
+        raise SaveDirError(f"{layout.run_file} is unreadable ({exc})") from None
+
+
+def read_digests(path: Path) -> tuple[dict[int, int], int]:
+    """Agreed digests from digests.log (`digest_line` lines) and the byte length of its good
+    lines. A malformed or unterminated last line is a torn append and is left out; a
+    malformed line before it is SaveDirError."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}, 0
+    digests: dict[int, int] = {}
+    good = 0
+    lines = data.split(b"\n")  # the last item is b"" when the file ends in a newline
+    for number, line in enumerate(lines[:-1], 1):
+        match = _DIGEST_LINE.fullmatch(line)
+        if match is None:
+            if number == len(lines) - 1 and not lines[-1]:
+                break  # the last line, torn
+            raise SaveDirError(
+                f"{path} line {number} is malformed; the file is a check that workers "
+                "rebuild, so delete it (or that line) and start again"
+            )
+        digests[int(match[1])] = int(match[2], 16)
+        good += len(line) + 1
+    return digests, good
+
+
+class SaveDir:
+    """A save directory opened for reading: its run record, fitness log and snapshots, and
+    the replica state at any committed step. Every error is SaveDirError."""
+
+    def __init__(self, layout: Layout, run: dict[str, Any], config: RunConfig) -> None:
+        self.layout = layout
+        self.run = run  # run.json as stored
+        self.config = config
+        self._log: FitnessLog | None = None
+
+    @classmethod
+    def open(cls, path: str | Path) -> SaveDir:
+        """Read run.json of the save directory at `path`; nothing is written."""
+        layout = Layout(Path(path))
+        if not layout.root.exists():
+            raise SaveDirError(f"{layout.root} does not exist")
+        if not layout.root.is_dir():
+            raise SaveDirError(f"{layout.root} is not a directory: give a save directory")
+        run, config = read_run(layout)
+        return cls(layout, run, config)
+
+    @property
+    def path(self) -> Path:
+        return self.layout.root
+
+    def fitness_log(self) -> FitnessLog:
+        """The fitness log, every record verified, never repaired (a live run's torn last
+        record is an error here, not cut off); opened once."""
+        if self._log is None:
+            try:
+                log = FitnessLog.open(self.layout.fitness_log, repair=False)
+            except FitnessLogError as exc:
+                raise SaveDirError(str(exc)) from None
+            if log.config_digest != self.config.digest():
+                raise SaveDirError(f"{self.layout.fitness_log} belongs to another run config")
+            self._log = log
+        return self._log
+
+    @property
+    def steps(self) -> int:
+        """Steps committed (0 while there is no fitness log)."""
+        return self.fitness_log().steps if self.layout.fitness_log.is_file() else 0
+
+    def digests(self) -> dict[int, int]:
+        """The agreed replica digest at each step digests.log records."""
+        return read_digests(self.layout.digests_log)[0]
+
+    def snapshot_steps(self) -> list[int]:
+        """The snapshots that count: those of committed steps."""
+        committed = self.steps
+        return [s for s in self.layout.snapshot_steps() if s <= committed]
+
+    def base_of(self, step: int) -> int | None:
+        """The newest snapshot at or below `step` (None: replay from the initial state)."""
+        return max((s for s in self.snapshot_steps() if s <= step), default=None)
+
+    def state_at(
+        self, step: int, unpack: UnpackFitness, on_replay: Callable[[int], None] | None = None
+    ) -> ReplicaState:
+        """The replica state after `step` committed steps, the one every worker reaches: the
+        newest snapshot at or below it, then the fitness log replayed up to it, each record
+        read by `unpack`. `on_replay` hears how many steps are about to be replayed."""
+        committed = self.steps
+        if not 0 <= step <= committed:
+            raise SaveDirError(f"step {step} is not in {self.path}: it has steps 0..{committed}")
+        base = self.base_of(step)
+        if base is None:
+            state = ReplicaState.initial(self.config)
+        else:
+            try:
+                state = load_checkpoint(self.layout.snapshot(base))
+            except CheckpointError as exc:
+                raise SaveDirError(f"{self.layout.snapshot(base)}: {exc}") from None
+            if state.config.digest() != self.config.digest() or state.step != base:
+                raise SaveDirError(f"snapshot of step {base} in {self.path} belongs to another run")
+        if step > state.step:
+            count = step - state.step
+            if on_replay is not None:
+                on_replay(count)
+            try:
+                packed = self.fitness_log().read(state.step, count)
+            except FitnessLogError as exc:
+                raise SaveDirError(str(exc)) from None
+            state = replay(state, (unpack(p, self.config.pairs) for p in packed))
+        return state

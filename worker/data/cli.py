@@ -1,0 +1,237 @@
+"""`eggroll-data`: build a data directory from text, import a d-eggs one, or inspect one.
+
+    eggroll-data prepare notes.txt book.txt --out data/
+    eggroll-data prepare --builtin --out data/
+    eggroll-data prepare --builtin --tokenizer bpe --vocab-size 8192 --out data/bpe
+    eggroll-data prepare more.txt --tokenizer data/bpe/tokenizer.json --out data/more
+    eggroll-data import deggs-data/ --out data/deggs
+    eggroll-data info data/
+
+How text becomes documents is in ``documents.py``, the built-in corpus in ``builtin.py``,
+the split, the tokens and the files in ``build.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import click
+
+from ...shared.cli import OneLineError, command
+from ...shared.data import DataError, DataMeta, load_data_dir
+from .baselines import BASELINE_NAMES
+from .build import (
+    DEFAULT_BPE_VOCAB_SIZE,
+    DEFAULT_VALID_FRACTION,
+    DocSource,
+    counted,
+    prepare_data_dir,
+    prepare_tokenized_data_dir,
+    say_baselines,
+    size_warnings,
+)
+from .builtin import builtin_documents, builtin_source
+from .documents import file_documents, files_documents
+from .import_deggs import import_data_dir
+from .tokenizer import load_tokenizer
+
+
+def _progress(line: str) -> None:
+    click.echo(line, err=True)
+
+
+@command(group=True)
+def main() -> None:
+    """Build and inspect eggroll data directories (input.bin, valid.bin, decoding.bin,
+    meta.json)."""
+
+
+@main.command()
+@click.argument("text_files", nargs=-1, type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Data directory to write (created if needed; its four files are replaced).",
+)
+@click.option(
+    "--builtin",
+    is_flag=True,
+    help="Use the built-in corpus (Python's pydoc topics and stdlib docstrings).",
+)
+@click.option(
+    "--valid-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    default=DEFAULT_VALID_FRACTION,
+    show_default=True,
+    help="Share of documents held out in valid.bin (chosen by a hash of their text).",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_arg",
+    default=None,
+    metavar="bpe|FILE.json",
+    help="bpe: train a byte-level BPE on the train documents; FILE.json: use that "
+    "tokenizer (id 0 a special token, byte-level pieces). Default: the byte vocabulary.",
+)
+@click.option(
+    "--vocab-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"Tokens of the trained BPE, separator and 256 bytes included "
+    f"[default: {DEFAULT_BPE_VOCAB_SIZE}].",
+)
+def prepare(
+    text_files: tuple[Path, ...],
+    out: Path,
+    builtin: bool,
+    valid_fraction: float,
+    tokenizer_arg: str | None,
+    vocab_size: int | None,
+) -> None:
+    """Tokenize TEXT_FILES (UTF-8) or the built-in corpus into --out: as bytes, or with a
+    BPE tokenizer (--tokenizer)."""
+    if builtin and text_files:
+        raise OneLineError("give text files or --builtin, not both")
+    if not builtin and not text_files:
+        raise OneLineError(
+            "nothing to prepare: give text files, or --builtin for the built-in corpus"
+        )
+    if vocab_size is not None and tokenizer_arg != "bpe":
+        raise OneLineError("--vocab-size sets the size of a trained BPE: add --tokenizer bpe")
+    start = time.monotonic()
+    try:
+        if builtin:
+            source = builtin_source()
+            _progress(f"gathering the built-in corpus ({source}) ...")
+            builtin_docs = builtin_documents()
+        if tokenizer_arg is not None:
+            tokenizer = None if tokenizer_arg == "bpe" else load_tokenizer(tokenizer_arg)
+            if builtin:
+                docs: DocSource = builtin_docs.__iter__
+            else:
+                source = ", ".join(p.name for p in text_files)
+                docs = partial(files_documents, text_files)
+            meta = prepare_tokenized_data_dir(
+                docs,
+                out,
+                source,
+                tokenizer,
+                vocab_size or DEFAULT_BPE_VOCAB_SIZE,
+                valid_fraction,
+                echo=_progress,
+            )
+        else:
+            if builtin:
+                all_docs = builtin_docs
+            else:
+                source = ", ".join(p.name for p in text_files)
+                all_docs = [d for p in text_files for d in file_documents(p)]
+            if not all_docs:
+                raise DataError(f"no text found in {source}: the input files are empty")
+            total = sum(len(d) for d in all_docs)
+            _progress(f"gathered {counted(len(all_docs), 'document')}, {total:,} bytes of text")
+            meta = prepare_data_dir(all_docs, out, source, valid_fraction, echo=_progress)
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        where = e.filename or out
+        raise click.ClickException(f"cannot use {where}: {e.strerror or e}") from None
+    _summary(out, meta, time.monotonic() - start)
+
+
+def _summary(out: Path, meta: DataMeta, elapsed: float) -> None:
+    """The one stdout line of prepare and import, then the size warnings on stderr."""
+    b, bb = meta.baselines, meta.baselines_per_byte
+    click.echo(
+        f"wrote {out}: {meta.train_tokens:,} train + {meta.valid_tokens:,} valid tokens "
+        f"(vocab {meta.vocab_size:,}), sha256 {meta.sha256[:16]}, unigram {b['unigram']:.3f} / "
+        f"bigram {b['bigram']:.3f} / gzip9 {b['gzip9']:.3f} bits/token = "
+        f"{bb['unigram']:.3f} / {bb['bigram']:.3f} / {bb['gzip9']:.3f} bits/byte, "
+        f"{elapsed:.1f} s"
+    )
+    for warning in size_warnings(meta.train_tokens, meta.valid_tokens, meta.vocab_size):
+        click.echo(f"warning: {warning}", err=True)
+
+
+@main.command("import")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    "out",
+    default=None,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Data directory to write [default: DIRECTORY itself; its input.bin then keeps only "
+    "the train part].",
+)
+@click.option(
+    "--valid-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    default=DEFAULT_VALID_FRACTION,
+    show_default=True,
+    help="Share of the tokens held out in valid.bin, cut from the end of input.bin.",
+)
+def import_(directory: Path, out: Path | None, valid_fraction: float) -> None:
+    """Make a d-eggs data directory (input.bin + decoding.bin) an eggroll one: check the ids,
+    cut valid.bin from the end of input.bin, write meta.json with the baselines."""
+    start = time.monotonic()
+    try:
+        meta = import_data_dir(directory, out, f"import:{directory.name}", valid_fraction)
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        where = e.filename or directory
+        raise click.ClickException(f"cannot use {where}: {e.strerror or e}") from None
+    say_baselines(_progress, meta)
+    _summary(out or directory, meta, time.monotonic() - start)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Check the sha256 of input.bin + valid.bin against meta.json.",
+)
+def info(directory: Path, verify: bool) -> None:
+    """Print the meta.json of a data directory, after checking its files."""
+    try:
+        data = load_data_dir(directory, verify=verify)
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot read {e.filename or directory}: {e.strerror}") from None
+    m = data.meta
+    rows = [
+        ("directory", str(directory)),
+        ("source", m.source),
+        ("format", str(m.format_version)),
+        ("vocab size", str(m.vocab_size)),
+        ("train tokens", f"{m.train_tokens:,}"),
+        ("valid tokens", f"{m.valid_tokens:,}"),
+        ("documents", f"{m.documents:,} ({m.valid_documents:,} in valid)"),
+        ("ids by frequency", "yes" if m.ids_by_frequency else "no"),
+        ("sha256", m.sha256 + (" (verified)" if verify else " (not checked)")),
+    ]
+    # Known baselines first, in their usual order, then any a newer writer added.
+    names = [n for n in BASELINE_NAMES if n in m.baselines]
+    names += sorted(set(m.baselines) - set(BASELINE_NAMES))
+    rows += [(f"{name} bits/token", f"{m.baselines[name]:.4f}") for name in names]
+    if m.valid_bytes:
+        rows.append(("valid bytes", f"{m.valid_bytes:,}"))
+    rows += [
+        (f"{name} bits/byte", f"{m.baselines_per_byte[name]:.4f}")
+        for name in names
+        if name in m.baselines_per_byte
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()
