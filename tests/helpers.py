@@ -298,12 +298,14 @@ class _Recording(CoordinatorExecutor):
 class Network:
     """The run core and its workers over in-memory links (h11's ConnectionPair, widened)."""
 
-    def __init__(self, store: RunStore, dataset: Dataset, **options: Any) -> None:
+    def __init__(
+        self, store: RunStore, dataset: Dataset, *, metrics: Metrics | None = None, **options: Any
+    ) -> None:
         self.clock = FakeClock()
         self.store = store
         self.dataset = dataset
         self.core = RunCore(store, RunOptions(**options), self.clock)
-        self.metrics = Metrics()  # a registry of its own
+        self.metrics = metrics or Metrics()  # a registry of its own
         self.metrics.observe(self.core.status, store.run_id, store.config.digest())
         self.links: dict[int, Link] = {}
         self.executor = _Recording(self.core, self.metrics, self.links, offload=_inline)
