@@ -5,7 +5,7 @@ timer, digest agreement and the snapshot, validation and sample wants, and keeps
 record per connected worker. Each incoming message goes to `receive(peer, msg)`; time passing
 goes to `expire()`, a lost connection to `peer_left(peer)`. Every call returns, in order, the
 commands to carry out (send this message to that peer, serve a stored snapshot, store a
-received one) and the events that happened (a step committed, a chunk re-queued, a held-out
+received one) and the events (`events.py`: a step committed, a chunk re-queued, a held-out
 score in), which the shell (`server.py`) records in the metrics and the log. A peer is refused
 by raising `Refused`, which carries the ERROR code the shell sends before it closes the
 connection, and the events that led to it. Store effects go through the `RunStore` it is
@@ -86,46 +86,49 @@ from ..shared.fitness import chunk_loss_range
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
+from .events import (
+    CatchupServed,
+    ChunkAccepted,
+    ChunkTimed,
+    Committed,
+    DataDigestAgreed,
+    DigestMismatch,
+    DigestsDisagree,
+    Event,
+    Joined,
+    Leased,
+    Left,
+    NoSnapshotSource,
+    Progress,
+    Rejected,
+    Requeued,
+    ResultDropped,
+    Sampled,
+    SnapshotRejected,
+    SnapshotStored,
+    Validated,
+    WorkerError,
+    WorkerLog,
+)
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .store import RunStore
 
 __all__ = [
     "CATCHUP_STEPS",
     "WAIT_MS",
-    "CatchupServed",
-    "ChunkAccepted",
-    "ChunkTimed",
     "Command",
-    "Committed",
-    "DataDigestAgreed",
-    "DigestMismatch",
-    "DigestsDisagree",
     "Event",
     "Fatal",
-    "Joined",
-    "Leased",
-    "Left",
-    "NoSnapshotSource",
     "Output",
     "Peer",
-    "Progress",
     "Refused",
-    "Rejected",
-    "Requeued",
-    "ResultDropped",
     "RunCore",
     "RunOptions",
-    "Sampled",
     "Send",
     "ServeSnapshot",
-    "SnapshotRejected",
-    "SnapshotStored",
     "Status",
     "StoreSnapshot",
-    "Validated",
     "Want",
-    "WorkerError",
-    "WorkerLog",
 ]
 
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
@@ -164,183 +167,6 @@ class StoreSnapshot:
 
 
 Command = Send | ServeSnapshot | StoreSnapshot
-
-
-# --- events (what the shell records: metrics and log lines) ------------------------------------
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something that happened in the run; the shell decides how it is measured and logged."""
-
-
-@dataclass(frozen=True)
-class Joined(Event):
-    worker: str
-    address: str
-    workers: int  # past the handshake, this one included
-
-
-@dataclass(frozen=True)
-class Left(Event):
-    worker: str
-    workers: int
-
-
-@dataclass(frozen=True)
-class Rejected(Event):
-    """A peer is refused with ERROR(code)."""
-
-    worker: str
-    code: ErrorCode
-    reason: str
-
-
-@dataclass(frozen=True)
-class DataDigestAgreed(Event):
-    digest: bytes
-    workers: int
-
-
-@dataclass(frozen=True)
-class DigestMismatch(Event):
-    """A replica digest differs from the step's agreed one (the worker is refused)."""
-
-    worker: str
-    step: int
-
-
-@dataclass(frozen=True)
-class DigestsDisagree(Event):
-    """Workers report different digests for a step none has agreed yet (once per step)."""
-
-    step: int
-    digests: int
-
-
-@dataclass(frozen=True)
-class Leased(Event):
-    worker: str
-    step: int
-    chunk: int
-
-
-@dataclass(frozen=True)
-class ChunkTimed(Event):
-    """A worker's RESULT for the open step, `seconds` after its lease."""
-
-    worker: str
-    seconds: float
-    member_tokens: int
-
-
-@dataclass(frozen=True)
-class ChunkAccepted(Event):
-    worker: str
-    step: int
-    chunk: int
-
-
-@dataclass(frozen=True)
-class ResultDropped(Event):
-    """A RESULT not used; `refused`: its worker is refused for it (the refusal is logged)."""
-
-    reason: str  # an `Outcome` value, or "diverged"
-    worker: str
-    step: int
-    chunk: int
-    refused: bool = False
-
-
-@dataclass(frozen=True)
-class Requeued(Event):
-    reason: str  # "disconnect" or "deadline"
-    chunks: list[int]
-    step: int
-
-
-@dataclass(frozen=True)
-class Progress(Event):
-    """A long step's progress: `step` is the one being worked on, counted from 1."""
-
-    step: int
-    chunks_done: int
-    chunks: int
-    seconds: int
-
-
-@dataclass(frozen=True)
-class Committed(Event):
-    """Step `step` (counted from 0, as STEP carries it) is durable; `seconds` from its first
-    lease, `loss_bits` the population's mean bits per token."""
-
-    step: int
-    seconds: float
-    loss_bits: float
-    member_tokens: int
-    changed: int  # int8 weights changed by the update before it (0: unknown)
-    workers: int
-    requeued: int  # chunk re-queues during the step
-
-
-@dataclass(frozen=True)
-class CatchupServed(Event):
-    worker: str
-    first_step: int
-    steps: int
-
-
-@dataclass(frozen=True)
-class NoSnapshotSource(Event):
-    """A final snapshot is wanted, and no worker is at the step to send it."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class SnapshotRejected(Event):
-    worker: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class SnapshotStored(Event):
-    step: int
-    worker: str
-    bytes: int
-    digest: str  # hex
-
-
-@dataclass(frozen=True)
-class Validated(Event):
-    """The held-out score asked for arrived (the VALIDATION message holds every number)."""
-
-    worker: str
-    scores: Validation
-
-
-@dataclass(frozen=True)
-class Sampled(Event):
-    """The sample asked for arrived; prompt and text escaped to one line each."""
-
-    step: int
-    worker: str
-    prompt: str
-    text: str
-
-
-@dataclass(frozen=True)
-class WorkerLog(Event):
-    worker: str
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class WorkerError(Event):
-    worker: str
-    code: int
-    text: str
 
 
 Output = Command | Event

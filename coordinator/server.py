@@ -41,10 +41,7 @@ from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import CheckpointError, decode_checkpoint
-from .jobs import Clock, Outcome
-from .link import Link
-from .metrics import Metrics
-from .run import (
+from .events import (
     CatchupServed,
     ChunkAccepted,
     ChunkTimed,
@@ -53,28 +50,33 @@ from .run import (
     DigestMismatch,
     DigestsDisagree,
     Event,
-    Fatal,
     Joined,
     Leased,
     Left,
     NoSnapshotSource,
-    Output,
     Progress,
-    Refused,
     Rejected,
     Requeued,
     ResultDropped,
-    RunCore,
-    RunOptions,
     Sampled,
-    Send,
-    ServeSnapshot,
     SnapshotRejected,
     SnapshotStored,
-    StoreSnapshot,
     Validated,
     WorkerError,
     WorkerLog,
+)
+from .jobs import Clock, Outcome
+from .link import Link
+from .metrics import Metrics
+from .run import (
+    Fatal,
+    Output,
+    Refused,
+    RunCore,
+    RunOptions,
+    Send,
+    ServeSnapshot,
+    StoreSnapshot,
 )
 from .store import RunStore
 

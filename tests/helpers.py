@@ -13,6 +13,7 @@ the real shell would wait for its backend thread.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -53,6 +54,21 @@ max_tokens = 480
 """
 
 
+# A tiny run: four chunks of 8 members a step, a step in milliseconds.
+TINY_RUN = """
+[model]
+n_layer = 1
+d_model = 16
+[es]
+population = 32
+chunk_size = 8
+seq_len = 8
+[validation]
+every_steps = 0
+max_tokens = 200
+"""
+
+
 def command(name: str) -> str:
     """A console script of the installation under test."""
     return str(Path(sys.executable).with_name(name))
@@ -83,6 +99,18 @@ def start_worker(
         *("--data-dir", data_dir, "--name", name, "--log-format", "json", "--max-retry-s", "1"),
         *extra,
     )
+
+
+def inspect_run(save_dir: Path) -> dict[str, Any]:
+    """What `eggroll-inspect --json` says of a save directory."""
+    done = subprocess.run(
+        [command("eggroll-inspect"), str(save_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def digest_at(save_dir: Path, step: int) -> int:

@@ -12,8 +12,8 @@ import pytest
 from helpers import Network
 from prometheus_client import CollectorRegistry
 
+from eggroll_dist.coordinator.events import Committed, Sampled
 from eggroll_dist.coordinator.metrics import Metrics
-from eggroll_dist.coordinator.run import Committed, Sampled
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import ErrorCode, Validation
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
