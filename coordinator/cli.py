@@ -23,7 +23,7 @@ from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from ..shared.save_dir import Layout
 from .metrics import Metrics
-from .run import Fatal
+from .run import Fatal, RunOptions
 from .server import Coordinator, Options
 from .store import RunStore, StoreError
 
@@ -253,18 +253,20 @@ def main(
     options = Options(
         host=host,
         port=port,
-        token=token,
         tls=tls,
-        data_digest=digest,
+        run=RunOptions(
+            token=token,
+            data_digest=digest,
+            max_steps=max_steps,
+            snapshot_every=snapshot_every,
+            sample_every=sample_every,
+            chunk_timeout_s=chunk_timeout,
+        ),
         max_connections=max_connections,
         max_connections_per_address=max_connections_per_address,
         handshake_timeout_s=handshake_timeout_s,
         write_timeout_s=write_timeout_s,
-        max_steps=max_steps,
-        snapshot_every=snapshot_every,
-        sample_every=sample_every,
         keep_snapshots=keep_snapshots,
-        chunk_timeout_s=chunk_timeout,
     )
     metrics = Metrics()
     if metrics_port:

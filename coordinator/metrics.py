@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,9 +27,6 @@ from prometheus_client.exposition import start_http_server
 from ..protocol import ErrorCode, MsgType, Validation
 from .jobs import Outcome
 
-if TYPE_CHECKING:
-    from .run import RunCore
-
 # Why a RESULT is not used: every non-accepted outcome, and a diverged replica.
 DROP_REASONS = (*(o.value for o in Outcome if o is not Outcome.ACCEPTED), "diverged")
 
@@ -41,6 +39,17 @@ def _package_version() -> str:
         return version("eggroll-distributed")
     except PackageNotFoundError:
         return "unknown"
+
+
+class RunStatus(Protocol):
+    """What the gauges read at scrape time (the run core's `Status`)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def weights_changed(self) -> int | None: ...
 
 
 class Metrics:
@@ -193,16 +202,17 @@ class Metrics:
             for msg_type in MsgType:
                 self.network_bytes.labels(direction, msg_type.name)
 
-    def observe(self, core: RunCore) -> None:
-        """Gauges that are read from the run core at scrape time."""
-        self.step.set_function(lambda: core.step)
-        self.workers.set_function(core.ready_count)
-        self.weights_changed.set_function(
-            lambda: float("nan") if core.weights_changed is None else core.weights_changed
-        )
-        self.run_info.info(
-            {"run_id": core.store.run_id.hex(), "config_digest": core.cfg.digest().hex()}
-        )
+    def observe(self, status: Callable[[], RunStatus], run_id: bytes, config_digest: bytes) -> None:
+        """The run served, and the gauges read from `status()` at scrape time."""
+        self.step.set_function(lambda: status().step)
+        self.workers.set_function(lambda: status().workers)
+
+        def changed() -> float:
+            value = status().weights_changed
+            return float("nan") if value is None else value
+
+        self.weights_changed.set_function(changed)
+        self.run_info.info({"run_id": run_id.hex(), "config_digest": config_digest.hex()})
 
     def committed(self, seconds: float, loss_bits: float, member_tokens: int) -> None:
         self.steps_committed.inc()

@@ -1,14 +1,17 @@
 """The run core: the coordinator's side of protocol/SPEC.md §8 as pure code.
 
-No asyncio, no sockets. `RunCore` owns the open step's jobs, the chunk timer, digest
-agreement and the snapshot and validation wants, and keeps one `Peer` record per connected
-worker. Each incoming message goes to `receive(peer, msg)`; time passing goes to
-`expire()`, a lost connection to `peer_left(peer)`. Every call returns the commands to carry
-out (send this message to that peer, serve a stored snapshot, store a received one) and
-refuses a peer by raising `Refused`, which carries the ERROR code the shell sends before it
-closes the connection. Store effects go through the `RunStore` it is handed: the fitness log
-append (fsync'd) happens here, before any STEP is returned, so a step is durable before any
-worker hears of it. Snapshot bytes are read, decoded and written by the shell, off its loop.
+No asyncio, no sockets, no metrics, no logging. `RunCore` owns the open step's jobs, the chunk
+timer, digest agreement and the snapshot, validation and sample wants, and keeps one `Peer`
+record per connected worker. Each incoming message goes to `receive(peer, msg)`; time passing
+goes to `expire()`, a lost connection to `peer_left(peer)`. Every call returns, in order, the
+commands to carry out (send this message to that peer, serve a stored snapshot, store a
+received one) and the events (`events.py`: a step committed, a chunk re-queued, a held-out
+score in), which the shell (`server.py`) records in the metrics and the log. A peer is refused
+by raising `Refused`, which carries the ERROR code the shell sends before it closes the
+connection, and the events that led to it. Store effects go through the `RunStore` it is
+handed: the fitness log append (fsync'd) happens here, before any STEP is returned, so a step
+is durable before any worker hears of it. Snapshot bytes are read, decoded and written by the
+shell, off its loop.
 
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
@@ -28,7 +31,7 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   (else the worker is refused); the first valid result of a chunk wins; the rest are
   dropped and counted. When the last chunk is in, the step is committed: log append +
   fsync, then STEP to everyone. An append that fails raises `Fatal`: the coordinator stops.
-- Snapshots and validation: each is a "want" (a step) served by the first worker that asks
+- Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
   held-out score counts only from the worker asked, for the step asked.
@@ -39,8 +42,9 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   is wanted at the next step.
 - Liveness: a departed worker's leases are re-queued at once, expired ones by `expire()`.
 
-To add a request/reply pair (as VALIDATE/VALIDATION): a want on the core, a
-`_maybe_request_*` called from `_on_job_request`, and a handler in `_HANDLERS`.
+To add a request/reply pair (as VALIDATE/VALIDATION): a `Want` on the core, an `_ask` of it
+in `_on_job_request`, a handler in `_HANDLERS` that counts only its `answered` reply, and an
+event for the shell to record.
 """
 
 from __future__ import annotations
@@ -50,8 +54,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import structlog
 
 from ..protocol import (
     PROTOCOL_VERSION,
@@ -81,28 +83,53 @@ from ..protocol import (
     verify_mac,
 )
 from ..shared.fitness import chunk_loss_range
-from ..shared.logs import PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
+from .events import (
+    CatchupServed,
+    ChunkAccepted,
+    ChunkTimed,
+    Committed,
+    DataDigestAgreed,
+    DigestMismatch,
+    DigestsDisagree,
+    Event,
+    Joined,
+    Leased,
+    Left,
+    NoSnapshotSource,
+    Progress,
+    Rejected,
+    Requeued,
+    ResultDropped,
+    Sampled,
+    SnapshotRejected,
+    SnapshotStored,
+    Validated,
+    WorkerError,
+    WorkerLog,
+)
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
-from .metrics import Metrics
 from .store import RunStore
 
 __all__ = [
     "CATCHUP_STEPS",
     "WAIT_MS",
     "Command",
+    "Event",
     "Fatal",
+    "Output",
     "Peer",
     "Refused",
     "RunCore",
+    "RunOptions",
     "Send",
     "ServeSnapshot",
+    "Status",
     "StoreSnapshot",
+    "Want",
 ]
-
-log = structlog.get_logger("eggroll.coordinator")
 
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
@@ -114,13 +141,7 @@ class Fatal(Exception):
     str() is one line that says what happened and what to do."""
 
 
-class Refused(Exception):
-    """The peer breaks a rule of the run: send ERROR(code, message) and close."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+# --- commands (what the shell carries out) ---------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -148,6 +169,44 @@ class StoreSnapshot:
 Command = Send | ServeSnapshot | StoreSnapshot
 
 
+Output = Command | Event
+
+
+class Refused(Exception):
+    """The peer breaks a rule of the run: send ERROR(code, message) and close. `events` are
+    what happened on the way (the refusal itself last but for what a caller adds)."""
+
+    def __init__(self, code: ErrorCode, message: str, events: list[Event] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.events: list[Event] = events if events is not None else []
+
+
+# --- the core's state ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the operator decides about a run's course (`eggroll-coordinator` flags)."""
+
+    token: bytes = b""  # the AUTH secret; none: protected mode, loopback peers only
+    data_digest: bytes | None = None  # from the operator (--data-dir, --data-digest)
+    max_steps: int | None = None
+    snapshot_every: int = 100  # 0: only the final snapshot
+    sample_every: int = 0  # 0: no samples
+    chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
+
+
+@dataclass(frozen=True)
+class Status:
+    """What the run's gauges show, read by the shell at scrape time."""
+
+    step: int  # the open step = steps committed
+    workers: int  # past the handshake
+    weights_changed: int | None  # reported with the open step's agreed replica
+
+
 @dataclass(eq=False)
 class Peer:
     """What the run knows of one connected worker."""
@@ -166,27 +225,63 @@ class Peer:
     job_started: dict[int, float] = field(default_factory=dict)  # chunk -> lease time
 
 
+@dataclass
+class Want:
+    """One request/reply pair the core starts (SNAPSHOT_REQUEST, VALIDATE, SAMPLE): the step
+    whose answer is wanted, and the (peer, step) asked for it. Only the peer asked, for the
+    step asked, answers it."""
+
+    step: int | None = None  # wanted, nobody asked yet
+    asked: tuple[int, int] | None = None  # (peer, step) asked, the answer not yet in
+
+    def at(self, peer: Peer) -> bool:
+        """Whether `peer`'s replica is at the wanted step."""
+        return self.step is not None and peer.replica_step == self.step
+
+    def ask(self, peer: Peer) -> int:
+        """`peer` is asked for the wanted step, which is no longer wanted; returns it."""
+        assert self.step is not None
+        step, self.step = self.step, None
+        self.asked = (peer.id, step)
+        return step
+
+    def answered(self, peer_id: int, step: int) -> bool:
+        """Whether this is the answer asked for; it is awaited no more."""
+        if self.asked != (peer_id, step):
+            return False
+        self.asked = None
+        return True
+
+    def drop(self, peer_id: int) -> int | None:
+        """`peer_id` will not answer (it left, or its answer failed): the step it was asked
+        for, awaited no more; None when it was not asked."""
+        if self.asked is None or self.asked[0] != peer_id:
+            return None
+        step, self.asked = self.asked[1], None
+        return step
+
+    def retry(self, peer_id: int) -> None:
+        """`peer_id` will not answer: want its step again, unless a later one is wanted."""
+        step = self.drop(peer_id)
+        if step is not None and self.step is None:
+            self.step = step
+
+    def pending(self, step: int) -> bool:
+        """Whether an answer for `step` is still wanted or awaited."""
+        return self.step == step or (self.asked is not None and self.asked[1] == step)
+
+
 class RunCore:
     def __init__(
-        self,
-        store: RunStore,
-        *,
-        token: bytes = b"",
-        data_digest: bytes | None = None,
-        max_steps: int | None = None,
-        snapshot_every: int = 100,
-        sample_every: int = 0,
-        chunk_timeout_s: float | None = None,
-        metrics: Metrics | None = None,
-        clock: Clock = time.monotonic,
+        self, store: RunStore, options: RunOptions = RunOptions(), clock: Clock = time.monotonic
     ) -> None:
         self.store = store
         self.cfg = store.config
         self.config_bytes = self.cfg.canonical_bytes()
-        self.token = token
-        self.max_steps = max_steps
+        self.options = options
         self.loss_range = chunk_loss_range(self.cfg)
         self.checkpoint_size = checkpoint_bytes(self.cfg)
+        data_digest = options.data_digest
         if data_digest is not None:
             if store.data_digest not in (None, data_digest):
                 raise Fatal(
@@ -198,30 +293,19 @@ class RunCore:
         self.data_votes: dict[bytes, set[int]] = {}  # unsettled data digest -> workers
         # step -> digest -> workers that reported it, for steps not yet agreed
         self.tallies: dict[int, dict[int, set[int]]] = {}
-        self.disagreed_step = -1  # last step whose digest disagreement was logged
-        self.snapshot_every = snapshot_every
+        self.disagreed_step = -1  # last step whose digest disagreement was reported
         self.clock = clock
-        self.timer = ChunkTimer(fixed_s=chunk_timeout_s)
+        self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self.peers: dict[int, Peer] = {}
         self._ids = itertools.count(1)
         self.jobs = self._open_step(store.steps)
-        self.snapshot_wanted: int | None = None  # step whose state should be snapshotted
-        self.snapshot_source: int | None = None  # the peer sending one
-        self.snapshot_requested: int | None = None  # the step it was asked for
-        self.validation_wanted: int | None = None  # step whose held-out score is wanted
-        self.validation_asked: tuple[int, int] | None = None  # (peer, step) asked for it
-        self._progress_said = 0.0  # when a step's progress was last logged
-        self.sample_every = sample_every  # 0: no samples
-        self.sample_wanted: int | None = None  # step whose sample is wanted
-        self.sample_asked: tuple[int, int] | None = None  # (peer, step) asked for it
-        self.latest_sample: dict[str, object] | None = None  # step, worker, prompt, text
+        self.snapshot = Want()  # a state worth keeping; asked of one worker at a time
+        self.validation = Want()  # a held-out score
+        self.sample = Want()  # a sample of the model's writing
+        self._progress_said = 0.0  # when a step's progress was last reported
         self.finished = False  # --max-steps reached: no more leases
         self.weights_changed: int | None = None  # reported by the last worker at the open step
-        self.net_in = self.net_out = 0  # bytes, counted by the shell
-        self._net_marks = (0, 0)  # network byte totals at the last commit
-        self.metrics = metrics or Metrics()
-        self.metrics.observe(self)
-        if max_steps is not None and store.steps >= max_steps:
+        if options.max_steps is not None and store.steps >= options.max_steps:
             self._finish()
 
     @property
@@ -235,11 +319,18 @@ class RunCore:
         the final step) written: time to stop."""
         if not self.finished or (self.step and self.store.latest_snapshot != self.step):
             return False
-        asked = self.sample_asked
-        return self.sample_wanted != self.step and (asked is None or asked[1] != self.step)
+        return not self.sample.pending(self.step)
 
     def ready_count(self) -> int:
         return sum(1 for p in self.peers.values() if p.ready)
+
+    def status(self) -> Status:
+        return Status(self.step, self.ready_count(), self.weights_changed)
+
+    def name(self, peer_id: int) -> str:
+        """The worker's name, for the log ("?" before HELLO or once it has left)."""
+        peer = self.peers.get(peer_id)
+        return peer.name if peer is not None else "?"
 
     # ------------------------------------------------------------------ connections
 
@@ -249,47 +340,40 @@ class RunCore:
         self.peers[peer.id] = peer
         return peer.id
 
-    def peer_left(self, peer_id: int) -> list[Command]:
+    def peer_left(self, peer_id: int) -> list[Output]:
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
+        out: list[Output] = []
         if peer.ready or peer.replica_step is not None:
-            log.info("worker left", worker=peer.name, workers=self.ready_count())
-            self.metrics.worker_left(peer.name)
-        if self.snapshot_source == peer_id:
-            self.snapshot_source = self.snapshot_requested = None
-        if self.sample_asked is not None and self.sample_asked[0] == peer_id:
-            self.sample_asked, self.sample_wanted = None, self.step  # another worker writes it
+            out.append(Left(peer.name, self.ready_count()))
+        self.snapshot.retry(peer_id)  # another worker is asked
+        if self.sample.drop(peer_id) is not None:
+            self.sample.step = self.step  # another worker writes it
         for votes in self.tallies.values():
             _forget(votes, peer_id)
         _forget(self.data_votes, peer_id)  # a vote counts while its worker is connected
         requeued = self.jobs.release_worker(peer_id)
         if not requeued:
-            return []
-        self.metrics.chunks_requeued.labels("disconnect").inc(len(requeued))
-        log.info("chunks requeued", reason="disconnect", chunks=requeued, step=self.step)
-        return self._push_jobs()
+            return out
+        out.append(Requeued("disconnect", requeued, self.step))
+        return out + self._push_jobs()
 
-    def expire(self) -> list[Command]:
-        """Re-queue chunks past their deadline and push them to idle workers; log how far a
-        long step has come every PROGRESS_S."""
+    def expire(self) -> list[Output]:
+        """Re-queue chunks past their deadline and push them to idle workers; report how far
+        a long step has come every PROGRESS_S."""
         now = self.clock()
+        out: list[Output] = []
         due = self._progress_due()
         if due is not None and now >= due:
             self._progress_said = now
-            log.info(
-                PROGRESS,
-                step=self.step + 1,
-                chunks_done=len(self.jobs.results),
-                chunks=self.jobs.chunks,
-                seconds=round(now - (self.jobs.first_lease or now)),
-            )
+            seconds = round(now - (self.jobs.first_lease or now))
+            out.append(Progress(self.step + 1, len(self.jobs.results), self.jobs.chunks, seconds))
         requeued = self.jobs.expire()
         if not requeued:
-            return []
-        self.metrics.chunks_requeued.labels("deadline").inc(len(requeued))
-        log.info("chunks requeued", reason="deadline", chunks=requeued, step=self.step)
-        return self._push_jobs()
+            return out
+        out.append(Requeued("deadline", requeued, self.step))
+        return out + self._push_jobs()
 
     def next_deadline(self) -> float | None:
         """When `expire` could next have something to do."""
@@ -302,25 +386,19 @@ class RunCore:
             return None
         return max(started, self._progress_said) + PROGRESS_S
 
-    def traffic(self, received: int = 0, sent: int = 0) -> None:
-        self.net_in += received
-        self.net_out += sent
-
-    def receive(self, peer_id: int, msg: Message) -> list[Command]:
+    def receive(self, peer_id: int, msg: Message) -> list[Output]:
         """Act on one message from a peer; raises Refused when the peer must go."""
         handler = _HANDLERS.get(msg.TYPE)
         if handler is None:  # the connection's state machine lets no other type through
             raise Refused(ErrorCode.ILLEGAL_STATE, f"unexpected {msg.TYPE.name}")
         return handler(self, self.peers[peer_id], msg)
 
-    def refuse(self, peer: Peer, code: ErrorCode, message: str) -> Refused:
-        self.metrics.protocol_errors.labels(code.name).inc()
-        log.warning("rejecting worker", worker=peer.name, code=code.name, reason=message)
-        return Refused(code, message)
+    def refuse(self, peer: Peer, code: ErrorCode, message: str, *before: Event) -> Refused:
+        return Refused(code, message, [*before, Rejected(peer.name, code, message)])
 
     # ------------------------------------------------------------------ handshake
 
-    def _on_hello(self, peer: Peer, msg: Hello) -> list[Command]:
+    def _on_hello(self, peer: Peer, msg: Hello) -> list[Output]:
         peer.name, peer.data_digest = msg.worker_name, msg.data_digest
         if msg.protocol_version != PROTOCOL_VERSION:
             raise self.refuse(
@@ -332,14 +410,14 @@ class RunCore:
         peer.nonce = secrets.token_bytes(32)
         return [Send(peer.id, Challenge(peer.nonce))]
 
-    def _on_auth(self, peer: Peer, msg: Auth) -> list[Command]:
-        if not verify_mac(self.token, peer.nonce, msg.mac):
+    def _on_auth(self, peer: Peer, msg: Auth) -> list[Output]:
+        if not verify_mac(self.options.token, peer.nonce, msg.mac):
             raise self.refuse(
                 peer,
                 ErrorCode.AUTH_FAILED,
                 "wrong token: give the coordinator's token (--token-file or EGGROLL_TOKEN)",
             )
-        self._check_data_digest(peer)
+        out: list[Output] = list(self._check_data_digest(peer))
         snapshot = self.store.latest_snapshot
         welcome = Welcome(
             self.store.run_id,
@@ -350,10 +428,10 @@ class RunCore:
         )
         peer.ready = True
         peer.broadcast_from = self.step
-        log.info("worker joined", worker=peer.name, peer=peer.address, workers=self.ready_count())
-        return [Send(peer.id, welcome)]
+        out.append(Joined(peer.name, peer.address, self.ready_count()))
+        return [*out, Send(peer.id, welcome)]
 
-    def _check_data_digest(self, peer: Peer) -> None:
+    def _check_data_digest(self, peer: Peer) -> list[Event]:
         """The operator's digest, or the one two workers agree on, is the run's."""
         run_digest, mine = self.store.data_digest, peer.data_digest
         if run_digest is not None:
@@ -364,30 +442,31 @@ class RunCore:
                     f"worker data digest {mine.hex()[:16]} differs from the run's "
                     f"{run_digest.hex()[:16]}: give the worker the run's data directory",
                 )
-            return
+            return []
         voters = self.data_votes.setdefault(mine, set())
         voters.add(peer.id)
-        if len(voters) >= 2:
-            self.store.set_data_digest(mine)
-            self.data_votes.clear()
-            log.info("data digest agreed", digest=mine.hex()[:16], workers=len(voters))
+        if len(voters) < 2:
+            return []
+        self.store.set_data_digest(mine)
+        self.data_votes.clear()
+        return [DataDigestAgreed(mine, len(voters))]
 
     # ------------------------------------------------------------------ digests
 
-    def _check_digest(self, peer: Peer, step: int, digest: int) -> None:
+    def _check_digest(self, peer: Peer, step: int, digest: int) -> list[Event]:
         """Tally a report; DIVERGED when it differs from the step's agreed digest."""
         agreed = self.store.digests.get(step)
         if agreed is not None:
             if agreed != digest:
-                self.metrics.digest_mismatches.inc()
                 raise self.refuse(
                     peer,
                     ErrorCode.DIVERGED,
                     f"replica digest at step {step} differs from the run's agreed one: resync",
+                    DigestMismatch(peer.name, step),
                 )
-            return
+            return []
         if step < self.step - 2:
-            return  # workers have moved on: a report this old is never agreed now
+            return []  # workers have moved on: a report this old is never agreed now
         # One report per worker and step, so a peer cannot grow the tally without bound.
         votes = self.tallies.setdefault(step, {})
         _forget(votes, peer.id)
@@ -397,13 +476,8 @@ class RunCore:
             self._agree(step, digest)
         elif len(votes) > 1 and step > self.disagreed_step:
             self.disagreed_step = step
-            self.metrics.digest_mismatches.inc()
-            log.warning(
-                "digests disagree",
-                step=step,
-                digests=len(votes),
-                hint="no two workers agree on the replica: a backend or version differs",
-            )
+            return [DigestsDisagree(step, len(votes))]
+        return []
 
     def _agree(self, step: int, digest: int) -> None:
         self.store.record_digest(step, digest)
@@ -420,7 +494,7 @@ class RunCore:
 
     # ------------------------------------------------------------------ jobs
 
-    def _on_job_request(self, peer: Peer, msg: JobRequest) -> list[Command]:
+    def _on_job_request(self, peer: Peer, msg: JobRequest) -> list[Output]:
         step = msg.replica_step
         if step > self.step:
             raise self.refuse(
@@ -428,89 +502,91 @@ class RunCore:
                 ErrorCode.DIVERGED,
                 f"replica is at step {step}, the run has committed {self.step}",
             )
-        self._check_digest(peer, step, msg.replica_digest)
+        out: list[Output] = list(self._check_digest(peer, step, msg.replica_digest))
         peer.replica_step = step
         if step < self.step:
             if step >= peer.broadcast_from:
-                return []  # the STEPs it lacks are on their way; it asks again after them
-            return [self._fitness_range(peer, step, CATCHUP_STEPS)]
+                return out  # the STEPs it lacks are on their way; it asks again after them
+            return out + self._fitness_range(peer, step, CATCHUP_STEPS)
         if self.store.digests.get(step) == msg.replica_digest or len(self.peers) == 1:
             self.weights_changed = msg.weights_changed  # from an agreed replica only
-        out = self._maybe_request_snapshot(peer) + self._maybe_request_validation(peer)
+        out += self._ask_snapshot(peer)
+        out += self._ask(self.validation, peer, lambda p, s: Validate(s))
         if self.finished:
-            reply, idle = Send(peer.id, Wait(WAIT_MS)), True
+            out.append(Send(peer.id, Wait(WAIT_MS)))
+            idle = True
         else:
-            reply = self._lease_to(peer)
+            out += self._lease_to(peer)
             idle = peer.waiting
-        return [*out, reply, *self._maybe_request_sample(peer, idle)]
+        if self._may_sample(peer, idle):
+            out += self._ask(self.sample, peer, self._sample_request)
+        return out
 
-    def _lease_to(self, peer: Peer) -> Send:
+    def _lease_to(self, peer: Peer) -> list[Output]:
         chunk = self.jobs.lease(peer.id)
         if chunk is None:
             peer.waiting = True
-            return Send(peer.id, Wait(WAIT_MS))
+            return [Send(peer.id, Wait(WAIT_MS))]
         peer.waiting = False
         first, count = self.jobs.member_range(chunk)
-        self.metrics.chunks_leased.inc()
         peer.job_started[chunk] = self.clock()
-        return Send(peer.id, Job(self.step, chunk, first, count))
+        return [
+            Leased(peer.name, self.step, chunk),
+            Send(peer.id, Job(self.step, chunk, first, count)),
+        ]
 
-    def _push_jobs(self) -> list[Command]:
+    def _push_jobs(self) -> list[Output]:
         """Re-queued chunks go straight to idle workers that are at the open step."""
-        out: list[Command] = []
+        out: list[Output] = []
         for peer in self.peers.values():
             if not self.jobs.queue:
                 break
             if peer.waiting and peer.ready and peer.replica_step == self.step:
-                out.append(self._lease_to(peer))
+                out += self._lease_to(peer)
         return out
 
-    def _on_result(self, peer: Peer, msg: Result) -> list[Command]:
+    def _on_result(self, peer: Peer, msg: Result) -> list[Output]:
+        out: list[Output] = []
         started = peer.job_started.pop(msg.chunk, None)
         if started is not None and msg.step == self.step:
             seconds = max(self.clock() - started, 1e-9)
             tokens = self.cfg.es.chunk_size * self.cfg.es.seq_len
-            self.metrics.worker_chunk(peer.name, seconds, tokens)
+            out.append(ChunkTimed(peer.name, seconds, tokens))
         if msg.step == self.step:
             try:
-                self._check_digest(peer, msg.step, msg.replica_digest)
-            except Refused:
-                self.metrics.results_dropped.labels("diverged").inc()
+                out += self._check_digest(peer, msg.step, msg.replica_digest)
+            except Refused as exc:
+                exc.events[:0] = out
+                exc.events.append(ResultDropped("diverged", peer.name, msg.step, msg.chunk, True))
                 raise
         outcome = self.jobs.complete_chunk(
             peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum
         )
+        dropped = ResultDropped(outcome.value, peer.name, msg.step, msg.chunk)
         if outcome is Outcome.UNLEASED:
-            self.metrics.results_dropped.labels(outcome.value).inc()
             raise self.refuse(
                 peer,
                 ErrorCode.ILLEGAL_STATE,
                 f"RESULT for chunk {msg.chunk} of step {msg.step}, which was not leased to "
                 "this worker",
+                *out,
+                ResultDropped(outcome.value, peer.name, msg.step, msg.chunk, True),
             )
         if outcome is Outcome.BAD_LOSS:
-            self.metrics.results_dropped.labels(outcome.value).inc()
             raise self.refuse(
                 peer,
                 ErrorCode.MALFORMED,
                 f"RESULT loss sum {msg.loss_sum} is impossible for a chunk of this run "
                 f"(range {self.loss_range[0]}..{self.loss_range[1]})",
+                *out,
+                ResultDropped(outcome.value, peer.name, msg.step, msg.chunk, True),
             )
         if outcome is not Outcome.ACCEPTED:
-            self.metrics.results_dropped.labels(outcome.value).inc()
-            level = log.error if outcome is Outcome.MISMATCH else log.info
-            level(
-                "result dropped",
-                reason=outcome.value,
-                worker=peer.name,
-                step=msg.step,
-                chunk=msg.chunk,
-            )
-            return []
-        self.metrics.chunks_completed.inc()
-        return self._commit() if self.jobs.complete else []
+            return [*out, dropped]
+        out.append(ChunkAccepted(peer.name, msg.step, msg.chunk))
+        return out + self._commit() if self.jobs.complete else out
 
-    def _commit(self) -> list[Command]:
+    def _commit(self) -> list[Output]:
         """Make the open step durable, then broadcast it and open the next one."""
         step, jobs = self.step, self.jobs
         packed = jobs.step_fitness()
@@ -524,26 +600,26 @@ class RunCore:
                 "fixed: it repairs the log's tail and resumes)"
             ) from None
         message = Step(step, self.cfg.pairs, packed)
-        out: list[Command] = []
+        out: list[Output] = [self._committed(step, jobs)]  # reported before any STEP goes out
         for peer in self.peers.values():
             if peer.ready:
                 peer.waiting = False
                 peer.job_started.clear()
                 out.append(Send(peer.id, message))
-        self._log_step(step, jobs)
         self.jobs = self._open_step(self.step)
         for old in [s for s in self.tallies if s < self.step - 2]:
             del self.tallies[old]  # reports this old are never agreed: workers moved on
-        if self.snapshot_every and self.step % self.snapshot_every == 0:
-            self.snapshot_wanted = self.step
+        every = self.options.snapshot_every
+        if every and self.step % every == 0:
+            self.snapshot.step = self.step
         every = self.cfg.validation.every_steps
         if every and self.step % every == 0:
-            self.validation_wanted = self.step
-        if self.sample_wanted is not None or (
-            self.sample_every and self.step % self.sample_every == 0
-        ):
-            self.sample_wanted = self.step  # one not yet asked for is written at this step
-        if self.max_steps is not None and self.step >= self.max_steps:
+            self.validation.step = self.step
+        every = self.options.sample_every
+        if self.sample.step is not None or (every and self.step % every == 0):
+            self.sample.step = self.step  # one not yet asked for is written at this step
+        max_steps = self.options.max_steps
+        if max_steps is not None and self.step >= max_steps:
             self._finish()
         return out
 
@@ -551,7 +627,7 @@ class RunCore:
         """--max-steps reached: stop leasing and want the final snapshot."""
         self.finished = True
         if self.step and self.store.latest_snapshot != self.step:
-            self.snapshot_wanted = self.step
+            self.snapshot.step = self.step
 
     def _open_step(self, step: int) -> StepJobs:
         return StepJobs(
@@ -563,64 +639,66 @@ class RunCore:
             loss_range=self.loss_range,
         )
 
-    def _log_step(self, step: int, jobs: StepJobs) -> None:
-        net_in0, net_out0 = self._net_marks
+    def _committed(self, step: int, jobs: StepJobs) -> Committed:
         # From the step's first lease: time spent waiting for workers is not step time.
         seconds = max(self.clock() - (jobs.first_lease or jobs.opened), 1e-9)
         tokens = self.cfg.es.population * self.cfg.es.seq_len
-        loss_bits = jobs.loss_sum / 16 / tokens
-        self.metrics.committed(seconds, loss_bits, tokens)
-        log.info(
-            STEP,
-            step=step + 1,
+        return Committed(
+            step=step,
+            seconds=seconds,
+            loss_bits=jobs.loss_sum / 16 / tokens,
             member_tokens=tokens,
-            loss_bits=round(loss_bits, 4),
-            step_s=round(seconds, 3),
             changed=self.weights_changed or 0,
-            member_tok_s=round(tokens / seconds),
             workers=self.ready_count(),
-            net_in=self.net_in - net_in0,
-            net_out=self.net_out - net_out0,
             requeued=sum(jobs.requeued.values()),
         )
-        self._net_marks = (self.net_in, self.net_out)
 
-    def _on_fitness_request(self, peer: Peer, msg: FitnessRequest) -> list[Command]:
-        return [self._fitness_range(peer, msg.first_step, msg.max_steps)]
+    def _on_fitness_request(self, peer: Peer, msg: FitnessRequest) -> list[Output]:
+        return self._fitness_range(peer, msg.first_step, msg.max_steps)
 
-    def _fitness_range(self, peer: Peer, first: int, max_steps: int) -> Send:
+    def _fitness_range(self, peer: Peer, first: int, max_steps: int) -> list[Output]:
         limit = min(max_steps, CATCHUP_STEPS, FitnessRange.max_steps_per_frame(self.cfg.pairs))
         count = max(0, min(limit, self.step - first))
         packed = self.store.fitness_log.read(first, count) if count else []
-        self.metrics.catchup_steps.inc(count)
-        return Send(peer.id, FitnessRange.from_steps(first, self.cfg.pairs, packed))
+        reply = Send(peer.id, FitnessRange.from_steps(first, self.cfg.pairs, packed))
+        return [CatchupServed(peer.name, first, count), reply] if count else [reply]
+
+    # ------------------------------------------------------------------ wants
+
+    def _ask(self, want: Want, peer: Peer, request: Callable[[Peer, int], Message]) -> list[Output]:
+        """Ask `peer` for what `want` wants if its replica is at that step (SPEC §8)."""
+        if not want.at(peer):
+            return []
+        return [Send(peer.id, request(peer, want.ask(peer)))]
 
     # ------------------------------------------------------------------ snapshots
 
-    def want_snapshot(self) -> list[Command]:
+    def want_snapshot(self) -> list[Output]:
         """Ask a worker at the open step for its state (the final snapshot on shutdown)."""
         if self.step == 0 or self.store.latest_snapshot == self.step:
             return []  # the initial state is a pure function of the config
-        self.snapshot_wanted = self.step
-        if self.snapshot_source is not None:
+        self.snapshot.step = self.step
+        if self.snapshot.asked is not None:
             return []
         for peer in self.peers.values():
-            if peer.replica_step == self.step and (out := self._maybe_request_snapshot(peer)):
+            if out := self._ask_snapshot(peer):
                 return out
-        log.info("no worker at the current step for a final snapshot", step=self.step)
-        return []
+        return [NoSnapshotSource(self.step)]
 
-    def _maybe_request_snapshot(self, peer: Peer) -> list[Command]:
-        wanted = self.snapshot_wanted
-        if wanted is None or self.snapshot_source is not None or peer.replica_step != wanted:
+    def _ask_snapshot(self, peer: Peer) -> list[Output]:
+        # One transfer at a time, and only of a state the run agrees on (worth keeping).
+        step = self.snapshot.step
+        if self.snapshot.asked is not None or step is None or peer.replica_step != step:
             return []
-        if self.store.digests.get(wanted) is None and self._provisional(peer, wanted) is None:
-            return []  # only a state the run agrees on is worth keeping
-        self.snapshot_source, self.snapshot_requested = peer.id, wanted
-        peer.snapshot, peer.snapshot_total = bytearray(), 0
-        return [Send(peer.id, SnapshotRequest(wanted))]
+        if self.store.digests.get(step) is None and self._provisional(peer, step) is None:
+            return []
+        return self._ask(self.snapshot, peer, self._snapshot_request)
 
-    def _on_snapshot_request(self, peer: Peer, msg: SnapshotRequest) -> list[Command]:
+    def _snapshot_request(self, peer: Peer, step: int) -> SnapshotRequest:
+        peer.snapshot, peer.snapshot_total = bytearray(), 0
+        return SnapshotRequest(step)
+
+    def _on_snapshot_request(self, peer: Peer, msg: SnapshotRequest) -> list[Output]:
         step = self.store.latest_snapshot
         if step is None:
             raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "the run has no snapshot yet")
@@ -632,19 +710,17 @@ class RunCore:
             self.peers[peer_id], ErrorCode.INTERNAL, f"snapshot {step} is no longer available"
         )
 
-    def snapshot_served(self, peer_id: int, step: int, size: int) -> None:
-        self.metrics.snapshot_transfers.labels("out").inc()
-        log.info("snapshot sent", worker=self.peers[peer_id].name, step=step, bytes=size)
-
-    def _on_snapshot_chunk(self, peer: Peer, msg: SnapshotChunk) -> list[Command]:
+    def _on_snapshot_chunk(self, peer: Peer, msg: SnapshotChunk) -> list[Output]:
         if peer.snapshot is None or msg.offset != len(peer.snapshot):
             raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "unexpected snapshot chunk")
-        if msg.step != self.snapshot_requested or msg.total_bytes != self.checkpoint_size:
+        asked = self.snapshot.asked
+        requested = asked[1] if asked is not None and asked[0] == peer.id else None
+        if msg.step != requested or msg.total_bytes != self.checkpoint_size:
             raise self.refuse(
                 peer,
                 ErrorCode.ILLEGAL_STATE,
                 f"snapshot of step {msg.step}, {msg.total_bytes} bytes: step "
-                f"{self.snapshot_requested} was asked for, {self.checkpoint_size} bytes",
+                f"{requested} was asked for, {self.checkpoint_size} bytes",
             )
         peer.snapshot += msg.data
         if len(peer.snapshot) > msg.total_bytes:
@@ -654,96 +730,64 @@ class RunCore:
         blob, peer.snapshot = bytes(peer.snapshot), None
         return [StoreSnapshot(peer.id, blob)]
 
-    def snapshot_decoded(self, peer_id: int, state: ReplicaState | None, error: str = "") -> bool:
-        """Whether a received snapshot may be stored (SPEC §8: committed, digest agrees).
-        On False the transfer is over; on True, `snapshot_stored` follows the write."""
+    def snapshot_decoded(
+        self, peer_id: int, state: ReplicaState | None, error: str = ""
+    ) -> SnapshotRejected | None:
+        """Whether a received snapshot may be stored (SPEC §8: committed, digest agrees):
+        None when it may, and `snapshot_stored` follows the write; else why not, and the
+        transfer is over."""
         peer = self.peers.get(peer_id)
-        name = peer.name if peer is not None else "?"
         reason = error
         if state is not None:
             step = state.step
             agreed = self.store.digests.get(step)
             if agreed is None and peer is not None:
                 agreed = self._provisional(peer, step)  # the sole worker's, checked by its state
+            asked = self.snapshot.asked
             if (
                 state.config.digest() != self.cfg.digest()
-                or step != self.snapshot_requested
+                or asked is None
+                or step != asked[1]
                 or agreed is None
                 or agreed != state.digest()
             ):
                 reason = "config, step or digest does not match the run"
             elif step not in self.store.digests:
                 self._agree(step, agreed)
-        if reason:
-            log.warning("snapshot rejected", worker=name, reason=reason)
-            self._release_snapshot_source(peer_id)
-            return False
-        return True
+        if not reason:
+            return None
+        self.snapshot.retry(peer_id)  # only now may another worker be asked
+        return SnapshotRejected(self.name(peer_id), reason)
 
-    def snapshot_stored(self, peer_id: int, state: ReplicaState, size: int) -> None:
-        name = self.peers[peer_id].name if peer_id in self.peers else "?"
-        self.metrics.snapshot_stored()
-        log.info(
-            "snapshot stored",
-            step=state.step,
-            worker=name,
-            bytes=size,
-            digest=state.digest_hex(),
-        )
-        if self.snapshot_wanted is not None and state.step >= self.snapshot_wanted:
-            self.snapshot_wanted = None
-        self._release_snapshot_source(peer_id)
-
-    def _release_snapshot_source(self, peer_id: int) -> None:
-        # Only now may another worker be asked: one snapshot at a time.
-        if self.snapshot_source == peer_id:
-            self.snapshot_source = self.snapshot_requested = None
+    def snapshot_stored(self, peer_id: int, state: ReplicaState, size: int) -> SnapshotStored:
+        wanted = self.snapshot.step
+        if wanted is not None and state.step >= wanted:
+            self.snapshot.step = None
+        self.snapshot.drop(peer_id)  # only now may another worker be asked
+        return SnapshotStored(state.step, self.name(peer_id), size, state.digest_hex())
 
     # ------------------------------------------------------------------ validation
 
-    def _maybe_request_validation(self, peer: Peer) -> list[Command]:
-        """Ask one worker at the wanted step for its held-out score (SPEC §8)."""
-        if self.validation_wanted is None or peer.replica_step != self.validation_wanted:
-            return []
-        step, self.validation_wanted = self.validation_wanted, None
-        self.validation_asked = (peer.id, step)
-        return [Send(peer.id, Validate(step))]
-
-    def _on_validation(self, peer: Peer, msg: Validation) -> list[Command]:
-        if self.validation_asked != (peer.id, msg.step):
+    def _on_validation(self, peer: Peer, msg: Validation) -> list[Output]:
+        if not self.validation.answered(peer.id, msg.step):
             return []  # only the worker asked sets the run's held-out score
-        self.validation_asked = None
-        self.metrics.validated(msg)
-        streams = msg.stream_tokens > 0  # 0: the model carries no state along a stream
-        log.info(
-            VALIDATION,
-            step=msg.step,
-            **held_out_fields(
-                msg.bits_per_token,
-                msg.bits_per_byte,
-                msg.stream_bits_per_token if streams else None,
-                msg.stream_bits_per_byte,
-            ),
-            tokens=msg.tokens,
-            worker=peer.name,
-        )
-        return []
+        return [Validated(peer.name, msg)]
 
     # ------------------------------------------------------------------ samples
 
-    def _maybe_request_sample(self, peer: Peer, idle: bool) -> list[Command]:
-        """Ask `peer` for the wanted sample (SPEC §8) if it has nothing to evaluate, or if it
-        is the only worker at the step (it answers after its chunk)."""
-        step = self.sample_wanted
-        if step is None or peer.replica_step != step:
-            return []
+    def _may_sample(self, peer: Peer, idle: bool) -> bool:
+        """Whether `peer`, at the wanted step, may write the sample now: it has nothing to
+        evaluate, or it is the only worker at the step (it answers after its chunk)."""
+        step = self.sample.step
+        if step is None or idle:
+            return True
         others = [p.replica_step for p in self.peers.values() if p is not peer and p.ready]
-        if not idle and any(s is not None and s >= step - 1 for s in others):
-            return []  # another worker at (or just reaching) the step will be told to WAIT
-        self.sample_wanted = None
-        self.sample_asked = (peer.id, step)
+        # Another worker at (or just reaching) the step will be told to WAIT.
+        return not any(s is not None and s >= step - 1 for s in others)
+
+    def _sample_request(self, peer: Peer, step: int) -> Sample:
         settings = SampleSettings()
-        request = Sample(
+        return Sample(
             step=step,
             seed=step,  # as eggroll-train: `eggroll-sample SAVE_DIR --step S --seed S`
             prompt_index=0,
@@ -755,35 +799,28 @@ class RunCore:
             presence_penalty=settings.presence_penalty,
             frequency_penalty=settings.frequency_penalty,
         )
-        return [Send(peer.id, request)]
 
-    def _on_sample_text(self, peer: Peer, msg: SampleText) -> list[Command]:
-        if self.sample_asked != (peer.id, msg.step) or msg.seed != msg.step:
+    def _on_sample_text(self, peer: Peer, msg: SampleText) -> list[Output]:
+        if msg.seed != msg.step or not self.sample.answered(peer.id, msg.step):
             return []  # only the worker asked writes the run's sample
-        self.sample_asked = None
         # Model bytes: decoded with replacement characters, then one line with every control
         # character escaped, so no worker can write terminal escapes into an operator's log.
         prompt, text = (
             escape(b.decode("utf-8", errors="replace"), keep_newlines=False)
             for b in (msg.prompt, msg.text)
         )
-        self.latest_sample = {"step": msg.step, "worker": peer.name, "prompt": prompt, "text": text}
-        self.metrics.sampled(msg.step, peer.name, prompt, text)
-        log.info(SAMPLE, step=msg.step, worker=peer.name, prompt=prompt, text=text)
-        return []
+        return [Sampled(msg.step, peer.name, prompt, text)]
 
     # ------------------------------------------------------------------ the rest
 
-    def _on_heartbeat(self, peer: Peer, msg: Heartbeat) -> list[Command]:
+    def _on_heartbeat(self, peer: Peer, msg: Heartbeat) -> list[Output]:
         return []
 
-    def _on_log(self, peer: Peer, msg: Log) -> list[Command]:
-        log.info("worker log", worker=peer.name, level=int(msg.level), text=msg.text)
-        return []
+    def _on_log(self, peer: Peer, msg: Log) -> list[Output]:
+        return [WorkerLog(peer.name, int(msg.level), msg.text)]
 
-    def _on_error(self, peer: Peer, msg: Error) -> list[Command]:
-        log.warning("worker error", worker=peer.name, code=int(msg.code), text=msg.message)
-        return []
+    def _on_error(self, peer: Peer, msg: Error) -> list[Output]:
+        return [WorkerError(peer.name, int(msg.code), msg.message)]
 
 
 def _forget(votes: dict, peer_id: int) -> None:
@@ -796,7 +833,7 @@ def _forget(votes: dict, peer_id: int) -> None:
 
 # Incoming message type -> handler. The connection's state machine (protocol/connection.py)
 # has already checked that the type is legal in the connection's state.
-_HANDLERS: dict[MsgType, Callable[[RunCore, Peer, Message], list[Command]]] = {
+_HANDLERS: dict[MsgType, Callable[[RunCore, Peer, Message], list[Output]]] = {
     MsgType.HELLO: RunCore._on_hello,
     MsgType.AUTH: RunCore._on_auth,
     MsgType.JOB_REQUEST: RunCore._on_job_request,

@@ -1,9 +1,11 @@
 """The coordinator server: the lifecycle and the sockets around the pure run core.
 
 Every rule of protocol/SPEC.md §8 lives in `run.py`. This file starts the listener, runs one
-read task per worker connection (bytes -> `Connection` -> `RunCore.receive` -> write what it
-returns), reads and writes snapshot files off the event loop, and shuts down in order: stop
-accepting, ask for a last snapshot, tell every worker, wait a bounded time, cancel the rest.
+read task per worker connection (bytes -> `Connection` -> `RunCore.receive` -> carry out what
+it returns), and shuts down in order: stop accepting, ask for a last snapshot, tell every
+worker, wait a bounded time, cancel the rest. What the core returns is carried out by one
+`Executor`, which the in-memory flow tests drive too: it writes messages, reads and writes
+snapshot files off the event loop, and records the core's events in the metrics and the log.
 All run state is touched from the event loop only, so no locks are needed.
 
 Every peer is bounded: a cap on connections (in all and per address), a deadline for the
@@ -19,7 +21,9 @@ import os
 import signal
 import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -35,30 +39,64 @@ from ..protocol import (
 from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
-from ..shared.logs import LISTENING
+from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import CheckpointError, decode_checkpoint
+from .events import (
+    CatchupServed,
+    ChunkAccepted,
+    ChunkTimed,
+    Committed,
+    DataDigestAgreed,
+    DigestMismatch,
+    DigestsDisagree,
+    Event,
+    Joined,
+    Leased,
+    Left,
+    NoSnapshotSource,
+    Progress,
+    Rejected,
+    Requeued,
+    ResultDropped,
+    Sampled,
+    SnapshotRejected,
+    SnapshotStored,
+    Validated,
+    WorkerError,
+    WorkerLog,
+)
+from .jobs import Clock, Outcome
 from .link import Link
 from .metrics import Metrics
-from .run import Command, Fatal, Refused, RunCore, Send, ServeSnapshot, StoreSnapshot
+from .run import (
+    Fatal,
+    Output,
+    Refused,
+    RunCore,
+    RunOptions,
+    Send,
+    ServeSnapshot,
+    StoreSnapshot,
+)
 from .store import RunStore
+
+__all__ = ["Coordinator", "Executor", "Options", "record"]
 
 log = structlog.get_logger("eggroll.coordinator")
 
 READ_BYTES = 1 << 16
+
+# Runs a blocking call (file I/O, checkpoint decoding) off the event loop.
+Offload = Callable[..., Awaitable[Any]]
 
 
 @dataclass
 class Options:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    token: bytes = b""  # none: protected mode, loopback peers only
     tls: ssl.SSLContext | None = None
-    data_digest: bytes | None = None  # from the operator (--data-dir, --data-digest)
-    max_steps: int | None = None
-    snapshot_every: int = 100  # 0: only the final snapshot
-    sample_every: int = 0  # 0: no samples
+    run: RunOptions = field(default_factory=RunOptions)  # the run's course, for the core
     keep_snapshots: int = 3
-    chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
     final_snapshot_timeout_s: float = 120.0
     drain_timeout_s: float = 5.0
     idle_timeout_s: float = 60.0  # a connection silent this long is dropped
@@ -68,29 +106,234 @@ class Options:
     max_connections_per_address: int = 32
 
 
+def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> None:
+    """Measure and log one event of the run core. `net`: the bytes received and sent since
+    the last commit, for a `Committed` step's line. Log event names and fields are a
+    contract (shared/logs.py)."""
+    match event:
+        case Committed():
+            metrics.committed(event.seconds, event.loss_bits, event.member_tokens)
+            log.info(
+                STEP,
+                step=event.step + 1,  # steps committed, this one included
+                member_tokens=event.member_tokens,
+                loss_bits=round(event.loss_bits, 4),
+                step_s=round(event.seconds, 3),
+                changed=event.changed,
+                member_tok_s=round(event.member_tokens / event.seconds),
+                workers=event.workers,
+                net_in=net[0],
+                net_out=net[1],
+                requeued=event.requeued,
+            )
+        case Leased():
+            metrics.chunks_leased.inc()
+        case ChunkTimed():
+            metrics.worker_chunk(event.worker, event.seconds, event.member_tokens)
+        case ChunkAccepted():
+            metrics.chunks_completed.inc()
+        case ResultDropped():
+            metrics.results_dropped.labels(event.reason).inc()
+            if not event.refused:
+                level = log.error if event.reason == Outcome.MISMATCH.value else log.info
+                level(
+                    "result dropped",
+                    reason=event.reason,
+                    worker=event.worker,
+                    step=event.step,
+                    chunk=event.chunk,
+                )
+        case Requeued():
+            metrics.chunks_requeued.labels(event.reason).inc(len(event.chunks))
+            log.info("chunks requeued", reason=event.reason, chunks=event.chunks, step=event.step)
+        case Progress():
+            log.info(
+                PROGRESS,
+                step=event.step,
+                chunks_done=event.chunks_done,
+                chunks=event.chunks,
+                seconds=event.seconds,
+            )
+        case CatchupServed():
+            metrics.catchup_steps.inc(event.steps)
+        case Joined():
+            log.info(
+                "worker joined", worker=event.worker, peer=event.address, workers=event.workers
+            )
+        case Left():
+            log.info("worker left", worker=event.worker, workers=event.workers)
+            metrics.worker_left(event.worker)
+        case Rejected():
+            metrics.protocol_errors.labels(event.code.name).inc()
+            log.warning(
+                "rejecting worker", worker=event.worker, code=event.code.name, reason=event.reason
+            )
+        case DataDigestAgreed():
+            log.info("data digest agreed", digest=event.digest.hex()[:16], workers=event.workers)
+        case DigestMismatch():
+            metrics.digest_mismatches.inc()
+        case DigestsDisagree():
+            metrics.digest_mismatches.inc()
+            log.warning(
+                "digests disagree",
+                step=event.step,
+                digests=event.digests,
+                hint="no two workers agree on the replica: a backend or version differs",
+            )
+        case NoSnapshotSource():
+            log.info("no worker at the current step for a final snapshot", step=event.step)
+        case SnapshotRejected():
+            log.warning("snapshot rejected", worker=event.worker, reason=event.reason)
+        case SnapshotStored():
+            metrics.snapshot_stored()
+            log.info(
+                "snapshot stored",
+                step=event.step,
+                worker=event.worker,
+                bytes=event.bytes,
+                digest=event.digest,
+            )
+        case Validated(scores=v):
+            metrics.validated(v)
+            streams = v.stream_tokens > 0  # 0: the model carries no state along a stream
+            log.info(
+                VALIDATION,
+                step=v.step,
+                **held_out_fields(
+                    v.bits_per_token,
+                    v.bits_per_byte,
+                    v.stream_bits_per_token if streams else None,
+                    v.stream_bits_per_byte,
+                ),
+                tokens=v.tokens,
+                worker=event.worker,
+            )
+        case Sampled():
+            metrics.sampled(event.step, event.worker, event.prompt, event.text)
+            log.info(
+                SAMPLE, step=event.step, worker=event.worker, prompt=event.prompt, text=event.text
+            )
+        case WorkerLog():
+            log.info("worker log", worker=event.worker, level=event.level, text=event.text)
+        case WorkerError():
+            log.warning("worker error", worker=event.worker, code=event.code, text=event.text)
+
+
+class Executor:
+    """Carries out what the run core returns, for the server and the in-memory flow tests
+    alike: messages go out through the peers' `Link`s, snapshots are streamed from and
+    written to the store with `offload` (a thread in the server), and events are recorded.
+    It also counts the bytes on every link, for each committed step's line."""
+
+    def __init__(
+        self,
+        core: RunCore,
+        metrics: Metrics,
+        links: dict[int, Link],
+        *,
+        keep_snapshots: int = 3,
+        offload: Offload = asyncio.to_thread,
+    ) -> None:
+        self.core = core
+        self.store = core.store
+        self.metrics = metrics
+        self.links = links
+        self.keep_snapshots = keep_snapshots
+        self.offload = offload
+        self.net_in = self.net_out = 0  # bytes on all links
+        self._net_marks = (0, 0)  # the totals at the last commit
+
+    def traffic(self, received: int = 0, sent: int = 0) -> None:
+        self.net_in += received
+        self.net_out += sent
+
+    def record(self, events: list[Event]) -> None:
+        for event in events:
+            net = (0, 0)
+            if isinstance(event, Committed):
+                net = (self.net_in - self._net_marks[0], self.net_out - self._net_marks[1])
+                self._net_marks = (self.net_in, self.net_out)
+            record(self.metrics, event, net)
+
+    def write(self, link: Link, msg: Message) -> None:
+        self.traffic(sent=link.write(msg))
+
+    def refuse(self, link: Link, refused: Refused) -> None:
+        """Record why the peer is refused and send it ERROR (the caller closes)."""
+        self.record(refused.events)
+        self.traffic(sent=link.write_error(refused.code, refused.message))
+
+    async def carry_out(self, outputs: list[Output]) -> None:
+        for output in outputs:
+            if isinstance(output, Event):
+                self.record([output])
+                continue
+            link = self.links.get(output.peer)
+            if link is None:
+                continue  # that connection is gone
+            match output:
+                case Send(msg=msg):
+                    self.write(link, msg)
+                case ServeSnapshot(step=step):
+                    await self._serve_snapshot(link, step)
+                case StoreSnapshot(blob=blob):
+                    await self._store_snapshot(link, blob)
+
+    async def _serve_snapshot(self, link: Link, step: int) -> None:
+        """Stream the file a piece at a time: one peer never pins a whole snapshot."""
+        offload = self.offload
+        try:
+            f = await offload(open, self.store.snapshot_path(step), "rb")
+        except OSError:  # pruned just now by a newer snapshot: the worker asks again
+            raise self.core.snapshot_gone(link.peer, step) from None
+        name = self.core.name(link.peer)
+        with f:
+            size = await offload(lambda: os.fstat(f.fileno()).st_size)
+            offset = 0
+            while True:
+                piece = await offload(f.read, SNAPSHOT_CHUNK_BYTES)
+                if not piece and offset:
+                    break
+                self.write(link, SnapshotChunk(step, size, offset, piece))
+                offset += len(piece)
+                await link.drain(name)
+                if offset >= size:
+                    break
+        self.metrics.snapshot_transfers.labels("out").inc()
+        log.info("snapshot sent", worker=name, step=step, bytes=size)
+
+    async def _store_snapshot(self, link: Link, blob: bytes) -> None:
+        try:
+            state = await self.offload(decode_checkpoint, blob)
+        except CheckpointError as exc:
+            state, error = None, str(exc)
+        else:
+            error = ""
+        rejected = self.core.snapshot_decoded(link.peer, state, error)
+        if rejected is not None or state is None:
+            self.record([rejected] if rejected is not None else [])
+            return
+        await self.offload(self.store.save_snapshot, state.step, blob, self.keep_snapshots)
+        self.record([self.core.snapshot_stored(link.peer, state, len(blob))])
+
+
 class Coordinator:
     def __init__(
         self,
         store: RunStore,
         options: Options,
         metrics: Metrics | None = None,
-        clock=time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.store = store
         self.opt = options
         self.metrics = metrics or Metrics()
-        self.core = RunCore(
-            store,
-            token=options.token,
-            data_digest=options.data_digest,
-            max_steps=options.max_steps,
-            snapshot_every=options.snapshot_every,
-            sample_every=options.sample_every,
-            chunk_timeout_s=options.chunk_timeout_s,
-            metrics=self.metrics,
-            clock=clock,
-        )
+        self.core = RunCore(store, options.run, clock)
+        self.metrics.observe(self.core.status, store.run_id, store.config.digest())
         self.links: dict[int, Link] = {}
+        self.executor = Executor(
+            self.core, self.metrics, self.links, keep_snapshots=options.keep_snapshots
+        )
         self.stopping = asyncio.Event()
         self._changed = asyncio.Event()  # something happened that may move a deadline
         self._snapshot_stored = asyncio.Event()
@@ -119,7 +362,7 @@ class Coordinator:
                 hint="a step that was being written when the coordinator stopped is redone",
             )
         host = self.opt.host
-        if not self.opt.token and not is_loopback(host):
+        if not self.opt.run.token and not is_loopback(host):
             log.warning(
                 "protected mode: no token, so only this machine may connect",
                 listening_on="127.0.0.1",
@@ -194,10 +437,9 @@ class Coordinator:
     async def _final_snapshot(self, timeout_s: float) -> None:
         """Ask a worker at the current step for its state and wait a bounded time for it."""
         self._snapshot_stored.clear()
-        commands = self.core.want_snapshot()
-        if not commands and self.core.snapshot_source is None:
-            return
-        await self._carry_out(commands)
+        await self._carry_out(self.core.want_snapshot())
+        if self.core.snapshot.asked is None:
+            return  # nobody to ask
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 while self.store.latest_snapshot != self.step:
@@ -247,12 +489,12 @@ class Coordinator:
             log.critical("commit failed", error=str(exc))
             self.request_stop()
         except Refused as exc:
-            self.core.traffic(sent=link.write_error(exc.code, exc.message))
+            self.executor.refuse(link, exc)
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(exc.error_code.name).inc()
             log.warning(
                 "protocol error",
-                worker=self._name(link),
+                worker=self.core.name(link.peer),
                 peer=address,
                 code=exc.error_code.name,
                 error=exc.message,
@@ -262,8 +504,8 @@ class Coordinator:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except Exception:  # a bug must cost one connection, never the run
-            log.exception("session failed", worker=self._name(link), peer=address)
-            self.core.traffic(sent=link.write_error(ErrorCode.INTERNAL, "coordinator error"))
+            log.exception("session failed", worker=self.core.name(link.peer), peer=address)
+            self.executor.traffic(sent=link.write_error(ErrorCode.INTERNAL, "coordinator error"))
         finally:
             self.links.pop(link.peer, None)
             await self._carry_out(self.core.peer_left(link.peer))
@@ -294,73 +536,24 @@ class Coordinator:
                     raise Refused(ErrorCode.AUTH_FAILED, "handshake not done in time") from None
                 log.warning(
                     "worker silent, dropping it",
-                    worker=self._name(link),
+                    worker=self.core.name(link.peer),
                     seconds=self.opt.idle_timeout_s,
                 )
                 return
             if not data:
                 return
-            self.core.traffic(received=len(data))
+            self.executor.traffic(received=len(data))
             link.conn.receive_data(data)
             while not link.conn.closed and (msg := link.conn.next_event()) is not None:
                 link.count_in()
                 await self._carry_out(self.core.receive(link.peer, msg))
                 # One reply at a time for a peer that does not read (e.g. a flood of
                 # FITNESS_REQUESTs): memory stays bounded, and it is dropped if it stalls.
-                await link.drain(self._name(link))
+                await link.drain(self.core.name(link.peer))
 
-    def _name(self, link: Link) -> str:
-        peer = self.core.peers.get(link.peer)
-        return peer.name if peer is not None else "?"
-
-    def _write(self, link: Link, msg: Message) -> None:
-        self.core.traffic(sent=link.write(msg))
-
-    # ------------------------------------------------------------------ commands
-
-    async def _carry_out(self, commands: list[Command]) -> None:
-        for command in commands:
-            link = self.links.get(command.peer)
-            if link is None:
-                continue  # that connection is gone
-            match command:
-                case Send(msg=msg):
-                    self._write(link, msg)
-                case ServeSnapshot(step=step):
-                    await self._serve_snapshot(link, step)
-                case StoreSnapshot(blob=blob):
-                    await self._store_snapshot(link, blob)
+    async def _carry_out(self, outputs: list[Output]) -> None:
+        await self.executor.carry_out(outputs)
+        if any(isinstance(o, StoreSnapshot) for o in outputs):
+            self._snapshot_stored.set()  # `_final_snapshot` checks which step it was
         self._changed.set()
         self._check_finish()
-
-    async def _serve_snapshot(self, link: Link, step: int) -> None:
-        """Stream the file a piece at a time: one peer never pins a whole snapshot."""
-        try:
-            f = await asyncio.to_thread(open, self.store.snapshot_path(step), "rb")
-        except OSError:  # pruned just now by a newer snapshot: the worker asks again
-            raise self.core.snapshot_gone(link.peer, step) from None
-        with f:
-            size = await asyncio.to_thread(lambda: os.fstat(f.fileno()).st_size)
-            offset = 0
-            while True:
-                piece = await asyncio.to_thread(f.read, SNAPSHOT_CHUNK_BYTES)
-                if not piece and offset:
-                    break
-                self._write(link, SnapshotChunk(step, size, offset, piece))
-                offset += len(piece)
-                await link.drain(self._name(link))
-                if offset >= size:
-                    break
-        self.core.snapshot_served(link.peer, step, size)
-
-    async def _store_snapshot(self, link: Link, blob: bytes) -> None:
-        try:
-            state = await asyncio.to_thread(decode_checkpoint, blob)
-        except CheckpointError as exc:
-            self.core.snapshot_decoded(link.peer, None, str(exc))
-            return
-        if not self.core.snapshot_decoded(link.peer, state):
-            return
-        await asyncio.to_thread(self.store.save_snapshot, state.step, blob, self.opt.keep_snapshots)
-        self.core.snapshot_stored(link.peer, state, len(blob))
-        self._snapshot_stored.set()

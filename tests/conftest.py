@@ -18,6 +18,11 @@ import pytest
 
 from eggroll_dist.worker.data.build import prepare_data_dir
 
+# Test files share `helpers.py` (pytest's importlib mode puts no test folder on the path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import command
+
 
 @pytest.fixture(scope="session")
 def words_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -28,11 +33,6 @@ def words_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("words")
     prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
     return out
-
-
-def command(name: str) -> str:
-    """A console script of the installation under test."""
-    return str(Path(sys.executable).with_name(name))
 
 
 class Proc:

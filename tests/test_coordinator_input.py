@@ -6,10 +6,10 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY_RUN, command, start_coordinator, start_worker
 
 from eggroll_dist.protocol import (
     Auth,
@@ -25,18 +25,6 @@ from eggroll_dist.protocol import (
 )
 
 TOKEN = "input-tests-token-0123456789"
-CONFIG = """
-[model]
-n_layer = 1
-d_model = 16
-[es]
-population = 32
-chunk_size = 8
-seq_len = 8
-[validation]
-every_steps = 0
-max_tokens = 200
-"""
 
 
 def _talk(port: int, data: bytes) -> Error | None:
@@ -74,25 +62,8 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
 ) -> None:
     monkeypatch.setenv("EGGROLL_TOKEN", TOKEN)  # inherited by every process started here
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG)
-    coord = spawn(
-        "eggroll-coordinator",
-        "--save-dir",
-        tmp_path / "run",
-        "--config",
-        config,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--max-steps",
-        "3",
-        "--log-format",
-        "json",
-    )
-    port = coord.wait_for(lambda e: e.get("event") == "listening", 30)["port"]
+    config.write_text(TINY_RUN)
+    coord, port = start_coordinator(spawn, tmp_path / "run", config, "--max-steps", "3")
 
     bad_magic = b"JOBS" + bytes(12)
     assert _talk(port, bad_magic).code == ErrorCode.BAD_MAGIC
@@ -109,7 +80,7 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
     assert _handshake_with_token(port, b"guess").code == ErrorCode.AUTH_FAILED
     wrong = subprocess.run(
         [
-            str(Path(sys.executable).with_name("eggroll-worker")),
+            command("eggroll-worker"),
             f"127.0.0.1:{port}",
             "--data-dir",
             str(words_data),
@@ -124,13 +95,6 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
     assert wrong.returncode == 2 and "token" in wrong.stderr and "Traceback" not in wrong.stderr
 
     # The coordinator is still serving: a worker with the right token trains to the end.
-    spawn(
-        "eggroll-worker",
-        f"127.0.0.1:{port}",
-        "--data-dir",
-        words_data,
-        "--log-format",
-        "json",
-    )
+    start_worker(spawn, port, words_data)
     assert coord.wait(120) == 0
     assert coord.count(lambda e: e.get("event") == "step") == 3

@@ -6,37 +6,21 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import (
+    SMALL_RUN,
+    command,
+    digest_at,
+    inspect_run,
+    start_coordinator,
+    start_worker,
+)
 
-from eggroll_dist.shared.config import load_config
-from eggroll_dist.shared.data import load_data_dir
-from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.vocab import escape
-from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.train import train
 
-
-def command(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
-# Eight small chunks a step: quick, and enough chunks for two workers to share.
-FAST = """
-[model]
-n_layer = 1
-d_model = 32
-[es]
-population = 512
-chunk_size = 64
-seq_len = 48
-[validation]
-every_steps = 0
-max_tokens = 480
-"""
 # Four chunks a step, each long enough (~0.3 s here) that a kill lands inside one.
 SLOW = """
 [model]
@@ -52,23 +36,6 @@ max_tokens = 4096
 """
 
 
-def expected_digest(data_dir: Path, config: Path, steps: int) -> str:
-    cfg = load_config(config)
-    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(cfg))
-    return train(cfg, backend, steps).state.digest_hex()
-
-
-def inspect(save_dir: Path) -> dict:
-    done = subprocess.run(
-        [command("eggroll-inspect"), str(save_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
 @pytest.fixture
 def slow_config(tmp_path: Path) -> Path:
     path = tmp_path / "slow.toml"
@@ -79,44 +46,8 @@ def slow_config(tmp_path: Path) -> Path:
 @pytest.fixture
 def fast_config(tmp_path: Path) -> Path:
     path = tmp_path / "fast.toml"
-    path.write_text(FAST)
+    path.write_text(SMALL_RUN)
     return path
-
-
-def start_coordinator(spawn, save_dir: Path, config: Path, *extra: str, port: int = 0):
-    coord = spawn(
-        "eggroll-coordinator",
-        "--save-dir",
-        save_dir,
-        "--config",
-        config,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--metrics-port",
-        "0",
-        "--log-format",
-        "json",
-        *extra,
-    )
-    listening = coord.wait_for(lambda e: e.get("event") == "listening", 30, "listening line")
-    return coord, listening["port"]
-
-
-def start_worker(spawn, port: int, data_dir: Path, name: str):
-    return spawn(
-        "eggroll-worker",
-        f"127.0.0.1:{port}",
-        "--data-dir",
-        data_dir,
-        "--name",
-        name,
-        "--log-format",
-        "json",
-        "--max-retry-s",
-        "1",
-    )
 
 
 def committed(step: int):
@@ -175,7 +106,7 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
     assert single.returncode == 0, single.stderr
     trained = json.loads(train_summary.read_text())
     want = trained["replica_digest"]
-    info = inspect(save_dir)
+    info = inspect_run(save_dir)
     assert info["step"] == 30 and info["log_ok"]
     assert info["replica_digest"] == want
     local = json.loads(summary.read_text())
@@ -228,9 +159,9 @@ def test_worker_sigkill_mid_step_loses_nothing(
         "a re-queue on disconnect",
     )
     assert coord.wait(180) == 0
-    info = inspect(save_dir)
+    info = inspect_run(save_dir)
     assert info["step"] == steps
-    assert info["replica_digest"] == expected_digest(words_data, slow_config, steps)
+    assert int(info["replica_digest"], 16) == digest_at(save_dir, steps)
 
 
 def test_coordinator_sigkill_resume_loses_nothing(
@@ -251,9 +182,9 @@ def test_coordinator_sigkill_resume_loses_nothing(
     for w in workers:  # the restart killed no worker: each stops only when the run is complete
         assert w.wait(30) == 0
         assert "complete" in w.wait_for(lambda e: e.get("event") == "stopped", 5)["reason"]
-    info = inspect(save_dir)
+    info = inspect_run(save_dir)
     assert info["step"] == steps and info["log_ok"]
-    assert info["replica_digest"] == expected_digest(words_data, fast_config, steps)
+    assert int(info["replica_digest"], 16) == digest_at(save_dir, steps)
 
 
 def test_late_join_loads_snapshot_and_contributes(
@@ -275,9 +206,9 @@ def test_late_join_loads_snapshot_and_contributes(
     late.wait_for(lambda e: e.get("event") == "chunk done", 120, "a chunk from the late worker")
     assert coord.wait(180) == 0
     assert coord.count(lambda e: e.get("code") == "DIVERGED") == 0
-    info = inspect(save_dir)
-    want = expected_digest(words_data, fast_config, steps)
-    assert info["step"] == steps and info["replica_digest"] == want
+    info = inspect_run(save_dir)
+    want = digest_at(save_dir, steps)
+    assert info["step"] == steps and int(info["replica_digest"], 16) == want
     applied = [e for e in late.events if e.get("event") == "step applied"]
     assert applied and all(
         e["digest"] == info["digests"].get(str(e["step"]), e["digest"]) for e in applied
@@ -325,7 +256,7 @@ def test_local_run_stops_its_children_on_sigterm(
         or f"--data-dir\0{words_data}\0".encode() in _cmdline(p)
     ]
     assert leftovers == []
-    assert inspect(save_dir)["log_ok"]  # whatever was committed is intact
+    assert inspect_run(save_dir)["log_ok"]  # whatever was committed is intact
 
 
 def _cmdline(proc: Path) -> bytes:

@@ -8,24 +8,21 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 import structlog
+from helpers import Network, Worker, digest_at, sends
 
 from eggroll_dist.coordinator.run import (
     Refused,
-    RunCore,
-    Send,
-    ServeSnapshot,
-    StoreSnapshot,
+    Sampled,
+    Want,
 )
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import (
     PROTOCOL_VERSION,
-    Connection,
     Error,
     ErrorCode,
     FitnessRange,
@@ -36,7 +33,6 @@ from eggroll_dist.protocol import (
     JobRequest,
     Message,
     Result,
-    Role,
     Sample,
     SampleText,
     SnapshotChunk,
@@ -62,37 +58,25 @@ from eggroll_dist.shared.logs import (
     held_out_text,
 )
 from eggroll_dist.shared.replica import (
-    CheckpointError,
     ReplicaState,
     decode_checkpoint,
     encode_checkpoint,
     replay,
 )
-from eggroll_dist.shared.sample import TrainingSamples, write_sample
+from eggroll_dist.shared.sample import TrainingSamples
 from eggroll_dist.shared.vocab import NEWLINE_MARK, escape
 from eggroll_dist.worker import session as session_module
-from eggroll_dist.worker.backend import Backend, HeldOut
+from eggroll_dist.worker.backend import HeldOut
 from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.session import (
-    Apply,
-    Command,
-    DecodeSnapshot,
-    DropReplica,
     Ended,
-    Evaluate,
     ExportSnapshot,
-    Identity,
-    InstallSnapshot,
     Phase,
     RunSample,
     RunValidation,
-    Session,
-    StartReplica,
-    WorkerFatal,
 )
-from eggroll_dist.worker.session import Send as WorkerSend
 
 # 16 members in 2 chunks of 8; validation only when a test asks for it.
 CFG = RunConfig(
@@ -110,286 +94,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     out = tmp_path_factory.mktemp("data")
     prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
     return load_data_dir(out)
-
-
-# --- the harness --------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
-class SyncReplica:
-    """The replica façade of worker/replica.py, carried out at once on the calling thread."""
-
-    dataset: Dataset
-    backend: Backend | None = None
-    run_id: bytes | None = None
-    digest: int = 0
-    weights_changed: int = 0
-
-    @property
-    def step(self) -> int:
-        return -1 if self.backend is None else self.backend.step
-
-    @property
-    def config_digest(self) -> bytes | None:
-        return None if self.backend is None else self.backend.config.digest()
-
-
-@dataclass(eq=False)
-class Worker:
-    """One worker: its session, its end of the link, what it has received but not handled."""
-
-    net: Network
-    name: str
-    session: Session
-    replica: SyncReplica
-    conn: Connection = field(default_factory=lambda: Connection(Role.WORKER))
-    peer: int = 0
-    inbox: list[Message] = field(default_factory=list)
-    sent: list[Message] = field(default_factory=list)  # everything this worker sent
-    got: list[Message] = field(default_factory=list)  # everything it received
-    held: list[Job] = field(default_factory=list)  # jobs evaluating "slowly"
-    hold_jobs: bool = False  # hold every job, whatever its step
-    ended: str | None = None  # why the connection ended
-    fatal: WorkerFatal | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.ended is None and self.fatal is None
-
-    def send(self, msg: Message) -> None:
-        self.sent.append(msg)
-        self.net.to_coordinator(self, self.conn.send(msg))
-
-    def deliver(self, data: bytes) -> None:
-        """Bytes arrive: decoded at once (as the read loop does), handled later."""
-        self.conn.receive_data(data)
-        while (msg := self.conn.next_event()) is not None:
-            if isinstance(msg, Step):
-                self.session.step_frame_seen(msg.step)
-            self.got.append(msg)
-            self.inbox.append(msg)
-
-    def carry_out(self, commands: list[Command]) -> None:
-        r = self.replica
-        for command in commands:
-            match command:
-                case WorkerSend(msg=msg):
-                    self.send(msg)
-                case Evaluate(job=job):
-                    if self.hold_jobs or job.step >= self.net.stop_at:
-                        self.held.append(job)
-                        return  # the shell runs nothing else until the job is done
-                    self._evaluate(job)
-                case Apply(fitness=fitness):
-                    assert r.backend is not None
-                    for values in fitness:
-                        r.weights_changed = r.backend.apply_step(values)
-                    r.digest = r.backend.digest()
-                case DropReplica():
-                    r.backend, r.run_id = None, None
-                case StartReplica(config=config, run_id=run_id):
-                    r.backend = NumpyBackend(r.dataset, ReplicaState.initial(config))
-                    r.run_id, r.digest, r.weights_changed = run_id, r.backend.digest(), 0
-                case DecodeSnapshot(blob=blob, step=step):
-                    try:
-                        state = decode_checkpoint(blob)
-                    except CheckpointError as exc:
-                        self.carry_out(self.session.snapshot_decoded(step, None, str(exc)))
-                    else:
-                        self.carry_out(self.session.snapshot_decoded(step, state))
-                case InstallSnapshot(state=state):
-                    assert r.backend is not None
-                    r.backend.load_state(state)
-                    r.digest, r.weights_changed = r.backend.digest(), 0
-                case ExportSnapshot():
-                    assert r.backend is not None
-                    state = r.backend.state
-                    for chunk in iter_snapshot_chunks(state.step, encode_checkpoint(state)):
-                        self.send(chunk)
-                case RunValidation(step=step):
-                    assert r.backend is not None
-                    self.carry_out(self.session.validated(step, r.backend.validate(), 0.001))
-                case RunSample(request=request):
-                    assert r.backend is not None
-                    prompt, text = write_sample(r.backend.state, r.dataset, request)
-                    self.carry_out(self.session.sampled(request, prompt, text, 0.001))
-
-    def _evaluate(self, job: Job) -> None:
-        assert self.replica.backend is not None
-        result = self.replica.backend.evaluate_chunk(job.step, job.first_member, job.member_count)
-        self.carry_out(self.session.evaluated(job, result, 0.001))
-
-    def finish_held(self) -> None:
-        """The slow job ends; messages that arrived meanwhile are handled next."""
-        self.hold_jobs = False
-        while self.held:
-            self._evaluate(self.held.pop(0))
-        if not self.inbox:
-            self.carry_out(self.session.advance())
-
-    def busy(self) -> bool:
-        return bool(self.held)
-
-    def handle_one(self) -> bool:
-        """Handle the next received message (then ask for more if nothing else is queued),
-        as the shell's serve loop does; False when there was nothing to do."""
-        if not self.alive or self.busy():
-            return False
-        if not self.inbox:
-            return False
-        msg = self.inbox.pop(0)
-        try:
-            self.carry_out(self.session.receive(msg))
-            if not self.inbox and not self.busy():
-                self.carry_out(self.session.advance())
-        except Ended as exc:
-            if exc.drop_replica:
-                self.replica.backend, self.replica.run_id = None, None
-            self.close(str(exc))
-        except WorkerFatal as exc:
-            if exc.tell and exc.code is not None:
-                self.net.to_coordinator(self, self.conn.send_error(exc.code, str(exc)))
-            self.fatal = exc
-            self.net.disconnect(self)
-        return True
-
-    def close(self, reason: str) -> None:
-        self.ended = reason
-        self.net.disconnect(self)
-
-
-class Network:
-    """The run core and its workers over in-memory links (h11's ConnectionPair, widened)."""
-
-    def __init__(self, store: RunStore, dataset: Dataset, **core_options: object) -> None:
-        self.clock = FakeClock()
-        self.store = store
-        self.dataset = dataset
-        self.core = RunCore(store, clock=self.clock, **core_options)  # type: ignore[arg-type]
-        self.links: dict[int, tuple[Worker, Connection]] = {}
-        self.workers: list[Worker] = []
-        self.refused: list[tuple[str, ErrorCode]] = []
-        # Jobs of this step and later are held (a worker "evaluating" them is busy) until
-        # `train` moves the mark: that is how a test lets the run settle between steps.
-        self.stop_at = 0
-
-    def join(
-        self, name: str, *, replica: SyncReplica | None = None, token: bytes = b"", **me: object
-    ) -> Worker:
-        identity = Identity(
-            name=name,
-            token=token,
-            backend="numpy",
-            device="cpu",
-            data_digest=me.pop("data_digest", self.dataset.digest),  # type: ignore[arg-type]
-            vocab_size=me.pop("vocab_size", self.dataset.meta.vocab_size),  # type: ignore[arg-type]
-            train_tokens=len(self.dataset.train),
-        )
-        replica = replica or SyncReplica(self.dataset)
-        w = Worker(self, name, Session(identity, replica, clock=self.clock), replica)
-        w.peer = self.core.connect(f"mem:{name}")
-        self.links[w.peer] = (w, Connection(Role.COORDINATOR))
-        self.workers.append(w)
-        w.carry_out(w.session.start())
-        return w
-
-    def to_coordinator(self, w: Worker, data: bytes) -> None:
-        link = self.links.get(w.peer)
-        if link is None:
-            return
-        conn = link[1]
-        conn.receive_data(data)
-        while link[0].peer in self.links and (msg := conn.next_event()) is not None:
-            try:
-                commands = self.core.receive(w.peer, msg)
-            except Refused as exc:
-                self.refused.append((w.name, exc.code))
-                w.deliver(conn.send_error(exc.code, exc.message))
-                self.drop(w)
-                return
-            self.carry_out(commands)
-
-    def carry_out(self, commands: list) -> None:
-        for command in commands:
-            w, conn = self.links[command.peer]
-            match command:
-                case Send(msg=msg):
-                    if conn.can_send(msg.TYPE):
-                        w.deliver(conn.send(msg))
-                case ServeSnapshot(step=step):
-                    blob = self.store.snapshot_path(step).read_bytes()
-                    for chunk in iter_snapshot_chunks(step, blob):
-                        w.deliver(conn.send(chunk))
-                    self.core.snapshot_served(command.peer, step, len(blob))
-                case StoreSnapshot(blob=blob):
-                    try:
-                        state = decode_checkpoint(blob)
-                    except CheckpointError as exc:
-                        self.core.snapshot_decoded(command.peer, None, str(exc))
-                        continue
-                    if self.core.snapshot_decoded(command.peer, state):
-                        self.store.save_snapshot(state.step, blob, 3)
-                        self.core.snapshot_stored(command.peer, state, len(blob))
-
-    def drop(self, w: Worker) -> None:
-        """The coordinator's end closes (after a refusal)."""
-        if self.links.pop(w.peer, None) is not None:
-            self.carry_out(self.core.peer_left(w.peer))
-
-    def disconnect(self, w: Worker) -> None:
-        self.drop(w)
-
-    def run(self, max_rounds: int = 10_000) -> None:
-        """Let every worker handle what it has received until nothing moves."""
-        for _ in range(max_rounds):
-            self.release()
-            if not any(w.handle_one() for w in list(self.workers)):
-                return
-        raise AssertionError("the flow did not settle")
-
-    def advance(self, seconds: float) -> None:
-        """Time passes: leases expire, WAITs run out."""
-        self.clock.now += seconds
-        self.carry_out(self.core.expire())
-        for w in self.workers:
-            s = w.session
-            if w.alive and s.phase is Phase.WAITING and s.retry_at <= self.clock.now:
-                s.retry_due()
-                if not w.inbox:
-                    w.carry_out(s.advance())
-        self.run()
-
-    def release(self) -> None:
-        """Evaluate the jobs held at the mark once the mark has moved past them."""
-        for w in self.workers:
-            if w.alive and w.held and not w.hold_jobs and w.held[0].step < self.stop_at:
-                w.finish_held()
-
-    def train(self, steps: int) -> None:
-        """Run until `steps` more steps are committed (workers waiting get nudged)."""
-        target = self.stop_at = self.core.step + steps
-        for _ in range(100):
-            self.release()
-            self.run()
-            if self.core.step >= target:
-                return
-            self.advance(1.0)
-        raise AssertionError(f"stuck at step {self.core.step}")
-
-
-def expected(store: RunStore, steps: int) -> int:
-    """The digest the fitness log says a replica has after `steps` steps."""
-    packed = store.fitness_log.read(0, steps)
-    fitness = [unpack_ternary(p, CFG.pairs) for p in packed]
-    return replay(ReplicaState.initial(CFG), fitness).digest()
 
 
 @pytest.fixture
@@ -466,7 +170,7 @@ def test_two_workers_train_and_every_replica_agrees(store: RunStore, dataset: Da
     net.run()  # both through the handshake, each holding one chunk of step 0
     net.train(3)
     assert store.steps == 3 and store.fitness_log.steps == 3
-    want = expected(store, 3)
+    want = digest_at(store.path, 3)
     assert a.replica.digest == b.replica.digest == want
     assert store.digests[3] == want
     # Both evaluated chunks; each RESULT went out with the replica's digest of its step.
@@ -506,10 +210,10 @@ def test_wait_then_retry_and_a_job_pushed_during_the_wait(
     (lost,) = a.held
     a.close("gone")
     assert isinstance(c.inbox[-1], Job) and c.inbox[-1].chunk == lost.chunk
-    assert net.core.metrics.chunks_requeued.labels("disconnect")._value.get() == 1
+    assert net.metrics.chunks_requeued.labels("disconnect")._value.get() == 1
     net.train(1)
     assert store.steps == 1
-    assert c.replica.digest == b.replica.digest == expected(store, 1)
+    assert c.replica.digest == b.replica.digest == digest_at(store.path, 1)
 
 
 def test_stale_job_request_is_left_unanswered_or_answered_with_fitness(
@@ -520,13 +224,13 @@ def test_stale_job_request_is_left_unanswered_or_answered_with_fitness(
     net.train(2)
     core, peer = net.core, w.peer
     # A JOB_REQUEST from step 1 after STEP 1 was sent to it: the STEP answers it.
-    assert core.receive(peer, JobRequest(1, expected(store, 1), 0)) == []
+    assert core.receive(peer, JobRequest(1, digest_at(store.path, 1), 0)) == []
     # From before this connection's first STEP: the missing steps come as FITNESS_RANGE.
     late = net.join("late")
     net.run()
     late_peer = late.peer
     core.peers[late_peer].broadcast_from = 2
-    (reply,) = core.receive(late_peer, JobRequest(0, expected(store, 0), 0))
+    (reply,) = sends(core.receive(late_peer, JobRequest(0, digest_at(store.path, 0), 0)))
     assert isinstance(reply.msg, FitnessRange) and reply.msg.first_step == 0
     assert reply.msg.step_count == 2
 
@@ -538,12 +242,12 @@ def test_a_replica_ahead_of_the_run_or_with_another_digest_diverged(
     w, _ = net.join("w"), net.join("v")  # two workers: step 1's digest is agreed
     net.train(1)
     with pytest.raises(Refused) as ahead:
-        net.core.receive(w.peer, JobRequest(5, 0, 0))
+        net.receive(w.peer, JobRequest(5, 0, 0))
     assert ahead.value.code is ErrorCode.DIVERGED
     with pytest.raises(Refused) as other:
-        net.core.receive(w.peer, JobRequest(1, store.digests[1] ^ 1, 0))
+        net.receive(w.peer, JobRequest(1, store.digests[1] ^ 1, 0))
     assert other.value.code is ErrorCode.DIVERGED
-    assert net.core.metrics.digest_mismatches._value.get() == 1
+    assert net.metrics.digest_mismatches._value.get() == 1
 
 
 def test_diverged_worker_drops_its_replica_and_rejoins_from_step_0(
@@ -560,7 +264,7 @@ def test_diverged_worker_drops_its_replica_and_rejoins_from_step_0(
     assert w.replica.backend is None  # dropped: it starts again from step 0
     again = net.join("w-again", replica=w.replica)
     net.run()
-    assert again.replica.step == 2 and again.replica.digest == expected(store, 2)
+    assert again.replica.step == 2 and again.replica.digest == digest_at(store.path, 2)
 
 
 def test_results_are_dropped_for_another_step_a_bad_chunk_or_a_duplicate(
@@ -581,13 +285,13 @@ def test_results_are_dropped_for_another_step_a_bad_chunk_or_a_duplicate(
             replica_digest=digest, fitness=fitness,
         )  # fmt: skip
 
-    core, dropped = net.core, net.core.metrics.results_dropped
-    core.receive(a.peer, result(0, job.chunk, r.fitness))
-    core.receive(a.peer, result(0, job.chunk, r.fitness))  # an identical copy
-    core.receive(a.peer, result(0, job.chunk, -r.fitness))  # a copy that differs
-    core.receive(a.peer, result(0, 7, r.fitness))  # no such chunk
-    core.receive(a.peer, result(3, 1 - job.chunk, r.fitness))  # for another step
-    core.receive(a.peer, result(0, 1 - job.chunk, r.fitness[:2]))  # wrong pair count
+    dropped = net.metrics.results_dropped
+    net.receive(a.peer, result(0, job.chunk, r.fitness))
+    net.receive(a.peer, result(0, job.chunk, r.fitness))  # an identical copy
+    net.receive(a.peer, result(0, job.chunk, -r.fitness))  # a copy that differs
+    net.receive(a.peer, result(0, 7, r.fitness))  # no such chunk
+    net.receive(a.peer, result(3, 1 - job.chunk, r.fitness))  # for another step
+    net.receive(a.peer, result(0, 1 - job.chunk, r.fitness[:2]))  # wrong pair count
     counts = {k: dropped.labels(k)._value.get() for k in ("duplicate", "mismatch")}
     assert counts == {"duplicate": 1, "mismatch": 1}
     assert dropped.labels("out_of_range")._value.get() == 1
@@ -614,7 +318,7 @@ def test_a_step_overtaking_a_running_chunk_and_a_straggler_backup(
     slow.finish_held()  # the STEP was read meanwhile: the result is not sent
     assert not any(isinstance(m, Result) for m in slow.sent)
     net.run()
-    assert slow.replica.digest == fast.replica.digest == expected(store, 1)
+    assert slow.replica.digest == fast.replica.digest == digest_at(store.path, 1)
     assert isinstance(slow.sent[-1], JobRequest) and slow.sent[-1].replica_step == 1
 
 
@@ -625,11 +329,11 @@ def test_an_expired_lease_is_leased_again_and_the_first_result_wins(
     slow, other = net.join("slow"), net.join("other")
     net.run()  # each holds one chunk
     net.advance(31.0)  # both leases pass their deadline: both chunks go back in the queue
-    assert net.core.metrics.chunks_requeued.labels("deadline")._value.get() == 2
+    assert net.metrics.chunks_requeued.labels("deadline")._value.get() == 2
     assert list(net.core.jobs.queue) == [slow.held[0].chunk, other.held[0].chunk]
     net.train(1)  # the late results still count (first valid result wins)
     assert store.steps == 1
-    assert slow.replica.digest == other.replica.digest == expected(store, 1)
+    assert slow.replica.digest == other.replica.digest == digest_at(store.path, 1)
 
 
 # --- Catch-up and snapshots -----------------------------------------------------------------
@@ -649,7 +353,7 @@ def test_catch_up_in_batches(
     requests = [m for m in w.sent if isinstance(m, FitnessRequest)]
     assert [(r.first_step, r.max_steps) for r in requests] == [(0, 2), (2, 2), (4, 2)]
     assert isinstance(w.sent[-1], JobRequest) and w.sent[-1].replica_step == 5
-    assert w.replica.digest == expected(store, 5)
+    assert w.replica.digest == digest_at(store.path, 5)
 
 
 def test_late_join_loads_the_snapshot_then_the_log_tail(store: RunStore, dataset: Dataset) -> None:
@@ -661,7 +365,7 @@ def test_late_join_loads_the_snapshot_then_the_log_tail(store: RunStore, dataset
     net.run()
     assert kinds(late.sent)[:4] == ["HELLO", "AUTH", "SNAPSHOT_REQUEST", "FITNESS_REQUEST"]
     assert late.sent[3].first_step == 2  # only the tail after the snapshot
-    assert late.replica.step == 3 and late.replica.digest == expected(store, 3)
+    assert late.replica.step == 3 and late.replica.digest == digest_at(store.path, 3)
 
 
 def test_a_corrupt_snapshot_is_replaced_by_the_fitness_log(
@@ -678,7 +382,7 @@ def test_a_corrupt_snapshot_is_replaced_by_the_fitness_log(
     net.run()
     requests = [m for m in late.sent if isinstance(m, FitnessRequest)]
     assert requests[0].first_step == 0  # the whole log, from the initial state
-    assert late.replica.step == 2 and late.replica.digest == expected(store, 2)
+    assert late.replica.step == 2 and late.replica.digest == digest_at(store.path, 2)
 
 
 def test_the_coordinator_keeps_only_a_snapshot_that_agrees(
@@ -688,27 +392,27 @@ def test_the_coordinator_keeps_only_a_snapshot_that_agrees(
     w = net.join("w")
     net.train(1)
     core = net.core
-    core.snapshot_wanted = 1
-    out = core._maybe_request_snapshot(core.peers[w.peer])
+    core.snapshot.step = 1
+    out = core._ask_snapshot(core.peers[w.peer])
     assert out and isinstance(out[0].msg, SnapshotRequest)
     good = encode_checkpoint(w.replica.backend.state)
     bad = bytearray(good)
     bad[-1] ^= 1  # CRC no longer matches
     for chunk in iter_snapshot_chunks(1, bytes(bad)):
         net.carry_out(core.receive(w.peer, chunk))
-    assert store.latest_snapshot is None and core.snapshot_source is None
+    assert store.latest_snapshot is None and core.snapshot.asked is None
     # Asked again, the worker's real state is kept.
-    net.carry_out(core._maybe_request_snapshot(core.peers[w.peer]))
+    net.carry_out(core._ask_snapshot(core.peers[w.peer]))
     w.carry_out([ExportSnapshot(1)])
-    assert store.latest_snapshot == 1 and core.snapshot_wanted is None
+    assert store.latest_snapshot == 1 and core.snapshot.step is None
 
 
 def test_a_worker_that_moved_on_sends_its_current_state(store: RunStore, dataset: Dataset) -> None:
     net = Network(store, dataset)
     w = net.join("w")
     net.train(1)
-    net.core.snapshot_wanted = 1
-    net.carry_out(net.core._maybe_request_snapshot(net.core.peers[w.peer]))
+    net.core.snapshot.step = 1
+    net.carry_out(net.core._ask_snapshot(net.core.peers[w.peer]))
     net.train(1)  # the worker moves on before it answers
     assert store.latest_snapshot in (1, 2)
     state = decode_checkpoint(store.snapshot_path(store.latest_snapshot).read_bytes())
@@ -760,7 +464,7 @@ def test_validation_is_asked_of_one_worker_at_the_step(
         )
         assert answer.stream_bits_per_token == want.streams.bits_per_token
         assert answer.stream_tokens == answer.tokens  # the same tokens, read differently
-        metrics = net.core.metrics
+        metrics = net.metrics
         assert metrics.valid_step._value.get() == 2
         assert metrics.valid_bits._value.get() == answer.bits_per_token
         # The byte vocabulary: bits per byte are bits per token.
@@ -795,7 +499,7 @@ def test_a_model_without_streams_reports_windows_only(
         (answer,) = [m for m in w.sent if isinstance(m, Validation)]
         assert (answer.tokens, answer.stream_tokens, answer.stream_text_bytes) == (64, 0, 0)
         assert answer.bits_per_byte is None and answer.stream_bits_per_byte is None
-        metrics = net.core.metrics
+        metrics = net.metrics
         assert metrics.valid_bits._value.get() == 5.0
         for gauge in (
             metrics.valid_bits_per_byte,
@@ -869,11 +573,10 @@ def test_the_sample_is_asked_of_a_waiting_worker_not_the_busy_ones(
     (answer,) = sample_texts(idle)
     assert (answer.step, answer.seed) == (1, 1) and answer.text
     prompt, text = what_eggroll_sample_writes(store, dataset, 1)
-    latest = net.core.latest_sample
-    assert latest == {"step": 1, "worker": "idle", "prompt": prompt, "text": text}
+    assert net.latest(Sampled) == Sampled(1, "idle", prompt, text)
     (logged,) = [e for e in events if e["event"] == SAMPLE]
     assert set(EVENT_FIELDS[SAMPLE]) <= logged.keys() and logged["text"] == text
-    assert net.core.metrics.sample._value["step"] == "1"
+    assert net.metrics.sample._value["step"] == "1"
 
 
 def test_the_only_worker_is_asked_after_its_chunk(store: RunStore, dataset: Dataset) -> None:
@@ -888,7 +591,8 @@ def test_the_only_worker_is_asked_after_its_chunk(store: RunStore, dataset: Data
     assert answer.step == 2
     first = w.sent.index(answer)
     assert any(isinstance(m, Result) and m.step == 2 for m in w.sent[:first])  # chunk first
-    assert net.core.latest_sample is not None and net.core.latest_sample["step"] == 2
+    latest = net.latest(Sampled)
+    assert latest is not None and latest.step == 2
     net.train(1)  # step 3: no sample due
     assert len(sample_texts(w)) == 1
 
@@ -900,12 +604,13 @@ def test_a_sample_asked_of_a_worker_that_leaves_is_asked_of_another(
     w = net.join("only")
     net.train(1)
     net.run()
-    assert net.core.sample_asked == (w.peer, 1)
+    assert net.core.sample.asked == (w.peer, 1)
     w.close("gone")
     other = net.join("other")
     net.train(1)
     assert [m.step for m in sample_texts(other)][:1] == [1]
-    assert net.core.latest_sample is not None and net.core.latest_sample["worker"] == "other"
+    latest = net.latest(Sampled)
+    assert latest is not None and latest.worker == "other"
 
 
 def test_the_run_ends_after_the_final_steps_sample(store: RunStore, dataset: Dataset) -> None:
@@ -914,10 +619,11 @@ def test_the_run_ends_after_the_final_steps_sample(store: RunStore, dataset: Dat
     net.train(2)
     net.run()
     core = net.core
-    assert core.done and core.latest_sample is not None and core.latest_sample["step"] == 2
-    core.sample_asked = (w.peer, 2)  # as if its answer were still on its way
+    latest = net.latest(Sampled)
+    assert core.done and latest is not None and latest.step == 2
+    core.sample.asked = (w.peer, 2)  # as if its answer were still on its way
     assert not core.done
-    core.receive(w.peer, SampleText(2, 2, b"prompt", b"text"))
+    net.receive(w.peer, SampleText(2, 2, b"prompt", b"text"))
     assert core.done
 
 
@@ -928,15 +634,15 @@ def test_only_the_asked_worker_for_the_asked_step_writes_the_sample(
     busy = two_busy_workers(net)
     net.train(1)
     net.run()
-    core = net.core
-    core.receive(busy[0].peer, SampleText(1, 1, b"forged", b"text"))  # not asked
-    assert core.latest_sample is None
+    net.receive(busy[0].peer, SampleText(1, 1, b"forged", b"text"))  # not asked
+    assert net.latest(Sampled) is None
     idle = net.join("idle")
     net.run()
-    assert core.latest_sample is not None
-    core.receive(idle.peer, SampleText(1, 1, b"again", b"text"))  # answered already
-    core.receive(idle.peer, SampleText(0, 0, b"old", b"text"))
-    assert core.latest_sample["prompt"] != "again"
+    assert net.latest(Sampled) is not None
+    net.receive(idle.peer, SampleText(1, 1, b"again", b"text"))  # answered already
+    net.receive(idle.peer, SampleText(0, 0, b"old", b"text"))
+    latest = net.latest(Sampled)
+    assert latest is not None and latest.prompt != "again"
 
 
 def test_sample_text_is_logged_on_one_line_without_control_characters(
@@ -946,12 +652,12 @@ def test_sample_text_is_logged_on_one_line_without_control_characters(
     w = net.join("only")
     net.train(1)
     net.run()
-    assert net.core.sample_asked == (w.peer, 1)
-    net.core.receive(w.peer, SampleText(1, 1, b"a\nb", b"\x1b]0;title\x07\x9b2J\xff\r\n"))
-    latest = net.core.latest_sample
-    assert latest is not None and latest["prompt"] == f"a{NEWLINE_MARK}b"
-    assert latest["text"].isprintable() and NEWLINE_MARK in latest["text"]
-    assert "\ufffd" in latest["text"]  # bytes that are not UTF-8
+    assert net.core.sample.asked == (w.peer, 1)
+    net.receive(w.peer, SampleText(1, 1, b"a\nb", b"\x1b]0;title\x07\x9b2J\xff\r\n"))
+    latest = net.latest(Sampled)
+    assert latest is not None and latest.prompt == f"a{NEWLINE_MARK}b"
+    assert latest.text.isprintable() and NEWLINE_MARK in latest.text
+    assert "\ufffd" in latest.text  # bytes that are not UTF-8
 
 
 def test_a_sample_for_a_step_the_replica_has_left_gets_no_answer(
@@ -1027,7 +733,7 @@ def test_a_digest_needs_two_reporters_and_a_lone_false_report_changes_nothing(
     liar, one, two = (core.connect(f"mem:{n}") for n in ("liar", "one", "two"))
     for peer in (liar, one, two):
         core.peers[peer].ready = True
-    truth = expected(store, 0)
+    truth = digest_at(store.path, 0)
     core.receive(liar, JobRequest(0, truth ^ 0xDEAD, 0))  # first, and alone: not agreed
     assert 0 not in store.digests
     core.receive(one, JobRequest(0, truth, 0))
@@ -1049,11 +755,11 @@ def test_rival_digests_without_a_majority_are_reported_not_agreed(
     for peer in (one, two):
         core.peers[peer].ready = True
     with structlog.testing.capture_logs() as events:
-        core.receive(one, JobRequest(0, 111, 0))
-        core.receive(two, JobRequest(0, 222, 0))
+        net.receive(one, JobRequest(0, 111, 0))
+        net.receive(two, JobRequest(0, 222, 0))
     assert 0 not in store.digests
     assert [e["event"] for e in events if e["log_level"] == "warning"] == ["digests disagree"]
-    assert core.metrics.digest_mismatches._value.get() == 1
+    assert net.metrics.digest_mismatches._value.get() == 1
 
 
 def test_the_sole_worker_is_agreed_by_the_snapshot_it_uploads(
@@ -1062,9 +768,9 @@ def test_the_sole_worker_is_agreed_by_the_snapshot_it_uploads(
     net = Network(store, dataset, snapshot_every=2)
     w = net.join("w")
     net.train(3)
-    assert store.latest_snapshot == 2 and store.digests[2] == expected(store, 2)
+    assert store.latest_snapshot == 2 and store.digests[2] == digest_at(store.path, 2)
     assert 3 not in store.digests  # reported by one worker, no snapshot: not agreed
-    assert w.replica.digest == expected(store, 3)
+    assert w.replica.digest == digest_at(store.path, 3)
 
 
 def test_results_only_for_a_lease_and_with_a_possible_loss(
@@ -1081,7 +787,8 @@ def test_results_only_for_a_lease_and_with_a_possible_loss(
     def result(chunk: int, loss_sum: int) -> Result:
         return Result.from_values(
             step=0, chunk=chunk, loss_sum=loss_sum, weights_changed=0,
-            replica_digest=expected(store, 0), fitness=np.ones(CFG.es.chunk_size // 2, np.int8),
+            replica_digest=digest_at(store.path, 0),
+            fitness=np.ones(CFG.es.chunk_size // 2, np.int8),
         )  # fmt: skip
 
     with pytest.raises(Refused, match="not leased") as unleased:
@@ -1115,13 +822,13 @@ def test_a_snapshot_must_be_the_requested_step_and_size(store: RunStore, dataset
     w = net.join("w")
     net.train(1)
     core = net.core
-    core.snapshot_wanted = 1
-    (ask,) = core._maybe_request_snapshot(core.peers[w.peer])
+    core.snapshot.step = 1
+    (ask,) = core._ask_snapshot(core.peers[w.peer])
     assert ask.msg == SnapshotRequest(1)
     with pytest.raises(Refused, match="step 1 was asked for"):
         core.receive(w.peer, SnapshotChunk(1, 2**40, 0, b"x" * 64))
-    core.snapshot_source = None
-    core._maybe_request_snapshot(core.peers[w.peer])
+    core.snapshot = Want(step=1)  # the transfer given up: ask again
+    core._ask_snapshot(core.peers[w.peer])
     with pytest.raises(Refused, match="step 1 was asked for"):
         core.receive(w.peer, SnapshotChunk(0, core.checkpoint_size, 0, b"x" * 64))
 
@@ -1130,9 +837,8 @@ def test_only_the_worker_asked_sets_the_held_out_score(store: RunStore, dataset:
     net = Network(store, dataset)
     w = net.join("w")
     net.train(1)
-    core = net.core
-    core.receive(w.peer, Validation(1, 100, 30.0, 1.5))  # nobody asked
-    assert core.metrics.valid_step._value.get() != 1
+    net.receive(w.peer, Validation(1, 100, 30.0, 1.5))  # nobody asked
+    assert net.metrics.valid_step._value.get() != 1
 
 
 def test_a_long_step_logs_its_progress_every_ten_seconds(store: RunStore, dataset: Dataset) -> None:

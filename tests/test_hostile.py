@@ -9,13 +9,13 @@ import resource
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import TINY_RUN, command, inspect_run, start_coordinator, start_worker
 
 from eggroll_dist.protocol import (
     LATEST_SNAPSHOT,
@@ -45,31 +45,14 @@ from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.train import train
 
-# Four chunks of 4 pairs a step, small enough that a step takes milliseconds.
-CONFIG = """
-[model]
-n_layer = 1
-d_model = 16
-[es]
-population = 32
-chunk_size = 8
-seq_len = 8
-[validation]
-every_steps = 0
-max_tokens = 200
-"""
 STEPS = 6
 TOKEN = "hostile-tests-token-0123456789"
-
-
-def command(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
 
 
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hostile") / "run.toml"
-    path.write_text(CONFIG)
+    path.write_text(TINY_RUN)  # four chunks of 4 pairs a step: milliseconds
     return path
 
 
@@ -87,51 +70,13 @@ def token_env(monkeypatch: pytest.MonkeyPatch) -> str:
     return TOKEN
 
 
-def start_coordinator(spawn, save_dir: Path, config: Path, *extra: str | Path):
-    coord = spawn(
-        "eggroll-coordinator",
-        "--save-dir",
-        save_dir,
-        "--config",
-        config,
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--max-steps",
-        str(STEPS),
-        "--log-format",
-        "json",
-        *extra,
-    )
-    listening = coord.wait_for(lambda e: e.get("event") == "listening", 30, "listening line")
-    return coord, listening["port"]
-
-
-def honest_worker(spawn, port: int, data_dir: Path, name: str = "honest"):
-    return spawn(
-        "eggroll-worker",
-        f"127.0.0.1:{port}",
-        "--data-dir",
-        data_dir,
-        "--name",
-        name,
-        "--log-format",
-        "json",
-        "--max-retry-s",
-        "1",
-    )
+def start_run(spawn, save_dir: Path, config: Path, *extra: str | Path):
+    """A coordinator that stops after STEPS steps."""
+    return start_coordinator(spawn, save_dir, config, "--max-steps", str(STEPS), *extra)
 
 
 def final_digest(save_dir: Path) -> str:
-    done = subprocess.run(
-        [command("eggroll-inspect"), str(save_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    info = json.loads(done.stdout)
+    info = inspect_run(save_dir)
     assert info["step"] == STEPS
     return info["digests"][str(STEPS)]
 
@@ -205,12 +150,12 @@ def test_e1_without_a_token_only_loopback_is_served(
     spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, monkeypatch
 ) -> None:
     monkeypatch.delenv("EGGROLL_TOKEN", raising=False)
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file, "--host", "0.0.0.0")
+    coord, port = start_run(spawn, tmp_path / "run", config_file, "--host", "0.0.0.0")
     listening = coord.wait_for(lambda e: e.get("event") == "listening")
     assert listening["host"] == "127.0.0.1"  # protected mode: never the network
     warning = coord.wait_for(lambda e: "protected mode" in str(e.get("event")))
     assert "--token-file" in json.dumps(warning) and "EGGROLL_TOKEN" in json.dumps(warning)
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
 
 
@@ -221,7 +166,7 @@ def test_e13_the_token_is_never_on_a_command_line(
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    coord, port = start_coordinator(
+    coord, port = start_run(
         spawn, tmp_path / "run", config_file, "--host", "127.0.0.1", "--token-file", token_file
     )
     cmdline = Path(f"/proc/{coord.proc.pid}/cmdline").read_bytes()
@@ -262,7 +207,7 @@ def test_e13_the_token_is_never_on_a_command_line(
 def test_e2_results_without_a_lease_are_refused(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file)
+    coord, port = start_run(spawn, tmp_path / "run", config_file)
     intruder = Peer(port)
     peers.append(intruder)
     assert isinstance(intruder.join(token_env, data_digest(words_data)), Welcome)
@@ -273,14 +218,14 @@ def test_e2_results_without_a_lease_are_refused(
     answer = intruder.until(Step)
     assert isinstance(answer, Error) and "not leased" in answer.message
     assert intruder.receive() is None  # and the connection is closed
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
 
 
 def test_e2_impossible_loss_is_refused(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file)
+    coord, port = start_run(spawn, tmp_path / "run", config_file)
     intruder = Peer(port)
     peers.append(intruder)
     intruder.join(token_env, data_digest(words_data))
@@ -299,7 +244,7 @@ def test_e2_impossible_loss_is_refused(
     )
     answer = intruder.until(Step)
     assert isinstance(answer, Error) and "loss" in answer.message
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
 
 
@@ -309,7 +254,7 @@ def test_e2_impossible_loss_is_refused(
 def test_e3_one_false_digest_report_neither_halts_nor_diverges_the_run(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file)
+    coord, port = start_run(spawn, tmp_path / "run", config_file)
     insider = Peer(port)
     peers.append(insider)
     insider.join(token_env, data_digest(words_data))
@@ -325,7 +270,7 @@ def test_e3_one_false_digest_report_neither_halts_nor_diverges_the_run(
 
     threading.Thread(target=lie, daemon=True).start()
     insider.send(JobRequest(0, ReplicaState.initial(load_config(config_file)).digest()))
-    workers = [honest_worker(spawn, port, words_data, f"honest{i}") for i in range(2)]
+    workers = [start_worker(spawn, port, words_data, f"honest{i}") for i in range(2)]
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
     stop.set()
     for w in workers:
@@ -340,26 +285,26 @@ def test_e3_one_false_digest_report_neither_halts_nor_diverges_the_run(
 def test_e4_the_data_digest_comes_from_the_operator(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file, "--data-dir", words_data)
+    coord, port = start_run(spawn, tmp_path / "run", config_file, "--data-dir", words_data)
     intruder = Peer(port)
     peers.append(intruder)
     answer = intruder.join(token_env, b"\x42" * 32)
     assert isinstance(answer, Error) and answer.code == ErrorCode.DATA_MISMATCH
     assert "42424242" in answer.message and data_digest(words_data).hex()[:16] in answer.message
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
 
 
 def test_e4_without_the_operator_two_workers_must_agree(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file)
+    coord, port = start_run(spawn, tmp_path / "run", config_file)
     intruder = Peer(port)
     peers.append(intruder)
     intruder.join(token_env, b"\x42" * 32)  # first, but alone: adopts nothing
     intruder.close()
     for i in range(2):
-        honest_worker(spawn, port, words_data, f"honest{i}")
+        start_worker(spawn, port, words_data, f"honest{i}")
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     # The run may end before the second worker joins: then nothing is settled, and never
@@ -373,7 +318,7 @@ def test_e4_without_the_operator_two_workers_must_agree(
 def test_e5_unauthenticated_peers_get_no_memory_and_no_time(
     spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(
+    coord, port = start_run(
         spawn, tmp_path / "run", config_file, "--max-connections", "8",
         "--handshake-timeout-s", "1",
     )  # fmt: skip
@@ -394,7 +339,7 @@ def test_e5_unauthenticated_peers_get_no_memory_and_no_time(
             pass
         sock.close()
     assert time.monotonic() - t0 < 10
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
 
 
@@ -404,10 +349,10 @@ def test_e5_unauthenticated_peers_get_no_memory_and_no_time(
 def test_e6_a_peer_that_never_reads_is_dropped(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(
+    coord, port = start_run(
         spawn, tmp_path / "run", config_file, "--write-timeout-s", "2", "--snapshot-every", "2"
     )
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     coord.wait_for(lambda e: e.get("event") == "snapshot stored", 60)
     flooder = Peer(port)
     peers.append(flooder)
@@ -426,14 +371,14 @@ def test_e6_a_peer_that_never_reads_is_dropped(
 def test_e7_unrequested_or_oversized_snapshots_are_refused(
     spawn, peers, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file, "--snapshot-every", "2")
+    coord, port = start_run(spawn, tmp_path / "run", config_file, "--snapshot-every", "2")
     forger = Peer(port)
     peers.append(forger)
     forger.join(token_env, data_digest(words_data))
     forger.send(SnapshotChunk(2, 2**63, 0, b"x" * 1024))  # never asked for
     answer = forger.until(Step)
     assert isinstance(answer, Error) and answer.code == ErrorCode.ILLEGAL_STATE
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
     info = json.loads(
         subprocess.run(
@@ -469,7 +414,7 @@ def test_e8_worker_text_cannot_write_terminal_escapes(
     evil = Peer(port)
     peers.append(evil)
     evil.join("wrong-token-but-long-enough", data_digest(words_data), name="\x1b]0;pwned\x07x")
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     assert coord.wait(120) == 0
     text = "\n".join(coord.lines)
     assert "pwned" in text and "\x1b" not in text and "\x07" not in text
@@ -514,7 +459,7 @@ def test_e9_append_failure_is_fail_stop(
     spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
     save = tmp_path / "run"
-    coord, _ = start_coordinator(spawn, save, config_file)
+    coord, _ = start_run(spawn, save, config_file)
     coord.stop()  # the save dir exists, with an empty log
     header = (save / "fitness.log").stat().st_size
     record = 8 + 4 + 4 + 4  # step, length, 16 pairs packed in 4 bytes, CRC
@@ -527,17 +472,17 @@ def test_e9_append_failure_is_fail_stop(
             port = event["port"]
             break
     assert port is not None
-    worker = honest_worker(spawn, port, words_data)
+    worker = start_worker(spawn, port, words_data)
     out, _ = limited.communicate(timeout=60)
     assert limited.returncode not in (0, None)
     last = out.strip().splitlines()[-1]  # the one line a person (or systemd's log) sees
     assert last.startswith("Error: cannot commit step 3") and "fitness.log" in last
     assert "Traceback" not in out
     # systemd would restart it: the torn tail is cut and the run goes on to the end.
-    again, port = start_coordinator(spawn, save, config_file)
+    again, port = start_run(spawn, save, config_file)
     again.wait_for(lambda e: e.get("event") == "listening")
     worker.stop()
-    honest_worker(spawn, port, words_data, "honest2")
+    start_worker(spawn, port, words_data, "honest2")
     finishes_undisturbed(again, save, undisturbed)
 
 
@@ -545,18 +490,18 @@ def test_e10_a_zero_filled_last_record_is_repaired(
     spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
     save = tmp_path / "run"
-    coord, port = start_coordinator(spawn, save, config_file)
-    honest_worker(spawn, port, words_data)
+    coord, port = start_run(spawn, save, config_file)
+    start_worker(spawn, port, words_data)
     assert coord.wait(120) == 0
     log = save / "fitness.log"
     data = log.read_bytes()
     record = 8 + 4 + 4 + 4
     log.write_bytes(data[:-record] + bytes(record))  # step 5's record: zeros on disk
     (save / "digests.log").write_bytes((save / "digests.log").read_bytes() + b"9 00000000")
-    again, port = start_coordinator(spawn, save, config_file)
+    again, port = start_run(spawn, save, config_file)
     repaired = again.wait_for(lambda e: "repaired" in json.dumps(e), 30)
     assert repaired is not None
-    honest_worker(spawn, port, words_data, "honest2")
+    start_worker(spawn, port, words_data, "honest2")
     finishes_undisturbed(again, save, undisturbed)
 
 
@@ -660,7 +605,7 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
     tls_certs,
 ) -> None:  # fmt: skip
     ca, other = tls_certs["ca"], tls_certs["other"]
-    coord, port = start_coordinator(
+    coord, port = start_run(
         spawn, tmp_path / "run", config_file, "--tls-cert", ca["srv.pem"], "--tls-key",
         ca["srv.key"], "--tls-client-ca", ca["ca.pem"],
     )  # fmt: skip
@@ -697,7 +642,7 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
 def test_e12_a_second_coordinator_on_the_same_save_dir_is_refused(
     spawn, tmp_path: Path, config_file: Path, words_data: Path, undisturbed: str, token_env
 ) -> None:
-    coord, port = start_coordinator(spawn, tmp_path / "run", config_file)
+    coord, port = start_run(spawn, tmp_path / "run", config_file)
     second = subprocess.run(
         [
             command("eggroll-coordinator"),
@@ -714,7 +659,7 @@ def test_e12_a_second_coordinator_on_the_same_save_dir_is_refused(
     )
     assert second.returncode != 0 and "another coordinator is running" in second.stderr
     assert "Traceback" not in second.stderr
-    honest_worker(spawn, port, words_data)
+    start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
 
 

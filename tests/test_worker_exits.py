@@ -12,32 +12,25 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import SMALL_RUN, command, start_coordinator, start_worker
 
 from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.worker.client import WorkerClient, WorkerFatal
-
-# A small run: eight chunks a step, no validation.
-FAST = """
-[model]
-n_layer = 1
-d_model = 32
-[es]
-population = 512
-chunk_size = 64
-seq_len = 48
-[validation]
-every_steps = 0
-max_tokens = 480
-"""
-
-EXE = str(Path(sys.executable).with_name("eggroll-worker"))
 
 
 def _worker(address: str, data_dir: Path, *extra: str, timeout: float):
     """Run eggroll-worker to its end: (exit code, stderr lines, seconds)."""
     t0 = time.monotonic()
     done = subprocess.run(
-        [EXE, address, "--data-dir", str(data_dir), "--log-format", "text", *extra],
+        [
+            command("eggroll-worker"),
+            address,
+            "--data-dir",
+            str(data_dir),
+            "--log-format",
+            "text",
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -47,18 +40,9 @@ def _worker(address: str, data_dir: Path, *extra: str, timeout: float):
 
 def test_workers_exit_0_when_the_run_is_complete(spawn, words_data: Path, tmp_path: Path) -> None:
     config = tmp_path / "fast.toml"
-    config.write_text(FAST)
-    coord = spawn(
-        "eggroll-coordinator",
-        *("--save-dir", tmp_path / "run", "--config", config, "--max-steps", "2"),
-        *("--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--log-format", "json"),
-    )
-    port = coord.wait_for(lambda e: e.get("event") == "listening", 30)["port"]
-    worker = spawn(
-        "eggroll-worker",
-        f"127.0.0.1:{port}",
-        *("--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"),
-    )
+    config.write_text(SMALL_RUN)
+    coord, port = start_coordinator(spawn, tmp_path / "run", config, "--max-steps", "2")
+    worker = start_worker(spawn, port, words_data)
     assert coord.wait(120) == 0
     t0 = time.monotonic()
     assert worker.wait(30) == 0

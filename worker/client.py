@@ -14,7 +14,6 @@ import os
 import random
 import socket
 import ssl
-import time
 
 import structlog
 
@@ -25,7 +24,7 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.data import Dataset
 from . import session as flow
 from .backend import Backend, BackendFactory, get_backend
-from .link import Link, describe
+from .link import Link, LinkOptions, describe
 from .replica import Replica
 from .session import WorkerFatal
 
@@ -167,10 +166,23 @@ class WorkerClient:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        link = Link(self, reader, writer)
-        reason = await link.run()
-        ready_s = 0.0 if link.ready_at is None else time.monotonic() - link.ready_at
-        return reason, ready_s
+        options = LinkOptions(
+            identity=self.identity,
+            tls=self.tls is not None,
+            heartbeat_s=self.heartbeat_s,
+            reply_timeout_s=self.reply_timeout_s,
+            hello_timeout_s=self.hello_timeout_s,
+            tls_refusals=self.tls_refusals,
+        )
+        outcome = await Link(options, self.replica, reader, writer, self._welcomed).run()
+        if outcome.heard:
+            self.tls_refusals = 0
+        if outcome.tls_refused:
+            self.tls_refusals += 1
+        return outcome.reason, outcome.ready_s
+
+    def _welcomed(self) -> None:
+        self.connections += 1
 
     def _count_resolve_failure(self, exc: BaseException) -> None:
         """Give up on a host name that does not resolve RESOLVE_ATTEMPTS times in a row: a

@@ -1,10 +1,11 @@
 """One connection to the coordinator, from HELLO until it closes: the worker's I/O half.
 
 One task reads frames into a queue and the serve loop hands them to the pure session
-(`session.py`) in order, carrying out its commands one at a time; backend calls go through
-the replica façade (`replica.py`), whose single thread keeps heartbeats and frames flowing
-while a long chunk runs. What ends the connection comes back as a reason to reconnect, or as
-WorkerFatal when no retry can help (another protocol on the port, a certificate refused).
+(`session.py`) in order, carrying out its commands one at a time with an `Executor`; backend
+calls go through the replica façade (`replica.py`), whose single thread keeps heartbeats and
+frames flowing while a long chunk runs. What ends the connection comes back as an `Outcome`
+(why, to reconnect), or as WorkerFatal when no retry can help (another protocol on the port, a
+certificate refused).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import asyncio
 import contextlib
 import ssl
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import structlog
 
 from ..protocol import (
@@ -28,15 +32,17 @@ from ..protocol import (
     MsgType,
     RemoteProtocolError,
     Role,
+    Sample,
     Step,
     iter_snapshot_chunks,
 )
+from ..shared.config import RunConfig
+from ..shared.replica import ReplicaState
 from . import session as flow
-from .backend import BackendUnavailable
-from .session import Ended, PeerViolation, Phase, WorkerFatal
+from .backend import BackendUnavailable, ChunkResult, Validation
+from .session import Ended, Identity, PeerViolation, Phase, ReplicaView, WorkerFatal
 
-if TYPE_CHECKING:
-    from .client import WorkerClient
+__all__ = ["Executor", "Link", "LinkOptions", "Outcome", "ReplicaCalls", "describe"]
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -45,26 +51,137 @@ TLS_REFUSALS = 3  # TLS connections closed before any frame, in a row, before gi
 CLOSE_TIMEOUT_S = 2.0
 
 
+class ReplicaCalls(ReplicaView, Protocol):
+    """What the executor asks of the replica: `replica.Replica`, whose calls run on its
+    backend thread, or one whose calls run at once (the in-memory flow tests)."""
+
+    def drop(self) -> None: ...
+    async def start(self, config: RunConfig, run_id: bytes) -> None: ...
+    async def evaluate(self, step: int, first_member: int, count: int) -> ChunkResult: ...
+    async def apply(self, fitness: list[np.ndarray]) -> None: ...
+    async def encode(self) -> tuple[int, bytes]: ...
+    async def decode(self, blob: bytes) -> tuple[ReplicaState | None, str]: ...
+    async def load(self, state: ReplicaState) -> None: ...
+    async def validate(self) -> Validation: ...
+    async def sample(self, request: Sample) -> tuple[bytes, bytes]: ...
+
+
+class Executor:
+    """Carries out the session's commands one at a time: messages go out through `send`,
+    the rest is asked of the replica, and each result goes back to the session (which may
+    answer with more commands). The link and the in-memory flow tests both use this."""
+
+    def __init__(
+        self,
+        session: flow.Session,
+        replica: ReplicaCalls,
+        send: Callable[[Message], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.session = session
+        self.replica = replica
+        self.send = send
+        self.clock = clock
+
+    async def carry_out(self, commands: list[flow.Command]) -> None:
+        session, replica = self.session, self.replica
+        for command in commands:
+            t0 = self.clock()
+            match command:
+                case flow.Send(msg=msg):
+                    await self.send(msg)
+                case flow.Evaluate(job=job):
+                    result = await replica.evaluate(job.step, job.first_member, job.member_count)
+                    await self.carry_out(session.evaluated(job, result, self.clock() - t0))
+                case flow.Apply(fitness=fitness):
+                    await replica.apply(fitness)
+                case flow.DropReplica():
+                    replica.drop()
+                case flow.StartReplica(config=config, run_id=run_id):
+                    try:
+                        await replica.start(config, run_id)
+                    except BackendUnavailable as exc:  # e.g. a model this device cannot run
+                        raise WorkerFatal(
+                            f"this worker's backend cannot run the run's config: {exc}",
+                            ErrorCode.CONFIG_MISMATCH,
+                            tell=True,
+                        ) from None
+                case flow.DecodeSnapshot(blob=blob, step=step):
+                    state, error = await replica.decode(blob)
+                    await self.carry_out(session.snapshot_decoded(step, state, error))
+                case flow.InstallSnapshot(state=state):
+                    await replica.load(state)
+                case flow.ExportSnapshot(requested=requested):
+                    step, blob = await replica.encode()
+                    for chunk in iter_snapshot_chunks(step, blob):
+                        await self.send(chunk)
+                    log.info("snapshot sent", step=step, requested=requested, bytes=len(blob))
+                case flow.RunValidation(step=step):
+                    score = await replica.validate()
+                    await self.carry_out(session.validated(step, score, self.clock() - t0))
+                case flow.RunSample(request=request):
+                    prompt, text = await replica.sample(request)
+                    seconds = self.clock() - t0
+                    await self.carry_out(session.sampled(request, prompt, text, seconds))
+
+
+@dataclass(frozen=True)
+class LinkOptions:
+    """What one connection needs to know of its worker."""
+
+    identity: Identity
+    tls: bool = False  # over TLS: a close before any frame is how a certificate is refused
+    heartbeat_s: float = 5.0
+    reply_timeout_s: float = 60.0
+    hello_timeout_s: float = 10.0  # a coordinator answers HELLO at once
+    tls_refusals: int = 0  # TLS closes before any frame, in a row, before this connection
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a connection ended: why (one line), how long it was up after WELCOME (0: never
+    welcomed), whether the coordinator sent anything, and whether it closed a TLS connection
+    before any frame (how it refuses a certificate)."""
+
+    reason: str
+    ready_s: float = 0.0
+    heard: bool = False
+    tls_refused: bool = False
+
+
 class Link:
     """One connection to the coordinator, from HELLO until it closes."""
 
     def __init__(
-        self, client: WorkerClient, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        options: LinkOptions,
+        replica: ReplicaCalls,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_welcome: Callable[[], None] = lambda: None,
     ) -> None:
-        self.client = client
-        self.replica = client.replica
+        self.options = options
+        self.on_welcome = on_welcome  # the handshake is done (the client counts these)
+        self.replica = replica
         self.reader = reader
         self.writer = writer
         self.conn = Connection(Role.WORKER)
-        self.session = flow.Session(client.identity, client.replica)
+        self.session = flow.Session(options.identity, replica)
+        self.executor = Executor(self.session, replica, self._send)
         self.inbox: asyncio.Queue[Message | Ended | WorkerFatal] = asyncio.Queue()
         self.ready_at: float | None = None  # when WELCOME arrived
         self.bytes_read = 0
+        self.tls_refused = False  # closed over TLS before any frame
         self.last_sent = time.monotonic()
         self._reader_task: asyncio.Task[None] | None = None
 
-    async def run(self) -> str:
-        """Serve until the connection ends; returns why. Raises WorkerFatal."""
+    async def run(self) -> Outcome:
+        """Serve until the connection ends; returns how. Raises WorkerFatal."""
+        reason = await self._run()
+        ready_s = 0.0 if self.ready_at is None else time.monotonic() - self.ready_at
+        return Outcome(reason, ready_s, bool(self.bytes_read), self.tls_refused)
+
+    async def _run(self) -> str:
         self._reader_task = asyncio.create_task(self._read_loop())
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         try:
@@ -92,17 +209,17 @@ class Link:
                 await asyncio.wait_for(self.writer.wait_closed(), CLOSE_TIMEOUT_S)
 
     async def _serve(self) -> None:
-        session = self.session
-        await self._carry_out(session.start())
+        session, carry_out = self.session, self.executor.carry_out
+        await carry_out(session.start())
         while True:
             msg = await self._next()
             if msg is not None:
-                await self._carry_out(session.receive(msg))
+                await carry_out(session.receive(msg))
                 if self.ready_at is None and session.welcomed:
                     self.ready_at = time.monotonic()
-                    self.client.connections += 1
+                    self.on_welcome()
             if self.inbox.empty():  # act on what has arrived first (a STEP changes the ask)
-                await self._carry_out(session.advance())
+                await carry_out(session.advance())
 
     async def _next(self) -> Message | None:
         """Next message; None when a WAIT has run out (time to ask again)."""
@@ -111,11 +228,11 @@ class Link:
         timeout = (
             max(0.0, session.retry_at - time.monotonic())  # type: ignore[operator]
             if waiting
-            else self.client.reply_timeout_s
+            else self.options.reply_timeout_s
         )
         silent = not self.bytes_read and bool(self.conn.messages_sent)
         if silent:
-            timeout = self.client.hello_timeout_s
+            timeout = self.options.hello_timeout_s
         if not self.inbox.empty():
             item = self.inbox.get_nowait()
         else:
@@ -124,7 +241,7 @@ class Link:
             except TimeoutError:
                 if silent and not self.bytes_read:
                     raise WorkerFatal(
-                        f"{self.client.identity.coordinator} accepted the connection but said "
+                        f"{self.options.identity.coordinator} accepted the connection but said "
                         f"nothing for {timeout:g} s after HELLO: it is not an eggroll coordinator "
                         "(a web server, such as the metrics endpoint, waits like this); give "
                         f"the coordinator's own port (default {DEFAULT_PORT})"
@@ -136,47 +253,6 @@ class Link:
         if isinstance(item, Ended | WorkerFatal):
             raise item
         return item
-
-    async def _carry_out(self, commands: list[flow.Command]) -> None:
-        session, replica = self.session, self.replica
-        for command in commands:
-            t0 = time.monotonic()
-            match command:
-                case flow.Send(msg=msg):
-                    await self._send(msg)
-                case flow.Evaluate(job=job):
-                    result = await replica.evaluate(job.step, job.first_member, job.member_count)
-                    await self._carry_out(session.evaluated(job, result, time.monotonic() - t0))
-                case flow.Apply(fitness=fitness):
-                    await replica.apply(fitness)
-                case flow.DropReplica():
-                    replica.drop()
-                case flow.StartReplica(config=config, run_id=run_id):
-                    try:
-                        await replica.start(config, run_id)
-                    except BackendUnavailable as exc:  # e.g. a model this device cannot run
-                        raise WorkerFatal(
-                            f"this worker's backend cannot run the run's config: {exc}",
-                            ErrorCode.CONFIG_MISMATCH,
-                            tell=True,
-                        ) from None
-                case flow.DecodeSnapshot(blob=blob, step=step):
-                    state, error = await replica.decode(blob)
-                    await self._carry_out(session.snapshot_decoded(step, state, error))
-                case flow.InstallSnapshot(state=state):
-                    await replica.load(state)
-                case flow.ExportSnapshot(requested=requested):
-                    step, blob = await replica.encode()
-                    for chunk in iter_snapshot_chunks(step, blob):
-                        await self._send(chunk)
-                    log.info("snapshot sent", step=step, requested=requested, bytes=len(blob))
-                case flow.RunValidation(step=step):
-                    score = await replica.validate()
-                    await self._carry_out(session.validated(step, score, time.monotonic() - t0))
-                case flow.RunSample(request=request):
-                    prompt, text = await replica.sample(request)
-                    seconds = time.monotonic() - t0
-                    await self._carry_out(session.sampled(request, prompt, text, seconds))
 
     # --- I/O ---------------------------------------------------------------------------
 
@@ -191,7 +267,6 @@ class Link:
                     self.inbox.put_nowait(self._not_a_coordinator(data))
                     return
                 self.bytes_read += len(data)
-                self.client.tls_refusals = 0
                 self.conn.receive_data(data)
                 while (msg := self.conn.next_event()) is not None:
                     if isinstance(msg, Step):
@@ -220,7 +295,7 @@ class Link:
     def _not_a_coordinator(self, first: bytes) -> WorkerFatal:
         """The peer's first bytes are no frame: it is some other service (a web server, the
         coordinator's metrics endpoint); retrying will not change that."""
-        where = self.client.identity.coordinator
+        where = self.options.identity.coordinator
         if first.startswith(b"HTTP/"):
             what = "answered in HTTP: it is a web server (the metrics endpoint?)"
         else:
@@ -233,13 +308,13 @@ class Link:
     def _closed(self) -> Ended | WorkerFatal:
         """Why the coordinator closed the connection. Over TLS, a close before any frame is
         how it refuses this worker's certificate: after a few in a row, give up."""
-        client = self.client
-        if client.tls is None or self.conn.messages_received:
+        if not self.options.tls or self.conn.messages_received:
             return Ended("the coordinator closed the connection")
-        client.tls_refusals += 1
-        if client.tls_refusals >= TLS_REFUSALS:
+        self.tls_refused = True
+        refusals = (0 if self.bytes_read else self.options.tls_refusals) + 1  # bytes reset it
+        if refusals >= TLS_REFUSALS:
             return WorkerFatal(
-                f"TLS: the coordinator closed {client.tls_refusals} connections in a row before "
+                f"TLS: the coordinator closed {refusals} connections in a row before "
                 "saying anything: it does not accept this worker's certificate (give "
                 "--tls-cert/--tls-key signed by the CA it trusts)"
             )
@@ -257,7 +332,7 @@ class Link:
             self.writer.write(self.conn.send_error(code, message))
 
     async def _heartbeat_loop(self) -> None:
-        period = self.client.heartbeat_s
+        period = self.options.heartbeat_s
         while True:
             await asyncio.sleep(max(0.05, self.last_sent + period - time.monotonic()))
             if time.monotonic() - self.last_sent < period:

@@ -77,11 +77,14 @@ class _BackendThread(concurrent.futures.Executor):
 
 
 class Replica:
-    """The backend holding this worker's replica, or none yet; calls run on one thread."""
+    """The backend holding this worker's replica, or none yet; calls run on one thread, or
+    at once on the caller's (`threaded=False`: the in-memory flow tests, where nothing else
+    may run meanwhile)."""
 
-    def __init__(self, dataset: Dataset, factory: BackendFactory) -> None:
+    def __init__(self, dataset: Dataset, factory: BackendFactory, *, threaded: bool = True) -> None:
         self.dataset = dataset
         self.factory = factory
+        self.threaded = threaded
         self.backend: Backend | None = None
         self.run_id: bytes | None = None
         self.digest = 0  # of backend.state, refreshed after every change
@@ -109,6 +112,8 @@ class Replica:
             self._thread = None
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self.threaded:
+            return fn(*args)
         assert self._thread is not None, "backend calls happen between open() and close()"
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 

@@ -1,13 +1,12 @@
 """The worker's side of one connection (protocol/SPEC.md §8) as pure code.
 
 No asyncio, no sockets, no backend calls. `Session` reads the replica through `ReplicaView`
-(plain attributes) and answers every event with a list of commands for the shell
-(`client.py`) to carry out in order: send a message, evaluate a job, apply steps, drop or
-start the replica, decode or install a snapshot, export one, validate, write a sample. A
-command's result comes back as a call (`evaluated`, `snapshot_decoded`, `validated`,
-`sampled`), which may return more
-commands. The shell carries out one command at a time, so the session never sees a message
-while a command of its own is in flight.
+(plain attributes) and answers every event with a list of commands for the shell's
+`Executor` (`link.py`) to carry out in order: send a message, evaluate a job, apply steps,
+drop or start the replica, decode or install a snapshot, export one, validate, write a
+sample. A command's result comes back as a call (`evaluated`, `snapshot_decoded`,
+`validated`, `sampled`), which may return more commands. The shell carries out one command
+at a time, so the session never sees a message while a command of its own is in flight.
 
 Rule 1: everything that decides what the worker asks for, waits for or ignores lives in this
 file; the shell only moves bytes and runs what it is told.
@@ -30,8 +29,8 @@ WAIT); one for a later step means the replica is behind, so it catches up. While
 loads, STEP and FITNESS_RANGE only raise what the worker knows the run has committed.
 
 To add a request/reply pair the coordinator starts (as VALIDATE/VALIDATION): a handler in
-the running rows of `_TABLE` that returns a command, the command class, and a result call
-that returns the reply to send.
+the running rows of `_TABLE` that returns a command, the command class, a result call that
+returns the reply to send, and the command's case in `link.Executor` (a replica call).
 """
 
 from __future__ import annotations

@@ -1,0 +1,211 @@
+"""What the run core reports: events that happened in the run, for the shell to record.
+
+The core (`run.py`) neither measures nor logs; it returns these beside its commands, and the
+server's executor (`server.py`) decides how each is measured (`metrics.py`) and logged
+(shared/logs.py names the events eggroll-local reads). Plain frozen data, no behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..protocol import ErrorCode, Validation
+
+__all__ = [
+    "CatchupServed",
+    "ChunkAccepted",
+    "ChunkTimed",
+    "Committed",
+    "DataDigestAgreed",
+    "DigestMismatch",
+    "DigestsDisagree",
+    "Event",
+    "Joined",
+    "Leased",
+    "Left",
+    "NoSnapshotSource",
+    "Progress",
+    "Rejected",
+    "Requeued",
+    "ResultDropped",
+    "Sampled",
+    "SnapshotRejected",
+    "SnapshotStored",
+    "Validated",
+    "WorkerError",
+    "WorkerLog",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened in the run; the shell decides how it is measured and logged."""
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    worker: str
+    address: str
+    workers: int  # past the handshake, this one included
+
+
+@dataclass(frozen=True)
+class Left(Event):
+    worker: str
+    workers: int
+
+
+@dataclass(frozen=True)
+class Rejected(Event):
+    """A peer is refused with ERROR(code)."""
+
+    worker: str
+    code: ErrorCode
+    reason: str
+
+
+@dataclass(frozen=True)
+class DataDigestAgreed(Event):
+    digest: bytes
+    workers: int
+
+
+@dataclass(frozen=True)
+class DigestMismatch(Event):
+    """A replica digest differs from the step's agreed one (the worker is refused)."""
+
+    worker: str
+    step: int
+
+
+@dataclass(frozen=True)
+class DigestsDisagree(Event):
+    """Workers report different digests for a step none has agreed yet (once per step)."""
+
+    step: int
+    digests: int
+
+
+@dataclass(frozen=True)
+class Leased(Event):
+    worker: str
+    step: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class ChunkTimed(Event):
+    """A worker's RESULT for the open step, `seconds` after its lease."""
+
+    worker: str
+    seconds: float
+    member_tokens: int
+
+
+@dataclass(frozen=True)
+class ChunkAccepted(Event):
+    worker: str
+    step: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class ResultDropped(Event):
+    """A RESULT not used; `refused`: its worker is refused for it (the refusal is logged)."""
+
+    reason: str  # an `Outcome` value, or "diverged"
+    worker: str
+    step: int
+    chunk: int
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class Requeued(Event):
+    reason: str  # "disconnect" or "deadline"
+    chunks: list[int]
+    step: int
+
+
+@dataclass(frozen=True)
+class Progress(Event):
+    """A long step's progress: `step` is the one being worked on, counted from 1."""
+
+    step: int
+    chunks_done: int
+    chunks: int
+    seconds: int
+
+
+@dataclass(frozen=True)
+class Committed(Event):
+    """Step `step` (counted from 0, as STEP carries it) is durable; `seconds` from its first
+    lease, `loss_bits` the population's mean bits per token."""
+
+    step: int
+    seconds: float
+    loss_bits: float
+    member_tokens: int
+    changed: int  # int8 weights changed by the update before it (0: unknown)
+    workers: int
+    requeued: int  # chunk re-queues during the step
+
+
+@dataclass(frozen=True)
+class CatchupServed(Event):
+    worker: str
+    first_step: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class NoSnapshotSource(Event):
+    """A final snapshot is wanted, and no worker is at the step to send it."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class SnapshotRejected(Event):
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SnapshotStored(Event):
+    step: int
+    worker: str
+    bytes: int
+    digest: str  # hex
+
+
+@dataclass(frozen=True)
+class Validated(Event):
+    """The held-out score asked for arrived (the VALIDATION message holds every number)."""
+
+    worker: str
+    scores: Validation
+
+
+@dataclass(frozen=True)
+class Sampled(Event):
+    """The sample asked for arrived; prompt and text escaped to one line each."""
+
+    step: int
+    worker: str
+    prompt: str
+    text: str
+
+
+@dataclass(frozen=True)
+class WorkerLog(Event):
+    worker: str
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class WorkerError(Event):
+    worker: str
+    code: int
+    text: str
