@@ -80,6 +80,22 @@ def blocks(text: str) -> tuple[list[str], list[str]]:
     return code, prose
 
 
+def units(prose: list[str]) -> list[str]:
+    """Table rows and headings one by one; other prose as paragraphs, lines joined (a code
+    span may wrap)."""
+    found, paragraph = [], []
+    for line in [*prose, ""]:
+        if line.strip() and not line.lstrip().startswith(("|", "#")):
+            paragraph.append(line.strip())
+            continue
+        if paragraph:
+            found.append(" ".join(paragraph))
+            paragraph = []
+        if line.strip():
+            found.append(line)
+    return found
+
+
 def segments(text: str) -> list[tuple[str, bool]]:
     """(piece, is_code): the pieces whose flags belong to the command named first in them."""
     code, prose = blocks(text)
@@ -88,7 +104,7 @@ def segments(text: str) -> list[tuple[str, bool]]:
         # one shell command at a time, its comment left out
         for part in re.split(r"&&|\|\||;|\|", line.split(" # ")[0]):
             pieces.append((part, True))
-    for line in prose:
+    for line in units(prose):
         if line.lstrip().startswith("|"):
             pieces.append((" ".join(SPAN.findall(line)), False))  # a table row: one context
         else:
@@ -136,7 +152,7 @@ def named_paths(doc: Path) -> set[str]:
     """Repository paths a document names, relative to the root (links: to the document)."""
     text = doc.read_text()
     code, prose = blocks(text)
-    spans = [s for line in prose for s in SPAN.findall(line)]
+    spans = [s for unit in units(prose) for s in SPAN.findall(unit)]
     found = set()
     for chunk in [*spans, *code]:
         for match in PATH.finditer(chunk):
@@ -212,6 +228,7 @@ def test_the_checks_catch_what_they_should(commands: dict[str, click.Command]) -
     """The readers above are not vacuous: a wrong flag, command or path is seen."""
     assert bad_flags("`eggroll-train --workers 2`", commands)
     assert bad_flags("| `eggroll-data prepare` | `--no-such-flag` |", commands)
+    assert bad_flags("see `eggroll-sample D --step S\n--workers 2` there", commands)
     assert not bad_flags("| `eggroll-data prepare` | `--out D --builtin` |", commands)
     assert not bad_flags(
         "```sh\nprometheus --config.file=x && eggroll-train --steps 5\n```", commands
