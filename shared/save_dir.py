@@ -242,15 +242,20 @@ class SaveDir:
         return max((s for s in self.snapshot_steps() if s <= step), default=None)
 
     def state_at(
-        self, step: int, unpack: UnpackFitness, on_replay: Callable[[int], None] | None = None
+        self,
+        step: int,
+        unpack: UnpackFitness,
+        on_replay: Callable[[int], None] | None = None,
+        snapshots: bool = True,
     ) -> ReplicaState:
         """The replica state after `step` committed steps, the one every worker reaches: the
-        newest snapshot at or below it, then the fitness log replayed up to it, each record
-        read by `unpack`. `on_replay` hears how many steps are about to be replayed."""
+        newest snapshot at or below it (with `snapshots`; else the initial state), then the
+        fitness log replayed up to it, each record read by `unpack`. `on_replay` hears how
+        many steps are about to be replayed."""
         committed = self.steps
         if not 0 <= step <= committed:
             raise SaveDirError(f"step {step} is not in {self.path}: it has steps 0..{committed}")
-        base = self.base_of(step)
+        base = self.base_of(step) if snapshots else None
         if base is None:
             state = ReplicaState.initial(self.config)
         else:

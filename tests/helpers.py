@@ -25,15 +25,16 @@ from eggroll_dist.coordinator.run import Event, Output, Refused, RunCore, RunOpt
 from eggroll_dist.coordinator.server import Executor as CoordinatorExecutor
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import Connection, ErrorCode, Job, Message, Role, Step, unpack_ternary
-from eggroll_dist.shared.config import from_dict
-from eggroll_dist.shared.data import Dataset
-from eggroll_dist.shared.fitness_log import FitnessLog
-from eggroll_dist.shared.replica import ReplicaState, replay
+from eggroll_dist.shared.config import load_config
+from eggroll_dist.shared.data import Dataset, load_data_dir
+from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.shared.save_dir import SaveDir
 from eggroll_dist.worker.backend import BackendFactory
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.link import Executor as WorkerExecutor
 from eggroll_dist.worker.replica import Replica
 from eggroll_dist.worker.session import Ended, Identity, Phase, Session, WorkerFatal
+from eggroll_dist.worker.train import train
 
 T = TypeVar("T")
 
@@ -115,11 +116,17 @@ def inspect_run(save_dir: Path) -> dict[str, Any]:
 
 def digest_at(save_dir: Path, step: int) -> int:
     """The replica digest after `step` steps of the run in `save_dir`: its fitness log
-    replayed from the initial state (read only, so the run may still be open)."""
-    config = from_dict(json.loads((save_dir / "run.json").read_text())["config"])
-    packed = FitnessLog.open(save_dir / "fitness.log", repair=False).read(0, step)
-    fitness = [unpack_ternary(p, config.pairs) for p in packed]
-    return replay(ReplicaState.initial(config), fitness).digest()
+    replayed from the initial state, trusting no snapshot (read only, so the run may still
+    be open)."""
+    return SaveDir.open(save_dir).state_at(step, unpack_ternary, snapshots=False).digest()
+
+
+def trained_digest(data_dir: Path, config: Path, steps: int) -> int:
+    """The replica digest after `steps` steps of the same run trained in this process, with
+    no coordinator: what a distributed run must end at, whatever happened to it."""
+    cfg = load_config(config)
+    backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(cfg))
+    return train(cfg, backend, steps).state.digest()
 
 
 # --- the in-memory flow harness ----------------------------------------------------------------

@@ -13,10 +13,10 @@ import pytest
 from helpers import (
     SMALL_RUN,
     command,
-    digest_at,
     inspect_run,
     start_coordinator,
     start_worker,
+    trained_digest,
 )
 
 from eggroll_dist.shared.vocab import escape
@@ -161,7 +161,7 @@ def test_worker_sigkill_mid_step_loses_nothing(
     assert coord.wait(180) == 0
     info = inspect_run(save_dir)
     assert info["step"] == steps
-    assert int(info["replica_digest"], 16) == digest_at(save_dir, steps)
+    assert int(info["replica_digest"], 16) == trained_digest(words_data, slow_config, steps)
 
 
 def test_coordinator_sigkill_resume_loses_nothing(
@@ -184,7 +184,7 @@ def test_coordinator_sigkill_resume_loses_nothing(
         assert "complete" in w.wait_for(lambda e: e.get("event") == "stopped", 5)["reason"]
     info = inspect_run(save_dir)
     assert info["step"] == steps and info["log_ok"]
-    assert int(info["replica_digest"], 16) == digest_at(save_dir, steps)
+    assert int(info["replica_digest"], 16) == trained_digest(words_data, fast_config, steps)
 
 
 def test_late_join_loads_snapshot_and_contributes(
@@ -207,7 +207,7 @@ def test_late_join_loads_snapshot_and_contributes(
     assert coord.wait(180) == 0
     assert coord.count(lambda e: e.get("code") == "DIVERGED") == 0
     info = inspect_run(save_dir)
-    want = digest_at(save_dir, steps)
+    want = trained_digest(words_data, fast_config, steps)
     assert info["step"] == steps and int(info["replica_digest"], 16) == want
     applied = [e for e in late.events if e.get("event") == "step applied"]
     assert applied and all(

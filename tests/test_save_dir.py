@@ -90,6 +90,9 @@ def test_the_newest_snapshot_at_or_below_the_step_is_used(run_dir: tuple[Path, l
     assert run.state_at(4, unpack_ternary, replayed.append).step == 4 and replayed == []
     assert run.base_of(1) is None
     assert run.state_at(3, unpack_ternary).digest() == _straight(fitness, 3).digest()
+    replayed.clear()
+    plain = run.state_at(5, unpack_ternary, replayed.append, snapshots=False)
+    assert replayed == [5] and plain.digest() == state.digest()
 
 
 def test_a_snapshot_of_another_run_is_refused(run_dir: tuple[Path, list]) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import SMALL_RUN, inspect_run
 
 from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.save_dir import SaveDir
@@ -52,18 +53,6 @@ pytestmark = [
 ]
 
 # Eight small chunks a step: well under a second a step here.
-CONFIG = """
-[model]
-n_layer = 1
-d_model = 32
-[es]
-population = 512
-chunk_size = 64
-seq_len = 48
-[validation]
-every_steps = 0
-max_tokens = 480
-"""
 STEPS = 8
 
 
@@ -363,17 +352,6 @@ class Job:
         return max((e["step"] for e in self.events() if e.get("event") == "step"), default=0)
 
 
-def inspect(save_dir: Path) -> dict:
-    done = subprocess.run(
-        [str(BIN / "eggroll-inspect"), str(save_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
 def workers_stopped_cleanly(job: Job, node: str) -> None:
     """Both workers ran (one may join too late for a short run) and stopped on SIGTERM."""
     log = job.text()
@@ -407,7 +385,7 @@ def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_
     cluster: Cluster, words_data: Path, tmp_path: Path
 ) -> None:
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG)
+    config.write_text(SMALL_RUN)
     token = secrets.token_hex(16)
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
@@ -460,6 +438,6 @@ def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_
     assert watch.on_command_line == []
     assert token not in first.text() + second.text()
 
-    info = inspect(save_dir)
+    info = inspect_run(save_dir)
     assert info["step"] == STEPS and info["log_ok"]
     assert info["replica_digest"] == eggroll_train_digest(words_data, config, tmp_path)
