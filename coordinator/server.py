@@ -41,30 +41,7 @@ from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import CheckpointError, decode_checkpoint
-from .events import (
-    CatchupServed,
-    ChunkAccepted,
-    ChunkTimed,
-    Committed,
-    DataDigestAgreed,
-    DigestMismatch,
-    DigestsDisagree,
-    Event,
-    Joined,
-    Leased,
-    Left,
-    NoSnapshotSource,
-    Progress,
-    Rejected,
-    Requeued,
-    ResultDropped,
-    Sampled,
-    SnapshotRejected,
-    SnapshotStored,
-    Validated,
-    WorkerError,
-    WorkerLog,
-)
+from . import events
 from .jobs import Clock, Outcome
 from .link import Link
 from .metrics import Metrics
@@ -106,12 +83,12 @@ class Options:
     max_connections_per_address: int = 32
 
 
-def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> None:
+def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0)) -> None:
     """Measure and log one event of the run core. `net`: the bytes received and sent since
     the last commit, for a `Committed` step's line. Log event names and fields are a
     contract (shared/logs.py)."""
     match event:
-        case Committed():
+        case events.Committed():
             metrics.committed(event.seconds, event.loss_bits, event.member_tokens)
             log.info(
                 STEP,
@@ -126,13 +103,13 @@ def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> Non
                 net_out=net[1],
                 requeued=event.requeued,
             )
-        case Leased():
+        case events.Leased():
             metrics.chunks_leased.inc()
-        case ChunkTimed():
+        case events.ChunkTimed():
             metrics.worker_chunk(event.worker, event.seconds, event.member_tokens)
-        case ChunkAccepted():
+        case events.ChunkAccepted():
             metrics.chunks_completed.inc()
-        case ResultDropped():
+        case events.ResultDropped():
             metrics.results_dropped.labels(event.reason).inc()
             if not event.refused:
                 level = log.error if event.reason == Outcome.MISMATCH.value else log.info
@@ -143,10 +120,10 @@ def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> Non
                     step=event.step,
                     chunk=event.chunk,
                 )
-        case Requeued():
+        case events.Requeued():
             metrics.chunks_requeued.labels(event.reason).inc(len(event.chunks))
             log.info("chunks requeued", reason=event.reason, chunks=event.chunks, step=event.step)
-        case Progress():
+        case events.Progress():
             log.info(
                 PROGRESS,
                 step=event.step,
@@ -154,25 +131,25 @@ def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> Non
                 chunks=event.chunks,
                 seconds=event.seconds,
             )
-        case CatchupServed():
+        case events.CatchupServed():
             metrics.catchup_steps.inc(event.steps)
-        case Joined():
+        case events.Joined():
             log.info(
                 "worker joined", worker=event.worker, peer=event.address, workers=event.workers
             )
-        case Left():
+        case events.Left():
             log.info("worker left", worker=event.worker, workers=event.workers)
             metrics.worker_left(event.worker)
-        case Rejected():
+        case events.Rejected():
             metrics.protocol_errors.labels(event.code.name).inc()
             log.warning(
                 "rejecting worker", worker=event.worker, code=event.code.name, reason=event.reason
             )
-        case DataDigestAgreed():
+        case events.DataDigestAgreed():
             log.info("data digest agreed", digest=event.digest.hex()[:16], workers=event.workers)
-        case DigestMismatch():
+        case events.DigestMismatch():
             metrics.digest_mismatches.inc()
-        case DigestsDisagree():
+        case events.DigestsDisagree():
             metrics.digest_mismatches.inc()
             log.warning(
                 "digests disagree",
@@ -180,11 +157,11 @@ def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> Non
                 digests=event.digests,
                 hint="no two workers agree on the replica: a backend or version differs",
             )
-        case NoSnapshotSource():
+        case events.NoSnapshotSource():
             log.info("no worker at the current step for a final snapshot", step=event.step)
-        case SnapshotRejected():
+        case events.SnapshotRejected():
             log.warning("snapshot rejected", worker=event.worker, reason=event.reason)
-        case SnapshotStored():
+        case events.SnapshotStored():
             metrics.snapshot_stored()
             log.info(
                 "snapshot stored",
@@ -193,7 +170,7 @@ def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> Non
                 bytes=event.bytes,
                 digest=event.digest,
             )
-        case Validated(scores=v):
+        case events.Validated(scores=v):
             metrics.validated(v)
             streams = v.stream_tokens > 0  # 0: the model carries no state along a stream
             log.info(
@@ -208,14 +185,14 @@ def record(metrics: Metrics, event: Event, net: tuple[int, int] = (0, 0)) -> Non
                 tokens=v.tokens,
                 worker=event.worker,
             )
-        case Sampled():
+        case events.Sampled():
             metrics.sampled(event.step, event.worker, event.prompt, event.text)
             log.info(
                 SAMPLE, step=event.step, worker=event.worker, prompt=event.prompt, text=event.text
             )
-        case WorkerLog():
+        case events.WorkerLog():
             log.info("worker log", worker=event.worker, level=event.level, text=event.text)
-        case WorkerError():
+        case events.WorkerError():
             log.warning("worker error", worker=event.worker, code=event.code, text=event.text)
 
 
@@ -247,10 +224,10 @@ class Executor:
         self.net_in += received
         self.net_out += sent
 
-    def record(self, events: list[Event]) -> None:
-        for event in events:
+    def record(self, happened: list[events.Event]) -> None:
+        for event in happened:
             net = (0, 0)
-            if isinstance(event, Committed):
+            if isinstance(event, events.Committed):
                 net = (self.net_in - self._net_marks[0], self.net_out - self._net_marks[1])
                 self._net_marks = (self.net_in, self.net_out)
             record(self.metrics, event, net)
@@ -265,7 +242,7 @@ class Executor:
 
     async def carry_out(self, outputs: list[Output]) -> None:
         for output in outputs:
-            if isinstance(output, Event):
+            if isinstance(output, events.Event):
                 self.record([output])
                 continue
             link = self.links.get(output.peer)
