@@ -2,7 +2,7 @@
 
 Each variant is the base preset with a few settings changed; it trains with the NumPy
 backend until the budget is spent and is then scored on the held-out split. The table
-printed at the end is the one the README keeps, so the presets' choices can be re-checked:
+printed at the end is the one scripts/RESULTS.md keeps, so the presets' choices can be re-checked:
 
     python scripts/sweep.py --data-dir data --seconds 300
     python scripts/sweep.py --data-dir data --steps 300 --variant momentum:update.rule=momentum

@@ -306,7 +306,7 @@ PRESETS: dict[str, RunConfig] = {
     # Tuned to learn fastest per second on a 2-core CPU with the NumPy backend: a small,
     # one-layer model with a large population beat wider, deeper or longer-context variants;
     # gaussian noise one shift stronger than d-eggs' and the momentum rule beat the rest of
-    # the sweep in the README (`scripts/sweep.py`). More workers: raise es.population (one
+    # the sweep in scripts/RESULTS.md (`scripts/sweep.py`). More workers: raise es.population (one
     # chunk of 512 members per worker and step at least), not the steps.
     "tiny": RunConfig(
         es=ESConfig(population=2048, chunk_size=512, seq_len=32, sigma_shift=3, noise="gaussian"),

@@ -121,7 +121,7 @@ def spawn() -> Iterator[Callable[..., Proc]]:
 
 def make_ca_and_certs(out: Path, name: str) -> dict[str, Path]:
     """A CA, and a server certificate (for 127.0.0.1 and localhost) and a client certificate
-    signed by it: the five openssl commands the README shows."""
+    signed by it: the five openssl commands deploy/README.md shows."""
     out.mkdir(parents=True, exist_ok=True)
     p = {k: out / f"{name}-{k}" for k in ("ca.key", "ca.pem", "srv.key", "srv.pem", "cli.key")}
     p["cli.pem"] = out / f"{name}-cli.pem"
