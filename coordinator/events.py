@@ -123,7 +123,7 @@ class ResultDropped(Event):
 @dataclass(frozen=True)
 class Requeued(Event):
     reason: str  # "disconnect" or "deadline"
-    chunks: list[int]
+    chunks: tuple[int, ...]
     step: int
 
 

@@ -51,15 +51,16 @@ def history(save_dir: Path) -> dict[str, Any]:
         "steps_timed": 0,
     }
     layout = Layout(save_dir)
-    summary, log = layout.summary, layout.coordinator_log
+    summary, coordinator_log = layout.summary, layout.coordinator_log
     sources, times = [], []
     try:
-        if log.is_file():  # eggroll-local: every step, and the coordinator's validations
-            events = _events(log)
+        # eggroll-local: every step, and the coordinator's validations
+        if coordinator_log.is_file():
+            events = _events(coordinator_log)
             steps = [e for e in events if e.get("event") == STEP]
             valid = [e for e in events if e.get("event") == VALIDATION]
             times = [float(e["step_s"]) for e in steps if "step_s" in e]
-            sources.append(log.relative_to(save_dir).as_posix())
+            sources.append(coordinator_log.relative_to(save_dir).as_posix())
             if steps:
                 found.update(train_loss_bits=steps[-1].get("loss_bits"))
             if valid:

@@ -356,7 +356,7 @@ class RunCore:
         requeued = self.jobs.release_worker(peer_id)
         if not requeued:
             return out
-        out.append(Requeued("disconnect", requeued, self.step))
+        out.append(Requeued("disconnect", tuple(requeued), self.step))
         return out + self._push_jobs()
 
     def expire(self) -> list[Output]:
@@ -372,7 +372,7 @@ class RunCore:
         requeued = self.jobs.expire()
         if not requeued:
             return out
-        out.append(Requeued("deadline", requeued, self.step))
+        out.append(Requeued("deadline", tuple(requeued), self.step))
         return out + self._push_jobs()
 
     def next_deadline(self) -> float | None:

@@ -194,6 +194,8 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
             log.info("worker log", worker=event.worker, level=event.level, text=event.text)
         case events.WorkerError():
             log.warning("worker error", worker=event.worker, code=event.code, text=event.text)
+        case _:  # a new event must be recorded here, or it would vanish silently
+            raise TypeError(f"no record for the event {event!r}")
 
 
 class Executor:

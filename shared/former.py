@@ -256,10 +256,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return out.transpose(0, 2, 1, 3).astype(np.int32)
 
 
-def _rows(noise: MemberNoise | None, lo: int, hi: int) -> MemberNoise | None:
-    return None if noise is None else noise.rows(lo, hi)
-
-
 # ------------------------------------------------------------------------------- model
 
 
@@ -354,11 +350,11 @@ class FormerModel:
         rows, cols = max(1, BLOCK_LOGITS // (v * t)), min(t, max(1, BLOCK_LOGITS // v))
         for lo in range(0, m, members):
             hi = min(lo + members, m)
-            part = _rows(noise, lo, hi)
+            part = None if noise is None else noise.rows(lo, hi)
             h = self.hidden(tokens[lo:hi, :t], part)
             for r in range(lo, hi, rows):  # head blocks: whole rows, or spans of one row
                 r_hi = min(r + rows, hi)
-                sub = _rows(part, r - lo, r_hi - lo)
+                sub = None if part is None else part.rows(r - lo, r_hi - lo)
                 for c in range(0, t, cols):
                     c_hi = min(c + cols, t)
                     logits = self.head(h[r - lo : r_hi - lo, c:c_hi], sub).reshape(-1, v)

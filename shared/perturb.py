@@ -126,7 +126,7 @@ def scale_noise(values: np.ndarray, factor: np.ndarray) -> np.ndarray:
 
 def pair_noise(
     cfg: RunConfig,
-    specs: Sequence[ParamSpec],
+    specs: Specs,
     step: int,
     pairs: np.ndarray,
     scales: NoiseScales | None = None,
@@ -197,7 +197,7 @@ def token_row_factors(vocab_size: int, rows: int) -> np.ndarray:
     return frozen(np.where(np.arange(vocab_size) < rows, 64, 0), np.int32)
 
 
-def overlay_specs(specs: Sequence[ParamSpec]) -> tuple[StateSpec, ...]:
+def overlay_specs(specs: Specs) -> tuple[StateSpec, ...]:
     """The adaptive-noise overlays of these tensors, in digest and checkpoint order."""
     out: list[StateSpec] = []
     for s in specs:
@@ -211,9 +211,7 @@ def overlay_specs(specs: Sequence[ParamSpec]) -> tuple[StateSpec, ...]:
     return tuple(out)
 
 
-def noise_scales(
-    cfg: RunConfig, specs: Sequence[ParamSpec], state: dict[str, np.ndarray]
-) -> NoiseScales | None:
+def noise_scales(cfg: RunConfig, specs: Specs, state: dict[str, np.ndarray]) -> NoiseScales | None:
     """The forward and update noise factors (1/64 units): the replica's overlays (adaptive
     noise) and the token rows' fixed factors (token noise), multiplied where both apply as
     (f_overlay * f_token) >> 6; None without either. `state` is the replica's state beside
@@ -250,7 +248,7 @@ def _overlay_step(overlay: np.ndarray, moved: np.ndarray) -> np.ndarray:
 
 
 def update_overlays(
-    specs: Sequence[ParamSpec],
+    specs: Specs,
     old: dict[str, np.ndarray],
     new: dict[str, np.ndarray],
     state: dict[str, np.ndarray],

@@ -90,7 +90,7 @@ def update_from_z(
     new, new_opt = RULES[cfg.update.rule].update(cfg, step, specs, params, opt, z)
     changed = sum(int(np.count_nonzero(w != params[name])) for name, w in new.items())
     if cfg.es.adaptive_noise:
-        new_opt |= update_overlays(specs, params, new, opt)
+        new_opt = {**new_opt, **update_overlays(specs, params, new, opt)}
     return Updated(new, new_opt, changed)
 
 

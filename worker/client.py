@@ -1,5 +1,5 @@
-"""The worker's I/O shell: connect, reconnect with backoff, read frames, heartbeat, and carry
-out what the pure session (`session.py`) asks for.
+"""The worker's I/O shell: connect and reconnect with backoff; each connection's frames,
+heartbeats and the pure session's (`session.py`) commands are a `Link`'s.
 
 One connection at a time is a `Link` (`link.py`); this module dials, gives up on what no
 retry can fix (a host name that never resolves), and reconnects with jittered backoff. The

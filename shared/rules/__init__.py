@@ -4,8 +4,10 @@ each per update.
 A rule is one module in this folder with
     state_specs(cfg, specs)   the replica state it keeps beside the weights (`StateSpec`s)
     update(cfg, step, specs, params, state, z) -> (new params, new rule state)
-and one line in `RULES`. Its state is in the replica digest and the checkpoints, in the
-order `state_specs` gives, so it must be a pure function of the config and the fitness log.
+and one line in `RULES`. `update` returns new dicts and leaves its arguments untouched: the
+replica's current state may still be read (a snapshot being written). Its state is in the
+replica digest and the checkpoints, in the order `state_specs` gives, so it must be a pure
+function of the config and the fitness log.
 """
 
 from __future__ import annotations
