@@ -20,6 +20,7 @@ __all__ = [
     "DigestMismatch",
     "DigestsDisagree",
     "Event",
+    "FileDegraded",
     "Joined",
     "Leased",
     "Left",
@@ -29,6 +30,7 @@ __all__ = [
     "Requeued",
     "ResultDropped",
     "Sampled",
+    "SnapshotDropped",
     "SnapshotRejected",
     "SnapshotStored",
     "Validated",
@@ -169,6 +171,28 @@ class NoSnapshotSource(Event):
 class SnapshotRejected(Event):
     worker: str
     reason: str
+
+
+@dataclass(frozen=True)
+class SnapshotDropped(Event):
+    """A snapshot a worker uploaded could not be stored (nothing of it is left); the run
+    goes on and the next snapshot step tries again."""
+
+    step: int
+    worker: str
+    path: str
+    error: str
+    free_bytes: int | None  # free space where it was written (None: unknown)
+
+
+@dataclass(frozen=True)
+class FileDegraded(Event):
+    """A write to digests.log or run.json failed; its content stays in memory and is
+    written again at the next chance (reported once per spell of failures)."""
+
+    path: str
+    error: str
+    free_bytes: int | None
 
 
 @dataclass(frozen=True)

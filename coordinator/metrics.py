@@ -143,6 +143,13 @@ class Metrics:
             ["direction"],
             registry=r,
         )
+        self.save_dir_write_failures = Counter(
+            "eggroll_save_dir_write_failures_total",
+            "Writes to the save directory that failed and were given up (the fitness log's "
+            "stops the coordinator instead).",
+            ["file"],
+            registry=r,
+        )
         self.digest_mismatches = Counter(
             "eggroll_replica_digest_mismatches_total",
             "Replica digests that differed from the agreed one.",
@@ -197,6 +204,8 @@ class Metrics:
             self.results_dropped.labels(reason)
         for code in ErrorCode:
             self.protocol_errors.labels(code.name)
+        for file in ("snapshot", "digests", "run"):
+            self.save_dir_write_failures.labels(file)
         for direction in ("in", "out"):
             self.snapshot_transfers.labels(direction)
             for msg_type in MsgType:

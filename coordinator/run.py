@@ -35,6 +35,13 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
   held-out score counts only from the worker asked, for the step asked.
+- The coordinator's own failures are never the worker's: a snapshot the shell cannot store
+  is dropped (`snapshot_dropped`: a warning, the run and the worker's session go on, the
+  next snapshot step tries again), and a session that fails on this side
+  (`failed_here`) leaves what it was asked unasked until the next opportunity, so a
+  reconnecting worker is not asked for the same thing and bounced in a loop. A digests.log
+  or run.json write that fails degrades to memory (`store_events` reports it once);
+  shared/save_dir.py's table gives the policy for every file.
 - Samples (--sample-every): a want too, but served by a worker with nothing to evaluate
   (told to WAIT), so text is never written on the step's critical path; the run's only
   worker at the step is asked after the chunk it was just leased. A sample counts only from
@@ -95,6 +102,7 @@ from .events import (
     DigestMismatch,
     DigestsDisagree,
     Event,
+    FileDegraded,
     Joined,
     Leased,
     Left,
@@ -104,6 +112,7 @@ from .events import (
     Requeued,
     ResultDropped,
     Sampled,
+    SnapshotDropped,
     SnapshotRejected,
     SnapshotStored,
     Validated,
@@ -111,7 +120,7 @@ from .events import (
     WorkerLog,
 )
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
-from .store import RunStore
+from .store import RunStore, WriteFailure
 
 __all__ = [
     "CATCHUP_STEPS",
@@ -302,6 +311,7 @@ class RunCore:
         self.snapshot = Want()  # a state worth keeping; asked of one worker at a time
         self.validation = Want()  # a held-out score
         self.sample = Want()  # a sample of the model's writing
+        self.snapshot_failed: int | None = None  # the last step whose snapshot was dropped
         self._progress_said = 0.0  # when a step's progress was last reported
         self.finished = False  # --max-steps reached: no more leases
         self.weights_changed: int | None = None  # reported by the last worker at the open step
@@ -317,7 +327,11 @@ class RunCore:
     def done(self) -> bool:
         """--max-steps reached, its final snapshot stored and its sample (when one is due at
         the final step) written: time to stop."""
-        if not self.finished or (self.step and self.store.latest_snapshot != self.step):
+        if not self.finished or (
+            self.step
+            and self.store.latest_snapshot != self.step
+            and self.snapshot_failed != self.step  # dropped: waiting would not bring it
+        ):
             return False
         return not self.sample.pending(self.step)
 
@@ -391,7 +405,28 @@ class RunCore:
         handler = _HANDLERS.get(msg.TYPE)
         if handler is None:  # the connection's state machine lets no other type through
             raise Refused(ErrorCode.ILLEGAL_STATE, f"unexpected {msg.TYPE.name}")
-        return handler(self, self.peers[peer_id], msg)
+        out = handler(self, self.peers[peer_id], msg)
+        return out + self.store_events()  # a digest agreed, a data digest set
+
+    def store_events(self) -> list[Event]:
+        """The save-directory writes that degraded (digests.log, run.json) since last asked,
+        each reported once per spell of failures (shared/save_dir.py's policy)."""
+        return [
+            FileDegraded(str(f.path), f.error, f.free_bytes) for f in self.store.take_failures()
+        ]
+
+    def failed_here(self, peer_id: int) -> None:
+        """The session with `peer_id` failed on the coordinator's side (a bug, a file that
+        cannot be read or written), not the worker's: what it was asked for is dropped, not
+        asked again of the next worker (or of it, reconnecting) until its next opportunity,
+        so one failure cannot bounce workers in a loop. Call before `peer_left`."""
+        step = self.snapshot.drop(peer_id)
+        if step is not None:
+            self.snapshot_failed = step
+            if self.snapshot.step is not None and self.snapshot.step <= step:
+                self.snapshot.step = None
+        self.validation.drop(peer_id)
+        self.sample.drop(peer_id)  # the next sample step asks again
 
     def refuse(self, peer: Peer, code: ErrorCode, message: str, *before: Event) -> Refused:
         return Refused(code, message, [*before, Rejected(peer.name, code, message)])
@@ -594,11 +629,13 @@ class RunCore:
             self.store.fitness_log.append(step, packed)  # fsync'd: committed from here on
         except OSError as exc:
             # What reached the disk is unknown: stop, and let a restart repair the tail.
+            # The fitness log is the run: the one file whose loss stops it.
             raise Fatal(
                 f"cannot commit step {step} to {self.store.fitness_log.path}: "
                 f"{exc.strerror or exc}; the coordinator stops (restart it once the disk is "
                 "fixed: it repairs the log's tail and resumes)"
             ) from None
+        self.store.flush_run()  # run.json, if an earlier write of it failed
         message = Step(step, self.cfg.pairs, packed)
         out: list[Output] = [self._committed(step, jobs)]  # reported before any STEP goes out
         for peer in self.peers.values():
@@ -677,6 +714,8 @@ class RunCore:
         """Ask a worker at the open step for its state (the final snapshot on shutdown)."""
         if self.step == 0 or self.store.latest_snapshot == self.step:
             return []  # the initial state is a pure function of the config
+        if self.snapshot_failed == self.step:
+            return []  # this step's snapshot was dropped: the next step is the next chance
         self.snapshot.step = self.step
         if self.snapshot.asked is not None:
             return []
@@ -758,6 +797,18 @@ class RunCore:
             return None
         self.snapshot.retry(peer_id)  # only now may another worker be asked
         return SnapshotRejected(self.name(peer_id), reason)
+
+    def snapshot_dropped(self, peer_id: int, step: int, failure: WriteFailure) -> SnapshotDropped:
+        """The shell could not store the snapshot of `step` (a full disk): it is dropped and
+        not asked for again (of this worker or another) until the next snapshot step. The
+        worker did nothing wrong: its session goes on."""
+        self.snapshot.drop(peer_id)
+        if self.snapshot.step is not None and self.snapshot.step <= step:
+            self.snapshot.step = None
+        self.snapshot_failed = step
+        return SnapshotDropped(
+            step, self.name(peer_id), str(failure.path), failure.error, failure.free_bytes
+        )
 
     def snapshot_stored(self, peer_id: int, state: ReplicaState, size: int) -> SnapshotStored:
         wanted = self.snapshot.step

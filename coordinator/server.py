@@ -10,7 +10,10 @@ All run state is touched from the event loop only, so no locks are needed.
 
 Every peer is bounded: a cap on connections (in all and per address), a deadline for the
 handshake, and bounded writes (`link.py`). A failed commit (`Fatal`) stops the coordinator
-at once: nothing after it is trusted to reach the disk.
+at once: nothing after it is trusted to reach the disk. Any other file of the save directory
+that cannot be written costs a warning, never the run or the worker's session (the policy
+table is in shared/save_dir.py): a snapshot that cannot be stored is dropped, and a session
+that fails on this side tells the core (`failed_here`) so no worker is bounced in a loop.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import CheckpointError, decode_checkpoint
+from ..shared.save_dir import DIGESTS_LOG, RUN_FILE
 from . import events
 from .jobs import Clock, Outcome
 from .link import Link
@@ -55,7 +59,7 @@ from .run import (
     ServeSnapshot,
     StoreSnapshot,
 )
-from .store import RunStore
+from .store import RunStore, SnapshotWriteError
 
 __all__ = ["Coordinator", "Executor", "Options", "record"]
 
@@ -161,6 +165,27 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
             log.info("no worker at the current step for a final snapshot", step=event.step)
         case events.SnapshotRejected():
             log.warning("snapshot rejected", worker=event.worker, reason=event.reason)
+        case events.SnapshotDropped():
+            metrics.save_dir_write_failures.labels("snapshot").inc()
+            log.warning(
+                "snapshot dropped",
+                step=event.step,
+                path=event.path,
+                error=event.error,
+                free_bytes=event.free_bytes,
+                hint="the run goes on (the fitness log holds every step); the next snapshot "
+                "step tries again",
+            )
+        case events.FileDegraded():
+            name = os.path.basename(event.path)
+            metrics.save_dir_write_failures.labels(_DEGRADED_FILES.get(name, "other")).inc()
+            log.warning(
+                "save directory write failed",
+                path=event.path,
+                error=event.error,
+                free_bytes=event.free_bytes,
+                hint=_DEGRADED_HINTS.get(name, "the run goes on"),
+            )
         case events.SnapshotStored():
             metrics.snapshot_stored()
             log.info(
@@ -196,6 +221,16 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
             log.warning("worker error", worker=event.worker, code=event.code, text=event.text)
         case _:  # a new event must be recorded here, or it would vanish silently
             raise TypeError(f"no record for the event {event!r}")
+
+
+# A degraded file of the save directory -> its metric label, and what its loss costs.
+_DEGRADED_FILES = {DIGESTS_LOG: "digests", RUN_FILE: "run"}
+_DEGRADED_HINTS = {
+    DIGESTS_LOG: "the run goes on: agreed digests stay in memory, later lines are tried "
+    "again, and workers agree a missing one again after a restart",
+    RUN_FILE: "the run goes on with the data digest in memory; run.json is written again "
+    "at each commit (until then a restart agrees the data digest again)",
+}
 
 
 class Executor:
@@ -264,13 +299,20 @@ class Executor:
         try:
             f = await offload(open, self.store.snapshot_path(step), "rb")
         except OSError:  # pruned just now by a newer snapshot: the worker asks again
+            self.store.forget_snapshot(step)  # or unreadable: never offered again this run
             raise self.core.snapshot_gone(link.peer, step) from None
         name = self.core.name(link.peer)
         with f:
             size = await offload(lambda: os.fstat(f.fileno()).st_size)
             offset = 0
             while True:
-                piece = await offload(f.read, SNAPSHOT_CHUNK_BYTES)
+                try:
+                    piece = await offload(f.read, SNAPSHOT_CHUNK_BYTES)
+                except OSError:
+                    # The coordinator's disk: the worker, told INTERNAL, rejoins and is
+                    # offered an older snapshot (or none) rather than this one in a loop.
+                    self.store.forget_snapshot(step)
+                    raise self.core.snapshot_gone(link.peer, step) from None
                 if not piece and offset:
                     break
                 self.write(link, SnapshotChunk(step, size, offset, piece))
@@ -292,8 +334,13 @@ class Executor:
         if rejected is not None or state is None:
             self.record([rejected] if rejected is not None else [])
             return
-        await self.offload(self.store.save_snapshot, state.step, blob, self.keep_snapshots)
-        self.record([self.core.snapshot_stored(link.peer, state, len(blob))])
+        try:
+            await self.offload(self.store.save_snapshot, state.step, blob, self.keep_snapshots)
+        except SnapshotWriteError as exc:  # the coordinator's disk, not the worker's fault
+            self.record([self.core.snapshot_dropped(link.peer, state.step, exc.failure)])
+        else:
+            self.record([self.core.snapshot_stored(link.peer, state, len(blob))])
+        self.record(self.core.store_events())  # digests.log, flushed before the snapshot
 
 
 class Coordinator:
@@ -364,6 +411,7 @@ class Coordinator:
             config_digest=self.store.config.digest().hex()[:16],
             save_dir=str(self.store.path),
         )
+        self.executor.record(self.core.store_events())  # e.g. run.json at start
         self._check_finish()
         deadlines = asyncio.create_task(self._watch_deadlines())
         try:
@@ -421,7 +469,10 @@ class Coordinator:
             return  # nobody to ask
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                while self.store.latest_snapshot != self.step:
+                # A dropped snapshot is no longer pending: no use waiting for it.
+                while self.store.latest_snapshot != self.step and self.core.snapshot.pending(
+                    self.step
+                ):
                     await self._snapshot_stored.wait()
                     self._snapshot_stored.clear()
         if self.store.latest_snapshot != self.step:
@@ -484,6 +535,7 @@ class Coordinator:
             pass
         except Exception:  # a bug must cost one connection, never the run
             log.exception("session failed", worker=self.core.name(link.peer), peer=address)
+            self.core.failed_here(link.peer)  # not the worker's fault: ask it nothing again
             self.executor.traffic(sent=link.write_error(ErrorCode.INTERNAL, "coordinator error"))
         finally:
             self.links.pop(link.peer, None)

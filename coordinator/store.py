@@ -4,12 +4,21 @@ The layout (run.json, fitness.log, digests.log, snapshots/, .lock) and its names
 writers are shared/save_dir.py's; this module is the one writer that holds the lock.
 Steps committed = records in fitness.log. A snapshot only shortens catch-up; losing one
 loses nothing.
+
+A write that fails after the start follows the policy table of shared/save_dir.py: the
+fitness log's append raises (the run core stops the coordinator); a snapshot's raises
+`SnapshotWriteError` with nothing of it left behind; digests.log and run.json degrade: the
+value stays in memory, the failure waits in `take_failures()` for the core to report, and
+the file is written again at the next chance.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..shared.atomic_file import fsync_dir, write_atomic
@@ -32,6 +41,33 @@ class StoreError(Exception):
     """A save directory that cannot be used; the message says what to do."""
 
 
+@dataclass(frozen=True)
+class WriteFailure:
+    """A write to the save directory that failed and was given up: the file, the error and
+    the free space left where it was written (None: unknown)."""
+
+    path: Path
+    error: str
+    free_bytes: int | None
+
+
+class SnapshotWriteError(Exception):
+    """A snapshot could not be stored; nothing of it is left in snapshots/."""
+
+    def __init__(self, failure: WriteFailure) -> None:
+        super().__init__(f"{failure.path}: {failure.error}")
+        self.failure = failure
+
+
+def write_failure(path: Path, exc: OSError) -> WriteFailure:
+    """What an operator needs to know of a failed write: which file, why, how much room."""
+    try:
+        free: int | None = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    return WriteFailure(path, exc.strerror or str(exc), free)
+
+
 class RunStore:
     def __init__(self, path: Path, run: dict, log: FitnessLog, config: RunConfig, lock_fd: int):
         self.path = path
@@ -40,8 +76,14 @@ class RunStore:
         self.fitness_log = log
         self.config = config
         self._lock_fd = lock_fd
+        self._digests_good = 0  # digests.log's length in whole lines, set by _load_digests
         self.digests = self._load_digests()
         self._digests_fd: int | None = None  # digests.log, opened for appending on first use
+        self._digests_failing = False  # the last digests.log write failed (reported once)
+        self._digests_off = False  # a torn line could not be cut: no more appends this run
+        self._run_dirty = False  # run.json in memory is newer than on disk
+        self._run_failing = False  # its last write failed (reported once)
+        self._failures: list[WriteFailure] = []  # degraded writes not yet reported
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -104,15 +146,28 @@ class RunStore:
         return run, stored
 
     def sync_digests(self) -> None:
-        if self._digests_fd is not None:
+        """Flush digests.log to the disk; a failure degrades it (see `record_digest`)."""
+        if self._digests_fd is None:
+            return
+        try:
             os.fdatasync(self._digests_fd)
+        except OSError as exc:
+            self._digests_failed(exc)
 
     def close(self) -> None:
+        if self._run_dirty:
+            self.flush_run()  # one last try: a failure was reported already
         if self._digests_fd is not None:
             self.sync_digests()
             os.close(self._digests_fd)
             self._digests_fd = None
         os.close(self._lock_fd)
+
+    def take_failures(self) -> list[WriteFailure]:
+        """The degraded writes (digests.log, run.json) not yet reported, each reported once
+        per spell of failures; the list is emptied."""
+        failures, self._failures = self._failures, []
+        return failures
 
     # ------------------------------------------------------------------ run metadata
 
@@ -131,8 +186,25 @@ class RunStore:
         return bytes.fromhex(digest) if digest else None
 
     def set_data_digest(self, digest: bytes) -> None:
+        """The run's data digest, kept in memory at once and written to run.json atomically;
+        a failed write leaves the old run.json whole and is tried again by `flush_run`."""
         self._run["data_digest"] = digest.hex()
-        write_run(self.layout, self._run)
+        self._run_dirty = True
+        self.flush_run()
+
+    def flush_run(self) -> None:
+        """Write run.json if memory is newer. A failure is reported once (`take_failures`):
+        committed state does not depend on it (a restart agrees the data digest again)."""
+        if not self._run_dirty:
+            return
+        try:
+            write_run(self.layout, self._run)
+        except OSError as exc:
+            if not self._run_failing:
+                self._failures.append(write_failure(self.layout.run_file, exc))
+                self._run_failing = True
+            return
+        self._run_dirty = self._run_failing = False
 
     # ------------------------------------------------------------------------ digests
 
@@ -146,21 +218,51 @@ class RunStore:
             with open(path, "r+b") as f:  # cut a torn last line before appending more
                 f.truncate(good)
                 os.fsync(f.fileno())
+        self._digests_good = good
         return digests
 
     def record_digest(self, step: int, digest: int) -> None:
         """Remember the agreed digest of the replica state at `step`. The line reaches the
         disk before the next snapshot is stored (the snapshot is checked against it) and at
         close; one lost in a crash is agreed again by the workers, and a torn one is cut at
-        open, so a per-step fsync would buy nothing."""
+        open, so a per-step fsync would buy nothing. For the same reason a failed write
+        degrades the file rather than the run: the digest stays in memory, the torn line is
+        cut back, and the next digest tries again."""
         self.digests[step] = digest
+        if self._digests_off:
+            return
+        line = digest_line(step, digest)
+        try:
+            if self._digests_fd is None:
+                path = self.layout.digests_log
+                new = not path.exists()
+                self._digests_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if new:
+                    fsync_dir(self.path)
+            written = os.write(self._digests_fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a short write
+        except OSError as exc:
+            self._digests_failed(exc)
+            return
+        self._digests_good += len(line)
+        self._digests_failing = False
+
+    def _digests_failed(self, exc: OSError) -> None:
+        """A digests.log write failed: cut it back to its whole lines so later appends keep
+        it readable (a torn line mid-file would stop the next start); if even that fails,
+        append nothing more this run (a torn last line is cut at the next open)."""
+        if not self._digests_failing:
+            self._failures.append(write_failure(self.layout.digests_log, exc))
+            self._digests_failing = True
         if self._digests_fd is None:
-            path = self.layout.digests_log
-            new = not path.exists()
-            self._digests_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            if new:
-                fsync_dir(self.path)
-        os.write(self._digests_fd, digest_line(step, digest))
+            return
+        try:
+            os.ftruncate(self._digests_fd, self._digests_good)  # needs no free space
+        except OSError:
+            os.close(self._digests_fd)
+            self._digests_fd = None
+            self._digests_off = True
 
     # ---------------------------------------------------------------------- snapshots
 
@@ -175,10 +277,32 @@ class RunStore:
         return self.snapshot_steps[-1] if self.snapshot_steps else None
 
     def save_snapshot(self, step: int, blob: bytes, keep: int) -> None:
-        """Store a verified snapshot atomically and keep only the newest `keep`."""
+        """Store a verified snapshot atomically and keep only the newest `keep`. A failed
+        write raises SnapshotWriteError and leaves no file of it behind (a snapshot only
+        shortens catch-up: the caller drops it and the run goes on)."""
         self.sync_digests()  # the digests it was checked against are on disk first
-        write_atomic(self.snapshot_path(step), blob)
+        path = self.snapshot_path(step)
+        try:
+            write_atomic(path, blob)
+        except OSError as exc:
+            failure = write_failure(path, exc)
+            # write_atomic removed its temporary file; a failure after the rename (the
+            # directory's fsync) leaves a whole file, removed too: the snapshot is dropped.
+            if step not in self.snapshot_steps:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass  # a whole, fsync'd file: a later start may use it or prune it
+            raise SnapshotWriteError(failure) from None
         self.snapshot_steps = sorted({*self.snapshot_steps, step})
         while len(self.snapshot_steps) > keep:
             old = self.snapshot_steps.pop(0)
-            self.snapshot_path(old).unlink(missing_ok=True)
+            try:
+                self.snapshot_path(old).unlink(missing_ok=True)
+            except OSError:
+                pass  # an old snapshot left over costs room, not state; a restart prunes it
+
+    def forget_snapshot(self, step: int) -> None:
+        """A stored snapshot that cannot be read: offer it no more this run (the file is
+        left for the operator to look at; workers replay the fitness log instead)."""
+        self.snapshot_steps = [s for s in self.snapshot_steps if s != step]
