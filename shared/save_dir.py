@@ -13,6 +13,33 @@ them (`shared.replica.replay`): a snapshot only shortens the replay, losing one 
 nothing. The coordinator's `RunStore` (coordinator/store.py) and `eggroll-train
 --save-dir` write a save directory with the names and writers below; `SaveDir` reads one
 without creating, repairing or locking anything, so it is safe on a live run.
+
+When a write fails (a full disk, an I/O error). The fitness log is the run; every other file
+is a convenience. A file whose loss would lose or corrupt committed state stops the writer;
+any other degrades with one warning line that names the path, the error and the free space,
+and the run goes on. A failure on the coordinator's side never fails a worker's session.
+
+    file               when a write fails
+    fitness.log        stop at once: one line (path, error), non-zero exit. Started again on
+                       the same directory once there is room, the coordinator cuts the torn
+                       record off and resumes at the same digest
+    snapshots/         that snapshot is dropped (no partial file left), one warning; steps are
+                       still committed; asked again at the next snapshot step, not before
+                       (the final one too: the run still ends at --max-steps)
+    digests.log        degrade: digests stay in memory, a torn line is cut back, the next
+                       digest tries again; one warning per spell of failures. A line lost is
+                       agreed again by the workers after a restart
+    run.json           at start: one line, non-zero exit. Later (the data digest): degrade,
+                       kept in memory and written again at each commit; one warning (the old
+                       file stays whole: it is replaced atomically)
+    .lock, *.tmp       at start only: one line, non-zero exit
+    logs/, console     degrade: a log line that cannot be written is dropped (shared/logs.py)
+    summary.json       degrade: one warning; the run itself is complete
+    commands           eggroll-train --save-dir, eggroll-data prepare --out, eggroll-sample:
+                       one line, non-zero exit, nothing half-written
+
+coordinator/store.py, run.py and server.py carry out the coordinator's rows; the deployment
+view is deploy/README.md, "When the disk is full".
 """
 
 from __future__ import annotations
