@@ -201,13 +201,23 @@ def echo(message: str, err: bool = False) -> bool:
 
 class _Stderr:
     """structlog's output: stderr as a `LineSink` (a full disk or a closed pipe must not turn
-    every log call into an exception, least of all during shutdown)."""
+    every log call into an exception, least of all during shutdown). structlog prints the
+    line and its newline in two writes (under its lock): they are joined here, so the sink
+    takes, drops and counts whole lines."""
+
+    def __init__(self) -> None:
+        self._pending = ""
 
     def write(self, text: str) -> int:
-        return len(text) if STDERR.write(text) else 0
+        self._pending += text
+        end = self._pending.rfind("\n") + 1
+        if end:
+            lines, self._pending = self._pending[:end], self._pending[end:]
+            STDERR.write(lines)
+        return len(text)
 
     def flush(self) -> None:
-        pass  # each write is flushed by the sink
+        pass  # whole lines are flushed by the sink
 
 
 # The coordinator's events that eggroll-local (worker/local.py) acts on, with their fields.

@@ -369,6 +369,8 @@ def main(
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
                 env=env,
             )
             procs.append(proc)
