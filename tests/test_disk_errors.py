@@ -18,12 +18,19 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers import command, digest_at
 
 from eggroll_dist.shared import logs
-from eggroll_dist.shared.data import META_FILE, DataError, load_data_dir
+from eggroll_dist.shared.data import (
+    META_FILE,
+    DataError,
+    byte_pieces,
+    load_data_dir,
+    write_decoding,
+)
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.worker import train as train_module
 from eggroll_dist.worker.data.build import prepare_data_dir
@@ -416,3 +423,28 @@ def test_copier_thread_is_a_daemon() -> None:
     assert isinstance(thread, threading.Thread) and thread.daemon
     proc.wait(30)
     thread.join(10)
+
+
+def test_import_in_place_on_a_full_disk_keeps_the_source_and_can_run_again(
+    tmp_path: Path, mount: Callable[[Path, int], Path]
+) -> None:
+    disk = mount(tmp_path / "disk", 64)
+    src = disk / "deggs"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 256, 40_000, dtype=np.uint8)
+    ids[::500] = 0  # document starts
+    (src / "input.bin").write_bytes(ids.tobytes())
+    write_decoding(src / "decoding.bin", byte_pieces())
+    # 40 KB of input leave no room for its 38 KB train part beside it.
+    done = _run("eggroll-data", "import", src)
+    assert done.returncode == 1
+    assert _errors(done.stderr) == [f"Error: cannot write {src / 'input.bin'}: {ENOSPC_TEXT}"]
+    assert (src / "input.bin").read_bytes() == ids.tobytes()  # the source, untouched
+    assert sorted(p.name for p in src.iterdir()) == ["decoding.bin", "input.bin"]
+
+    mount(disk, 256)
+    again = _run("eggroll-data", "import", src)
+    assert again.returncode == 0, again.stderr
+    data = load_data_dir(src)
+    assert len(data.train) + len(data.valid) == len(ids)
