@@ -448,3 +448,23 @@ def test_import_in_place_on_a_full_disk_keeps_the_source_and_can_run_again(
     assert again.returncode == 0, again.stderr
     data = load_data_dir(src)
     assert len(data.train) + len(data.valid) == len(ids)
+
+
+def test_local_run_with_its_logs_on_a_full_disk_says_so_once_per_file_and_finishes(
+    words_data: Path, config: Path, tmp_path: Path, mount: Callable[[Path, int], Path]
+) -> None:
+    save_dir = tmp_path / "local"
+    logs_dir = mount(save_dir / "logs", 4)
+    (logs_dir / "fill").write_bytes(b"x" * 4096)
+    done = _run(
+        "eggroll-local",
+        *("--config", config, "--data-dir", words_data, "--save-dir", save_dir),
+        *("--steps", "3", "--workers", "2", "--metrics-port", "0", "--sample-every", "0"),
+    )
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "logging degraded" in line]
+    names = sorted(line.split("cannot write ")[1].split(":")[0] for line in warnings)
+    expected = ["coordinator.log", "worker-0.log", "worker-1.log"]
+    assert names == [str(save_dir / "logs" / name) for name in expected]
+    assert all(ENOSPC_TEXT in line for line in warnings)
+    assert "done: 3 steps" in done.stdout
