@@ -85,7 +85,10 @@ class CoordinatorProcess:
                 except ValueError:
                     continue
                 if isinstance(event, dict):
-                    self._show(event)
+                    try:
+                        self._show(event)
+                    except (KeyError, TypeError, ValueError):  # an odd line costs its line only
+                        pass
         finally:
             log.close()
             self.ready.set()  # the process ended (maybe before listening)
