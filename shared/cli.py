@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from .config import PRESETS
+from .logs import os_error_text
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -18,6 +20,14 @@ class OneLineError(click.ClickException):
     mistake): one line without click's usage text, exit status 2."""
 
     exit_code = 2
+
+
+def cannot_write(exc: OSError, where: str | Path) -> click.ClickException:
+    """The one line of a command whose write failed (a full disk, EIO): 'cannot write PATH:
+    [Errno 28] No space left on device', exit status 1. PATH is the file the error names
+    (shared.atomic_file names the file being replaced, not its temporary), else `where`."""
+    path = exc.filename if exc.filename is not None else where
+    return click.ClickException(f"cannot write {path}: {os_error_text(exc)}")
 
 
 def config_options(what: str = "") -> Callable[[F], F]:

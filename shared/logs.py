@@ -3,32 +3,221 @@
 A human line on a terminal, JSON lines otherwise. `eggroll-local` runs the coordinator as a
 subprocess and reads its JSON lines: the events it reads, and the fields each must carry,
 are named here (`EVENT_FIELDS`) and checked against the coordinator in the tests.
+
+An exception logged with `log.exception(...)` (or `exc_info=`) is in the line in both modes:
+JSON lines carry `exception` (its type, message and traceback), text prints the traceback.
+
+Logging never stops a process. A console or log file that cannot be written (a full disk,
+EIO, a closed pipe) is a `LineSink` that drops lines: it says so once on stderr, tries
+again at most every `RETRY_S` seconds (no loop, no stall), and once a line goes through
+again it first writes how many were lost.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TextIO
 
 import structlog
 
+RETRY_S = 10.0  # a failed console or log file is tried again at most this often
+
+
+def os_error_text(exc: OSError) -> str:
+    """'[Errno 28] No space left on device': an OSError without its file name."""
+    if exc.errno is None:
+        return str(exc)
+    return f"[Errno {exc.errno}] {exc.strerror or os.strerror(exc.errno)}"
+
+
+def _warn_stderr(text: str) -> None:
+    """A warning line on stderr, in the form the rest of it takes (a JSON line in JSON mode),
+    through its own sink: if stderr fails too, the line is dropped and counted there."""
+    if STDERR.json_note:
+        line = json.dumps({"event": text, "level": "warning", "timestamp": _now()})
+    else:
+        line = f"warning: {text}"
+    STDERR.write(line + "\n")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+class LineSink:
+    """Somewhere log lines go (stderr, stdout, a log file) that may fail to take them.
+
+    `write` never raises: while the target fails, lines are dropped and counted, and the
+    next try waits `RETRY_S` seconds (each try is one write call, so a full disk costs
+    nothing and a stuck reader is never waited for in a loop). The first failure is said
+    once through `warn` (stderr by default; pass None where stderr itself is the target,
+    as nothing could carry it). When a line goes through again, a note of how many were
+    lost goes first, as a JSON line or as text (`json_note`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        write: Callable[[str], None],
+        json_note: bool,
+        warn: Callable[[str], None] | None = _warn_stderr,
+    ) -> None:
+        self.name = name
+        self._write = write
+        self.json_note = json_note
+        self._warn = warn
+        self._lock = threading.Lock()  # threads of one process log to the same sink
+        self.failed_at: float | None = None
+        self.error = ""  # the last failure, for the note
+        self.dropped = 0
+        self.warned = False
+
+    @property
+    def degraded(self) -> bool:
+        return self.failed_at is not None
+
+    def write(self, text: str) -> bool:
+        """Write `text` (whole lines); False when it was dropped."""
+        with self._lock:
+            if self.failed_at is not None:
+                if time.monotonic() - self.failed_at < RETRY_S:
+                    self.dropped += 1
+                    return False
+                text = self._note() + text
+            try:
+                self._write(text)
+            except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+                self._failed(exc)
+                return False
+            self.failed_at, self.dropped = None, 0
+            return True
+
+    def _failed(self, exc: OSError | ValueError) -> None:
+        self.failed_at = time.monotonic()
+        self.dropped += 1
+        self.error = os_error_text(exc) if isinstance(exc, OSError) else str(exc)
+        if not self.warned and self._warn is not None:
+            self.warned = True
+            self._warn(
+                f"logging degraded: cannot write {self.name}: {self.error}; its lines are "
+                f"dropped until it can be written again"
+            )
+
+    def _note(self) -> str:
+        if self.json_note:
+            return (
+                json.dumps(
+                    {
+                        "event": "log lines lost",
+                        "lines": self.dropped,
+                        "error": self.error,
+                        "level": "warning",
+                        "timestamp": _now(),
+                    }
+                )
+                + "\n"
+            )
+        return f"[{self.dropped} log lines lost: cannot write {self.name}: {self.error}]\n"
+
+
+def _stream_writer(stream: Callable[[], TextIO]) -> Callable[[str], None]:
+    """Write and flush to the stream `stream()` returns at the time (tests swap sys.stderr)."""
+
+    def write(text: str) -> None:
+        out = stream()
+        out.write(text)
+        out.flush()
+
+    return write
+
+
+class LogFile:
+    """A log file that eggroll-local writes lines into: appended whole, unbuffered (one
+    write call per line), behind a `LineSink`, so a full disk costs lines and says so on
+    stderr once, never the process. A line cut short by the disk is ended before the next
+    one goes in, so each line of the file still parses alone."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._torn = False
+        self.sink = LineSink(str(path), self._append, json_note=True)
+
+    def _append(self, text: str) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        data = (b"\n" if self._torn else b"") + text.encode("utf-8", "replace")
+        wrote = False
+        while data:
+            try:
+                n = os.write(self._fd, data)
+            except InterruptedError:
+                continue
+            except OSError:
+                self._torn = self._torn or wrote  # the file now ends inside a line
+                raise
+            if n == 0:  # no progress and no error: a full disk by another name; never spin
+                self._torn = self._torn or wrote
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            wrote = True
+            data = data[n:]
+        self._torn = False
+
+    def write(self, line: str) -> bool:
+        """Append one line (a newline is added if missing); False when it was dropped."""
+        return self.sink.write(line if line.endswith("\n") else line + "\n")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+
+# stdout and stderr as sinks: a full disk or closed pipe behind them drops lines, never
+# raises into the command. stderr's own failure cannot be said anywhere, so it warns nobody.
+STDERR = LineSink("stderr", _stream_writer(lambda: sys.stderr), json_note=False, warn=None)
+STDOUT = LineSink("stdout", _stream_writer(lambda: sys.stdout), json_note=False)
+
+
+def echo(message: str, err: bool = False) -> bool:
+    """A line of progress output (click.echo's place) that a full disk cannot break: see
+    `LineSink`. Only for output that may be lost; output that is the command's result must
+    fail the command instead."""
+    return (STDERR if err else STDOUT).write(message + "\n")
+
 
 class _Stderr:
-    """stderr that drops writes once the reader is gone (a closed pipe must not turn every
-    log call into an exception, least of all during shutdown)."""
+    """structlog's output: stderr as a `LineSink` (a full disk or a closed pipe must not turn
+    every log call into an exception, least of all during shutdown). structlog prints the
+    line and its newline in two writes (under its lock): they are joined here, so the sink
+    takes, drops and counts whole lines."""
+
+    def __init__(self) -> None:
+        self._pending = ""
 
     def write(self, text: str) -> int:
-        try:
-            return sys.stderr.write(text)
-        except (OSError, ValueError):
-            return 0
+        self._pending += text
+        end = self._pending.rfind("\n") + 1
+        if end:
+            lines, self._pending = self._pending[:end], self._pending[end:]
+            STDERR.write(lines)
+        return len(text)
 
     def flush(self) -> None:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+        pass  # whole lines are flushed by the sink
 
 
 # The coordinator's events that eggroll-local (worker/local.py) acts on, with their fields.
@@ -99,6 +288,36 @@ def _escape_controls(logger: object, method: str, event: dict) -> dict:
     return event
 
 
+def _exception_type(exc_type: type) -> str:
+    """'OSError', or 'eggroll_dist.coordinator.run.Fatal' for a class outside builtins."""
+    if exc_type.__module__ == "builtins":
+        return exc_type.__qualname__
+    return f"{exc_type.__module__}.{exc_type.__qualname__}"
+
+
+def exception_fields(logger: object, method: str, event: dict) -> dict:
+    """Turn `exc_info` (True, an exception, or a sys.exc_info() tuple) into an `exception`
+    field: {type, message, traceback}. A line that says `exc_info: true` and nothing else
+    would leave an operator unable to tell a full disk from a bug (JSON output only; the
+    text renderer prints the traceback itself)."""
+    exc_info = event.pop("exc_info", None)
+    if not exc_info:
+        return event
+    if isinstance(exc_info, BaseException):
+        exc_info = (type(exc_info), exc_info, exc_info.__traceback__)
+    elif not isinstance(exc_info, tuple):
+        exc_info = sys.exc_info()
+    exc_type, exc, tb = exc_info
+    if exc_type is None or exc is None:  # exc_info=True outside an except block
+        return event
+    event["exception"] = {
+        "type": _exception_type(exc_type),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+    }
+    return event
+
+
 def configure_logging(log_format: str = "auto") -> None:
     """`auto` picks text on a terminal and JSON lines otherwise; NO_COLOR is respected.
 
@@ -108,18 +327,22 @@ def configure_logging(log_format: str = "auto") -> None:
     """
     if log_format == "auto":
         log_format = "text" if sys.stderr.isatty() else "json"
+    STDERR.json_note = log_format == "json"  # its notes take the form of its lines
     renderer = (
         structlog.processors.JSONRenderer()
         if log_format == "json"
         else structlog.dev.ConsoleRenderer(
-            colors=sys.stderr.isatty() and "NO_COLOR" not in os.environ, sort_keys=False
+            colors=sys.stderr.isatty() and "NO_COLOR" not in os.environ,
+            sort_keys=False,
+            # The plain traceback: the same text whatever else is installed (rich would box it).
+            exception_formatter=structlog.dev.plain_traceback,
         )
     )
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *([] if log_format == "json" else [_escape_controls]),
+            *([exception_fields] if log_format == "json" else [_escape_controls]),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import click
 
-from ..shared.cli import command, config_options, threads_option
+from ..shared.atomic_file import write_atomic
+from ..shared.cli import cannot_write, command, config_options, threads_option
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import META_FILE, DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
@@ -32,7 +33,9 @@ from ..shared.logs import (
     SHOWN_EVENTS,
     STEP,
     VALIDATION,
+    LogFile,
     baselines_text,
+    echo,
     held_out_text,
 )
 from ..shared.replica import load_checkpoint
@@ -68,8 +71,12 @@ class CoordinatorProcess:
         self.thread.start()
 
     def _read(self, log_path: Path) -> None:
+        # Every line is read whatever becomes of it: a log file or console that cannot be
+        # written drops lines (and says so once), never stops draining the pipe, as a full
+        # pipe would stall the coordinator.
         assert self.proc.stderr is not None
-        with open(log_path, "a") as log:
+        log = LogFile(log_path)
+        try:
             for line in self.proc.stderr:
                 log.write(line)
                 self.tail.append(line.rstrip())
@@ -77,42 +84,56 @@ class CoordinatorProcess:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if event.get("event") == LISTENING:
-                    self.port, self.start_step = event["port"], event["step"]
-                    self.last_step = self.start_step
-                    self.ready.set()
-                elif event.get("event") == STEP:
-                    self.last_step = event["step"]
-                    click.echo(
-                        f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
-                        f"bits/token  {event['step_s']:.2f} s  "
-                        f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
-                        f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
-                    )
-                elif event.get("event") == PROGRESS:
-                    click.echo(
-                        f"  step {event['step']}: {event['chunks_done']}/{event['chunks']} chunks "
-                        f"in, {event['seconds']} s so far"
-                    )
-                elif event.get("event") == VALIDATION:
-                    click.echo(f"held-out at step {event['step']}: {held_out_text(event)}")
-                elif event.get("event") == SAMPLE:
-                    # Escaped by the coordinator already; again here, as it costs nothing.
-                    prompt, text = (
-                        escape(event[k], keep_newlines=False) for k in ("prompt", "text")
-                    )
-                    click.echo(f"sample at step {event['step']} by {event['worker']}")
-                    click.echo(f"  prompt: {prompt}")
-                    click.echo(f"  text:   {text}")
-                elif (
-                    event.get("level") in ("warning", "error") or event.get("event") in SHOWN_EVENTS
-                ):
-                    fields = {
-                        k: v for k, v in event.items() if k not in ("event", "level", "timestamp")
-                    }
-                    text = " ".join(f"{k}={v}" for k, v in fields.items())
-                    click.echo(f"  coordinator: {event['event']} {text}")
-        self.ready.set()  # the process ended (maybe before listening)
+                if isinstance(event, dict):
+                    try:
+                        self._show(event)
+                    except (KeyError, TypeError, ValueError):  # an odd line costs its line only
+                        pass
+        finally:
+            log.close()
+            self.ready.set()  # the process ended (maybe before listening)
+
+    def _show(self, event: dict) -> None:
+        """The console's line(s) for one event of the coordinator's log."""
+        if event.get("event") == LISTENING:
+            self.port, self.start_step = event["port"], event["step"]
+            self.last_step = self.start_step
+            self.ready.set()
+        elif event.get("event") == STEP:
+            self.last_step = event["step"]
+            echo(
+                f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
+                f"bits/token  {event['step_s']:.2f} s  "
+                f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
+                f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
+            )
+        elif event.get("event") == PROGRESS:
+            echo(
+                f"  step {event['step']}: {event['chunks_done']}/{event['chunks']} chunks "
+                f"in, {event['seconds']} s so far"
+            )
+        elif event.get("event") == VALIDATION:
+            echo(f"held-out at step {event['step']}: {held_out_text(event)}")
+        elif event.get("event") == SAMPLE:
+            # Escaped by the coordinator already; again here, as it costs nothing.
+            prompt, text = (escape(event[k], keep_newlines=False) for k in ("prompt", "text"))
+            echo(f"sample at step {event['step']} by {event['worker']}")
+            echo(f"  prompt: {prompt}")
+            echo(f"  text:   {text}")
+        elif event.get("level") in ("warning", "error", "critical") or (
+            event.get("event") in SHOWN_EVENTS
+        ):
+            fields = {
+                k: v
+                for k, v in event.items()
+                if k not in ("event", "level", "timestamp", "exception")
+            }
+            text = " ".join(f"{k}={v}" for k, v in fields.items())
+            # The exception's type and message say why; its traceback stays in the log file.
+            exc = event.get("exception")
+            if isinstance(exc, dict):
+                text += f" exception={exc.get('type')}: {exc.get('message')}"
+            echo(f"  coordinator: {event.get('event')} {text}".rstrip())
 
     def _eta(self, step: int) -> str:
         """Time left at the mean pace of the steps committed in this session."""
@@ -124,6 +145,25 @@ class CoordinatorProcess:
         left = max(self.total - step, 0) * seconds / max(done, 1)
         minutes, secs = divmod(round(left), 60)
         return f"{minutes}m{secs:02d}s"
+
+
+def _copy_output(proc: subprocess.Popen, log_path: Path) -> threading.Thread:
+    """A thread that copies a worker's output into its log file until the worker ends. The
+    pipe is always drained: a log file that cannot be written drops lines (and says so on
+    stderr once) rather than leave the worker blocked on a full pipe."""
+
+    def copy() -> None:
+        assert proc.stdout is not None
+        log = LogFile(log_path)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+        finally:
+            log.close()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
 
 
 def _port_free(port: int) -> bool:
@@ -151,8 +191,11 @@ def _committed_steps(save_dir: Path) -> int:
 def _ensure_data(data_dir: Path) -> None:
     if (data_dir / META_FILE).exists():
         return
-    click.echo(f"preparing the built-in corpus in {data_dir} ...")
-    prepare_data_dir(builtin_documents(), data_dir, builtin_source(), echo=click.echo)
+    echo(f"preparing the built-in corpus in {data_dir} ...")
+    try:
+        prepare_data_dir(builtin_documents(), data_dir, builtin_source(), echo=echo)
+    except OSError as exc:  # it leaves no directory that looks complete (see build.py)
+        raise cannot_write(exc, data_dir) from None
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -260,19 +303,22 @@ def main(
     done = _committed_steps(save_dir)
     steps = done + more if more is not None else steps or cfg.steps
     if done >= steps:
-        click.echo(
+        echo(
             f"the run in {save_dir} already has {done} steps (the target is {steps}): nothing "
             f"to train; pass --more N, or --steps above {done}"
         )
         return
     if metrics_port and not _port_free(metrics_port):
-        click.echo(
+        echo(
             f"metrics port {metrics_port} is busy: metrics are off for this run "
             "(pass --metrics-port to pick another)"
         )
         metrics_port = 0
     layout = Layout(save_dir)
-    layout.logs.mkdir(parents=True, exist_ok=True)
+    try:
+        layout.logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise cannot_write(exc, layout.logs) from None
     coord_args = [
         "--save-dir",
         str(save_dir),
@@ -296,6 +342,7 @@ def main(
     signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
     coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)
     procs: list[subprocess.Popen] = []
+    copiers: list[threading.Thread] = []
     try:
         coordinator.ready.wait(60)
         if coordinator.port is None:
@@ -303,7 +350,7 @@ def main(
             raise click.ClickException(
                 "the coordinator did not start:\n" + "\n".join(coordinator.tail)
             )
-        click.echo(
+        echo(
             f"coordinator on 127.0.0.1:{coordinator.port}, run in {save_dir} "
             f"(from step {coordinator.start_step}); starting {workers} workers"
         )
@@ -312,24 +359,25 @@ def main(
         if threads is not None:
             env["EGGROLL_THREADS"] = str(threads)
         for i in range(workers):
-            with open(layout.worker_log(i), "a") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            _exe("eggroll-worker"),
-                            f"127.0.0.1:{coordinator.port}",
-                            "--data-dir",
-                            str(data_dir),
-                            "--name",
-                            f"local-{i}",
-                            "--log-format",
-                            "json",
-                        ],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    )
-                )
+            proc = subprocess.Popen(
+                [
+                    _exe("eggroll-worker"),
+                    f"127.0.0.1:{coordinator.port}",
+                    "--data-dir",
+                    str(data_dir),
+                    "--name",
+                    f"local-{i}",
+                    "--log-format",
+                    "json",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                env=env,
+            )
+            procs.append(proc)
+            copiers.append(_copy_output(proc, layout.worker_log(i)))
         while coordinator.proc.poll() is None:
             for i, p in enumerate(procs):
                 if p.poll() is not None and p.returncode != 0:
@@ -344,11 +392,13 @@ def main(
                 + "\n".join(coordinator.tail)
             )
     except KeyboardInterrupt:
-        click.echo("interrupted: stopping; nothing committed is lost, run again to resume")
+        echo("interrupted: stopping; nothing committed is lost, run again to resume")
         _stop([coordinator.proc, *procs])
         sys.exit(130)
     finally:
         _stop([*procs, coordinator.proc])
+        for thread in copiers:
+            thread.join(5)
     seconds = time.monotonic() - started
     _summarise(save_dir, dataset, coordinator, seconds, summary_json)
 
@@ -382,10 +432,14 @@ def _summarise(
         "save_dir": str(save_dir),
         "snapshot": str(snapshot),
     }
-    if summary_json is not None:
-        summary_json.write_text(json.dumps(summary, indent=2) + "\n")
-    layout.summary.write_text(json.dumps(summary, indent=2) + "\n")  # for inspect
-    click.echo(
+    blob = (json.dumps(summary, indent=2) + "\n").encode()
+    try:  # each whole or not at all; the run itself is committed already, so a retry says so
+        if summary_json is not None:
+            write_atomic(summary_json, blob)
+        write_atomic(layout.summary, blob)  # for inspect
+    except OSError as exc:
+        raise cannot_write(exc, layout.summary) from None
+    echo(
         f"done: {state.step} steps ({ran} now, {summary['steps_per_second']:.2f} steps/s); "
         f"held-out {held_out_text(validation.log_fields())} "
         f"(baselines: {baselines_text(base, dataset.meta.baselines_per_byte)}); replica digest "

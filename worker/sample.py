@@ -28,6 +28,7 @@ from ..shared.data import (
     read_meta,
     read_tokens,
 )
+from ..shared.logs import echo, os_error_text
 from ..shared.model import build_generator
 from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint
 from ..shared.sample import (
@@ -240,43 +241,63 @@ def main(
     note = ""
     if len(kept) < len(prompt_ids):
         note = f"; prompt cut to its last {len(kept)} of {len(prompt_ids)} tokens (the context)"
-    click.echo(
+    echo(
         f"step {state.step} ({origin}), replica {state.digest_hex()}; {settings.describe()}, "
         f"seed {seed}, {tokens} tokens{note}",
         err=True,
     )
     dim, plain = _terminal_styles()
     prompt_text = escape_text(decode(kept, vocab.pieces))
-    for k in range(count):
-        if as_json:
-            out = list(generate(model, kept, tokens, settings, seed, k))
-            record = {
-                "step": state.step,
-                "replica_digest": state.digest_hex(),
-                "sample": k,
-                "seed": seed,
-                "settings": {
-                    "temperature": milli_text(settings.temperature),
-                    "min_p": milli_text(settings.min_p),
-                    "top_k": settings.top_k,
-                    "presence_penalty": milli_text(settings.presence_penalty),
-                    "frequency_penalty": milli_text(settings.frequency_penalty),
-                },
-                "prompt_tokens": kept,
-                "tokens": out,
-                "prompt": decode(kept, vocab.pieces),
-                "text": decode(out, vocab.pieces),
-            }
-            click.echo(json.dumps(record, ensure_ascii=True))
-            continue
-        if count > 1:
-            click.echo(f"=== sample {k + 1} of {count} ===")
-        click.echo(f"{dim}{prompt_text}{plain}", nl=False)
-        text = Detokenizer(vocab.pieces)
-        for tok in generate(model, kept, tokens, settings, seed, k):
-            click.echo(escape_text(text.feed(tok)), nl=False)
-            sys.stdout.flush()
-        click.echo(escape_text(text.flush()))
+    try:
+        for k in range(count):
+            if as_json:
+                out = list(generate(model, kept, tokens, settings, seed, k))
+                record = {
+                    "step": state.step,
+                    "replica_digest": state.digest_hex(),
+                    "sample": k,
+                    "seed": seed,
+                    "settings": {
+                        "temperature": milli_text(settings.temperature),
+                        "min_p": milli_text(settings.min_p),
+                        "top_k": settings.top_k,
+                        "presence_penalty": milli_text(settings.presence_penalty),
+                        "frequency_penalty": milli_text(settings.frequency_penalty),
+                    },
+                    "prompt_tokens": kept,
+                    "tokens": out,
+                    "prompt": decode(kept, vocab.pieces),
+                    "text": decode(out, vocab.pieces),
+                }
+                click.echo(json.dumps(record, ensure_ascii=True))
+                continue
+            if count > 1:
+                click.echo(f"=== sample {k + 1} of {count} ===")
+            click.echo(f"{dim}{prompt_text}{plain}", nl=False)
+            text = Detokenizer(vocab.pieces)
+            for tok in generate(model, kept, tokens, settings, seed, k):
+                click.echo(escape_text(text.feed(tok)), nl=False)
+                sys.stdout.flush()
+            click.echo(escape_text(text.flush()))
+        sys.stdout.flush()  # a failure to write the last of it is this command's too
+    except OSError as exc:
+        # The samples are the command's output: a stdout that cannot take them (a full disk
+        # under `> file`, EIO) fails the command, in one line.
+        _silence_stdout()
+        if isinstance(exc, BrokenPipeError):  # the reader has all it wanted (`| head`)
+            sys.exit(1)
+        raise click.ClickException(f"cannot write stdout: {os_error_text(exc)}") from None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: what its buffer still holds must not fail again when
+    Python flushes it at exit (a traceback and exit status 120 after our one line)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _read_prompt_file(path: Path) -> bytes:

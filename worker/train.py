@@ -8,8 +8,8 @@ it can be inspected and replayed.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +20,18 @@ import numpy as np
 import structlog
 
 from ..protocol.ternary import pack_ternary
-from ..shared.cli import command, config_options, log_format_option, threads_option
+from ..shared.atomic_file import naming, write_atomic
+from ..shared.cli import cannot_write, command, config_options, log_format_option, threads_option
 from ..shared.config import ConfigError, RunConfig, resolve_config
-from ..shared.data import DataError, load_data_dir
+from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness_log import FitnessLog
-from ..shared.logs import baselines_text, configure_logging, held_out_text
+from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import TrainingSamples
 from ..shared.save_dir import Layout, new_run, write_run
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
-from .backend import Backend, BackendUnavailable, Validation, get_backend
+from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
 
 log = structlog.get_logger("eggroll.train")
 
@@ -106,7 +107,8 @@ def train(
                 )
         packed = pack_ternary(fitness)
         if fitness_log is not None:
-            fitness_log.append(step, packed)
+            with naming(fitness_log.path):  # a failed append names no file by itself
+                fitness_log.append(step, packed)
         changed = backend.apply_step(fitness)
         dt = time.perf_counter() - t0
         result.train_seconds += dt
@@ -228,14 +230,56 @@ def main(
     if short is not None:
         raise click.ClickException(f"data in {data_dir}: {short}")
     steps = steps or cfg.steps
-    fitness_log = None
     layout = None if save_dir is None else Layout(save_dir)
+    if layout is not None and layout.root.exists() and any(layout.root.iterdir()):
+        raise click.ClickException(f"--save-dir {save_dir} is not empty; pick a new directory")
+    created = layout is not None and not layout.root.exists()
+    try:
+        max_seconds = max_minutes * 60 if max_minutes is not None else None
+        _run(
+            cfg,
+            preset_name,
+            config_path,
+            dataset,
+            factory,
+            steps,
+            layout,
+            summary_json,
+            max_seconds,
+            sample_every,
+        )
+    except OSError as exc:
+        # A full disk or EIO: one line, and the save directory back as it was (absent or
+        # empty). eggroll-train cannot resume a directory, so a partial run left there
+        # would only block the retry ("not empty"); cleared, the same command run again
+        # once there is room starts afresh and reaches the digest of an undisturbed run.
+        error = cannot_write(exc, save_dir or summary_json or ".")
+        if layout is not None:
+            left = _discard_run(layout, created)
+            if left:
+                error.message += f"; {left}"
+        raise error from None
+
+
+def _run(
+    cfg: RunConfig,
+    preset_name: str | None,
+    config_path: str | None,
+    dataset: Dataset,
+    factory: BackendFactory,
+    steps: int,
+    layout: Layout | None,
+    summary_json: Path | None,
+    max_seconds: float | None,
+    sample_every: int,
+) -> None:
+    """Train and write what main was asked to; a failed write raises OSError naming its file."""
+    fitness_log = None
     if layout is not None:
-        if layout.root.exists() and any(layout.root.iterdir()):
-            raise click.ClickException(f"--save-dir {save_dir} is not empty; pick a new directory")
         layout.snapshots.mkdir(parents=True, exist_ok=True)
         write_run(layout, new_run(cfg))
-        fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
+        with naming(layout.fitness_log):
+            fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
     log.info(
         "start",
         preset=preset_name or ("tiny" if not config_path else None),
@@ -250,21 +294,41 @@ def main(
     )
     backend = factory.build(dataset, ReplicaState.initial(cfg))
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
-    max_seconds = max_minutes * 60 if max_minutes is not None else None
     result = train(cfg, backend, steps, fitness_log, samples, max_seconds)
     if layout is not None:
         save_checkpoint(layout.snapshot(result.state.step), result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)
-    if summary_json is not None:
-        summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    blob = (json.dumps(summary, indent=2) + "\n").encode()
     if layout is not None:  # for eggroll-inspect
-        layout.summary.write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(layout.summary, blob)
+    if summary_json is not None:
+        write_atomic(summary_json, blob)
     meta = dataset.meta
-    click.echo(
+    echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "
         f"(baselines: {baselines_text(meta.baselines, meta.baselines_per_byte)}), "
         f"{summary['member_tokens_per_second']:,.0f} member-tokens/s, "
         f"replica digest {summary['replica_digest']}",
-        file=sys.stderr,
+        err=True,
     )
+
+
+def _discard_run(layout: Layout, created: bool) -> str:
+    """Remove what a failed run wrote into its save directory (it was absent or empty
+    before): the files of shared/save_dir.py's layout that eggroll-train writes, then the
+    snapshots folder, then the directory if this run made it. '' when done; else what is
+    left, for the error line."""
+    try:
+        for path in (layout.summary, *layout.snapshot_files(), layout.fitness_log):
+            path.unlink(missing_ok=True)
+        layout.run_file.unlink(missing_ok=True)  # last: without it nothing reads as a run
+        with contextlib.suppress(FileNotFoundError):
+            layout.snapshots.rmdir()
+        if created:
+            layout.root.rmdir()
+    except OSError as exc:
+        return (
+            f"could not clear {layout.root} ({os_error_text(exc)}): remove it before running again"
+        )
+    return ""

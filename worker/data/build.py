@@ -16,6 +16,7 @@ then encode), never held whole.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ...shared.atomic_file import fsync_dir, write_atomic
+from ...shared.atomic_file import fsync_dir, naming, write_atomic
 from ...shared.config import PRESETS
 from ...shared.data import (
     BYTE_VOCAB_SIZE,
@@ -115,8 +116,9 @@ def prepare_data_dir(
 ) -> DataMeta:
     """Split `docs`, compute the baselines and write the four files into `out`.
 
-    meta.json is written last, so an interrupted run leaves a directory that
-    load_data_dir rejects instead of one that looks complete.
+    The old meta.json goes first and the new one is written last, so an interrupted run
+    leaves a directory that load_data_dir rejects instead of one that looks complete; a
+    failed write (OSError, naming its file) removes the data files (`discard_data_files`).
     """
     say = echo or (lambda _line: None)
     train_docs, valid_docs = split_documents(docs, valid_fraction)
@@ -130,12 +132,27 @@ def prepare_data_dir(
     say_baselines(say, meta)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    write_tokens(root / INPUT_FILE, train, BYTE_VOCAB_SIZE)
-    write_tokens(root / VALID_FILE, valid, BYTE_VOCAB_SIZE)
-    write_decoding(root / DECODING_FILE, byte_pieces())
-    (root / TOKENIZER_FILE).unlink(missing_ok=True)  # from an earlier tokenized build
-    write_meta(root / META_FILE, meta)
+    (root / META_FILE).unlink(missing_ok=True)  # an old meta.json must not vouch for new files
+    try:
+        write_tokens(root / INPUT_FILE, train, BYTE_VOCAB_SIZE)
+        write_tokens(root / VALID_FILE, valid, BYTE_VOCAB_SIZE)
+        write_decoding(root / DECODING_FILE, byte_pieces())
+        (root / TOKENIZER_FILE).unlink(missing_ok=True)  # from an earlier tokenized build
+        write_meta(root / META_FILE, meta)
+    except OSError:
+        discard_data_files(root)
+        raise
     return meta
+
+
+def discard_data_files(root: Path) -> None:
+    """After a failed write (a full disk, EIO): remove the data files of `root`, meta.json
+    first, so nothing there looks complete and the space they took is free for the retry.
+    Their old versions go too: without the meta.json they went with, they are no data
+    directory. A file that cannot be removed is left (the failed write is what to say)."""
+    for name in (META_FILE, INPUT_FILE, VALID_FILE, DECODING_FILE, TOKENIZER_FILE):
+        with contextlib.suppress(OSError):
+            (root / name).unlink(missing_ok=True)
 
 
 # --- a trained tokenizer -------------------------------------------------------------
@@ -195,7 +212,8 @@ def _encode_pass(
                         for t in (0, *doc_ids)
                     ]
                     if ids:
-                        f.write(np.asarray(ids, dtype).tobytes())
+                        with naming(root / (VALID_FILE if valid else INPUT_FILE)):
+                            f.write(np.asarray(ids, dtype).tobytes())
                 for doc, _ in batch:
                     meter.add(len(doc))
                 batch.clear()
@@ -208,9 +226,10 @@ def _encode_pass(
                     flush()
                     size = 0
             flush()
-            for f in (train_f, valid_f):
-                f.flush()
-                os.fsync(f.fileno())
+            for name, f in ((INPUT_FILE, train_f), (VALID_FILE, valid_f)):
+                with naming(root / name):
+                    f.flush()
+                    os.fsync(f.fileno())
         (root / META_FILE).unlink(missing_ok=True)
         for name, path in partial.items():
             os.replace(path, root / name)
@@ -238,7 +257,7 @@ def _rank_by_frequency(
         partial = root / f".{name}.partial"
         try:
             ids = np.memmap(root / name, dtype=dtype, mode="r")
-            with open(partial, "wb") as f:
+            with naming(root / name), open(partial, "wb") as f:
                 for lo in range(0, len(ids), RANK_BLOCK_IDS):
                     f.write(new_id[ids[lo : lo + RANK_BLOCK_IDS]].tobytes())
                 f.flush()
@@ -295,22 +314,29 @@ def prepare_tokenized_data_dir(
     vocab = len(pieces)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
+    # A failed write in the encode pass leaves the old directory as it was; after it, the
+    # old meta.json is gone and a failed write removes the data files (discard_data_files).
     _encode_pass(docs, flags, tokenizer, pieces, root, _Meter(say, "encoded"))
-    if trained:
-        tokenizer, pieces = _rank_by_frequency(root, tokenizer, pieces)
-        say("numbered the tokens by their frequency in the train split")
-    fsync_dir(root)
-    train = read_tokens(root / INPUT_FILE, vocab)
-    valid = read_tokens(root / VALID_FILE, vocab)
-    say(
-        f"split: train {counted(flags.count(False), 'document')} / {len(train):,} tokens, "
-        f"valid {counted(flags.count(True), 'document')} / {len(valid):,} tokens"
-    )
-    meta = data_meta(train, valid, pieces, source, len(flags), flags.count(True))
-    say_baselines(say, meta)
-    write_decoding(root / DECODING_FILE, pieces)
-    write_atomic(root / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode("utf-8"))
-    write_meta(root / META_FILE, meta)
+    try:
+        if trained:
+            tokenizer, pieces = _rank_by_frequency(root, tokenizer, pieces)
+            say("numbered the tokens by their frequency in the train split")
+        with naming(root):
+            fsync_dir(root)
+        train = read_tokens(root / INPUT_FILE, vocab)
+        valid = read_tokens(root / VALID_FILE, vocab)
+        say(
+            f"split: train {counted(flags.count(False), 'document')} / {len(train):,} tokens, "
+            f"valid {counted(flags.count(True), 'document')} / {len(valid):,} tokens"
+        )
+        meta = data_meta(train, valid, pieces, source, len(flags), flags.count(True))
+        say_baselines(say, meta)
+        write_decoding(root / DECODING_FILE, pieces)
+        write_atomic(root / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode("utf-8"))
+        write_meta(root / META_FILE, meta)
+    except OSError:
+        discard_data_files(root)
+        raise
     return meta
 
 

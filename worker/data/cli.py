@@ -19,8 +19,9 @@ from pathlib import Path
 
 import click
 
-from ...shared.cli import OneLineError, command
+from ...shared.cli import OneLineError, cannot_write, command
 from ...shared.data import DataError, DataMeta, load_data_dir
+from ...shared.logs import echo
 from .baselines import BASELINE_NAMES
 from .build import (
     DEFAULT_BPE_VOCAB_SIZE,
@@ -39,7 +40,16 @@ from .tokenizer import load_tokenizer
 
 
 def _progress(line: str) -> None:
-    click.echo(line, err=True)
+    echo(line, err=True)  # a console that fails drops progress, never the data being written
+
+
+def _os_error(exc: OSError, out: Path) -> click.ClickException:
+    """One line for an OSError: 'cannot write PATH: [Errno 28] ...' where it names a path in
+    `out` (or none: the writes name theirs), else 'cannot use PATH: ...' (an input file)."""
+    name = Path(exc.filename) if exc.filename is not None else None
+    if name is None or name == out or out.resolve() in name.resolve().parents:
+        return cannot_write(exc, out)
+    return click.ClickException(f"cannot use {name}: {exc.strerror or exc}")
 
 
 @command(group=True)
@@ -137,16 +147,15 @@ def prepare(
             meta = prepare_data_dir(all_docs, out, source, valid_fraction, echo=_progress)
     except DataError as e:
         raise click.ClickException(str(e)) from None
-    except OSError as e:
-        where = e.filename or out
-        raise click.ClickException(f"cannot use {where}: {e.strerror or e}") from None
+    except OSError as e:  # a failed write left no directory that looks complete (build.py)
+        raise _os_error(e, out) from None
     _summary(out, meta, time.monotonic() - start)
 
 
 def _summary(out: Path, meta: DataMeta, elapsed: float) -> None:
     """The one stdout line of prepare and import, then the size warnings on stderr."""
     b, bb = meta.baselines, meta.baselines_per_byte
-    click.echo(
+    echo(
         f"wrote {out}: {meta.train_tokens:,} train + {meta.valid_tokens:,} valid tokens "
         f"(vocab {meta.vocab_size:,}), sha256 {meta.sha256[:16]}, unigram {b['unigram']:.3f} / "
         f"bigram {b['bigram']:.3f} / gzip9 {b['gzip9']:.3f} bits/token = "
@@ -154,7 +163,7 @@ def _summary(out: Path, meta: DataMeta, elapsed: float) -> None:
         f"{elapsed:.1f} s"
     )
     for warning in size_warnings(meta.train_tokens, meta.valid_tokens, meta.vocab_size):
-        click.echo(f"warning: {warning}", err=True)
+        echo(f"warning: {warning}", err=True)
 
 
 @main.command("import")

@@ -11,11 +11,13 @@ everywhere in eggroll), so that valid.bin begins a document. input.bin keeps the
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
 
-from ...shared.atomic_file import write_atomic
+from ...shared.atomic_file import fsync_dir, naming, write_atomic
 from ...shared.data import (
     DECODING_FILE,
     INPUT_FILE,
@@ -29,6 +31,7 @@ from ...shared.data import (
     write_decoding,
     write_meta,
 )
+from ...shared.logs import os_error_text
 from .baselines import data_meta
 
 __all__ = ["check_ids", "import_cut", "import_data_dir"]
@@ -76,12 +79,39 @@ def _documents(tokens: np.ndarray) -> int:
     return seps + int(len(tokens) > 0 and tokens[0] != 0)
 
 
+def _replace_source_last(root: Path, train: memoryview, meta: DataMeta) -> None:
+    """In place: write the train part beside input.bin, then meta.json, then rename it over
+    input.bin, the one step that takes no room; up to it, the source is untouched. (With
+    meta.json in and input.bin not yet cut, load_data_dir refuses the directory: its size
+    disagrees with meta.json.) The map of input.bin stays valid across the rename."""
+    target = root / INPUT_FILE
+    tmp = root / f".{INPUT_FILE}.import.tmp"
+    try:
+        with naming(target):
+            with open(tmp, "wb") as f:
+                f.write(train)
+                f.flush()
+                os.fsync(f.fileno())
+        write_meta(root / META_FILE, meta)
+        with naming(target):
+            os.replace(tmp, target)
+            fsync_dir(root)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def import_data_dir(
     src: Path | str, out: Path | str | None, source: str, valid_fraction: float
 ) -> DataMeta:
     """Check `src`'s input.bin against its decoding.bin, cut the held-out split and write
     the eggroll data directory into `out` (default `src` itself, where input.bin then
-    shrinks to the train part). meta.json is written last."""
+    shrinks to the train part). meta.json is written last.
+
+    A failed write (a full disk, EIO) is DataError "cannot write PATH: ..." and leaves no
+    directory that looks complete: into another directory, its data files are removed; in
+    place, input.bin is the source, so its cut replaces it only after everything else is
+    written, and until then a failure removes valid.bin and meta.json: the same import
+    can simply be run again."""
     src = Path(src)
     root = Path(out) if out is not None else src
     if not src.is_dir():
@@ -112,13 +142,28 @@ def import_data_dir(
     train, valid = tokens[:cut], tokens[cut:]
     documents = _documents(train) + _documents(valid)
     meta = data_meta(train, valid, pieces, source, documents, _documents(valid))
-    root.mkdir(parents=True, exist_ok=True)
-    write_atomic(root / VALID_FILE, memoryview(np.ascontiguousarray(valid)).cast("B"))
-    write_decoding(root / DECODING_FILE, pieces)
-    # The map stays valid when input.bin is replaced under it (a new file, a rename).
-    write_atomic(root / INPUT_FILE, memoryview(np.ascontiguousarray(train)).cast("B"))
-    del tokens, train, valid
-    if root.resolve() != src.resolve():
-        (root / TOKENIZER_FILE).unlink(missing_ok=True)  # from an earlier build there
-    write_meta(root / META_FILE, meta)
+    in_place = root.resolve() == src.resolve()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / META_FILE).unlink(missing_ok=True)  # it must not vouch for new files
+        write_atomic(root / VALID_FILE, memoryview(np.ascontiguousarray(valid)).cast("B"))
+        write_decoding(root / DECODING_FILE, pieces)
+        train_bytes = memoryview(np.ascontiguousarray(train)).cast("B")
+        if in_place:
+            _replace_source_last(root, train_bytes, meta)
+        else:
+            write_atomic(root / INPUT_FILE, train_bytes)
+            (root / TOKENIZER_FILE).unlink(missing_ok=True)  # from an earlier build there
+            write_meta(root / META_FILE, meta)
+    except OSError as exc:
+        if in_place:
+            names = (META_FILE, VALID_FILE)  # input.bin and decoding.bin are the source
+        else:
+            names = (META_FILE, INPUT_FILE, VALID_FILE, DECODING_FILE, TOKENIZER_FILE)
+        for name in names:
+            with contextlib.suppress(OSError):
+                (root / name).unlink(missing_ok=True)
+        raise DataError(f"cannot write {exc.filename or root}: {os_error_text(exc)}") from None
+    finally:
+        del tokens, train, valid
     return meta
