@@ -36,7 +36,8 @@ and the run goes on. A failure on the coordinator's side never fails a worker's 
     logs/, console     degrade: a log line that cannot be written is dropped (shared/logs.py)
     summary.json       degrade: one warning; the run itself is complete
     commands           eggroll-train --save-dir, eggroll-data prepare --out, eggroll-sample:
-                       one line, non-zero exit, nothing half-written
+                       one line, non-zero exit, nothing half-written. eggroll-train keeps
+                       its committed steps, and the same command continues them
 
 coordinator/store.py, run.py and server.py carry out the coordinator's rows; the deployment
 view is deploy/README.md, "When the disk is full".

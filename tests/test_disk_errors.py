@@ -130,10 +130,13 @@ def test_train_on_a_full_disk_stops_in_one_line_and_the_retry_reaches_the_digest
     done = _train(words_data, config, save_dir)
     assert done.returncode == 1
     snapshot = save_dir / "snapshots" / f"step-{STEPS:08d}.ckpt"
-    assert _errors(done.stderr) == [f"Error: cannot write {snapshot}: {ENOSPC_TEXT}"]
-    assert done.stderr.rstrip().endswith(ENOSPC_TEXT)  # the last word, no traceback after
+    kept = f"{STEPS} steps are kept in {save_dir}: the same command continues them once there is"
+    kept += " room"
+    assert _errors(done.stderr) == [f"Error: cannot write {snapshot}: {ENOSPC_TEXT}; {kept}"]
+    assert done.stderr.rstrip().endswith(kept)  # the last words, no traceback after
     assert "Traceback" not in done.stderr
-    assert not save_dir.exists() and list(disk.iterdir()) == []  # nothing left to mistake
+    assert list((save_dir / "snapshots").iterdir()) == []  # no half-written snapshot
+    assert FitnessLog.open(save_dir / "fitness.log", repair=False).steps == STEPS
 
     # Room made: the same command on the same directory runs and reaches the same digest.
     mount(disk, 256)
@@ -192,7 +195,7 @@ def test_sample_to_a_full_stdout_fails_in_one_line(words_data: Path, config: Pat
 # --- injected faults: eggroll-train's fitness log ------------------------------------------
 
 
-def test_train_with_a_failing_fitness_log_append_clears_its_directory(
+def test_train_with_a_failing_fitness_log_append_keeps_its_steps_and_continues(
     words_data: Path, config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     save_dir = tmp_path / "run"
@@ -207,9 +210,12 @@ def test_train_with_a_failing_fitness_log_append_clears_its_directory(
     args = ["--data-dir", str(words_data), "--config", str(config), "--save-dir", str(save_dir)]
     result = CliRunner().invoke(train_module.main, [*args, "--log-format", "json"])
     assert result.exit_code == 1
-    line = f"Error: cannot write {save_dir / 'fitness.log'}: [Errno 5] Input/output error"
+    line = (
+        f"Error: cannot write {save_dir / 'fitness.log'}: [Errno 5] Input/output error; "
+        f"3 steps are kept in {save_dir}: the same command continues them once there is room"
+    )
     assert line in result.output.splitlines()
-    assert not save_dir.exists()
+    assert FitnessLog.open(save_dir / "fitness.log", repair=False).steps == 3
 
     monkeypatch.setattr(FitnessLog, "append", append)
     result = CliRunner().invoke(train_module.main, [*args, "--log-format", "json"])
@@ -468,3 +474,47 @@ def test_local_run_with_its_logs_on_a_full_disk_says_so_once_per_file_and_finish
     assert names == [str(save_dir / "logs" / name) for name in expected]
     assert all(ENOSPC_TEXT in line for line in warnings)
     assert "done: 3 steps" in done.stdout
+
+
+def test_a_failure_before_the_first_step_leaves_nothing(
+    words_data: Path, config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_dir = tmp_path / "run"
+
+    def failing(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(FitnessLog, "create", failing)
+    args = ["--data-dir", str(words_data), "--config", str(config), "--save-dir", str(save_dir)]
+    result = CliRunner().invoke(train_module.main, args)
+    assert result.exit_code == 1
+    assert not save_dir.exists()  # nothing that a later run would take for a run
+
+
+def test_train_continues_a_run_in_its_save_directory(
+    words_data: Path, config: Path, tmp_path: Path
+) -> None:
+    save_dir = tmp_path / "run"
+    first = _run(
+        "eggroll-train",
+        *("--data-dir", words_data, "--config", config, "--save-dir", save_dir),
+        *("--steps", "2", "--sample-every", "0"),
+    )
+    assert first.returncode == 0, first.stderr
+    again = _train(words_data, config, save_dir)  # the config's STEPS in all
+    assert again.returncode == 0, again.stderr
+    assert '"event": "resuming"' in again.stderr and '"step": 2' in again.stderr
+    reference = tmp_path / "reference"
+    assert _train(words_data, config, reference).returncode == 0
+    assert digest_at(save_dir, STEPS) == digest_at(reference, STEPS)
+    summary = json.loads((save_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    assert summary["replica_digest"] == f"{digest_at(reference, STEPS):016x}"
+
+    other = _run(
+        "eggroll-train",
+        *("--data-dir", words_data, "--preset", "tiny", "--save-dir", save_dir),
+    )
+    assert other.returncode != 0
+    (line,) = _errors(other.stderr)
+    assert f"{save_dir} holds a run of another config" in line

@@ -3,13 +3,17 @@
 The population of each step is evaluated chunk by chunk exactly as workers would, the
 fitness of all pairs is packed, logged and applied. With --save-dir the run leaves the
 same files a coordinator does (run.json, fitness.log, snapshots/; shared/save_dir.py), so
-it can be inspected and replayed.
+it can be inspected and replayed, and the same command run again continues it: from the
+newest snapshot and the fitness log, up to --steps in all. A failed write stops the run in
+one line and keeps every committed step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,16 +23,16 @@ import click
 import numpy as np
 import structlog
 
-from ..protocol.ternary import pack_ternary
+from ..protocol.ternary import pack_ternary, unpack_ternary
 from ..shared.atomic_file import naming, write_atomic
 from ..shared.cli import cannot_write, command, config_options, log_format_option, threads_option
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, Dataset, load_data_dir
-from ..shared.fitness_log import FitnessLog
+from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import TrainingSamples
-from ..shared.save_dir import Layout, new_run, write_run
+from ..shared.save_dir import RUN_FILE, Layout, SaveDir, SaveDirError, new_run, write_run
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
@@ -126,7 +130,7 @@ def train(
             step_s=round(dt, 3),
             eta_s=round(result.train_seconds / (done + 1) * (steps - done - 1)),
         )
-        if every and backend.step % every == 0 and backend.step < steps:
+        if every and backend.step % every == 0 and done + 1 < steps:
             _validate(backend, result)
         if samples and samples.every and backend.step % samples.every == 0:
             _sample(samples, backend.state, result)
@@ -184,7 +188,8 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     "--save-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Keep the fitness log and the final snapshot here (a new directory).",
+    help="Keep the fitness log and the final snapshot here; a run already there continues "
+    "up to --steps.",
 )
 @click.option(
     "--max-minutes",
@@ -231,8 +236,12 @@ def main(
         raise click.ClickException(f"data in {data_dir}: {short}")
     steps = steps or cfg.steps
     layout = None if save_dir is None else Layout(save_dir)
-    if layout is not None and layout.root.exists() and any(layout.root.iterdir()):
-        raise click.ClickException(f"--save-dir {save_dir} is not empty; pick a new directory")
+    resume = layout is not None and layout.run_file.exists()
+    if layout is not None and not resume and layout.root.exists() and any(layout.root.iterdir()):
+        raise click.ClickException(
+            f"--save-dir {save_dir} is not empty and holds no run ({RUN_FILE}); "
+            "pick a new directory"
+        )
     created = layout is not None and not layout.root.exists()
     try:
         max_seconds = max_minutes * 60 if max_minutes is not None else None
@@ -248,16 +257,25 @@ def main(
             max_seconds,
             sample_every,
         )
+    except SaveDirError as exc:
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:
-        # A full disk or EIO: one line, and the save directory back as it was (absent or
-        # empty). eggroll-train cannot resume a directory, so a partial run left there
-        # would only block the retry ("not empty"); cleared, the same command run again
-        # once there is room starts afresh and reaches the digest of an undisturbed run.
+        # A full disk or EIO: one line. Committed steps are the fitness log's, and the same
+        # command run again once there is room continues from them to the digest of an
+        # undisturbed run. A new run that failed before its first step is cleared instead,
+        # so that nothing half-made is mistaken for a run.
         error = cannot_write(exc, save_dir or summary_json or ".")
-        if layout is not None:
-            left = _discard_run(layout, created)
-            if left:
+        if layout is not None and not resume:
+            committed = _committed(layout)
+            if committed:
+                error.message += (
+                    f"; {committed} steps are kept in {layout.root}: "
+                    "the same command continues them once there is room"
+                )
+            elif left := _discard_run(layout, created):
                 error.message += f"; {left}"
+        elif layout is not None:
+            error.message += f"; the steps of {layout.root} are kept: run again once there is room"
         raise error from None
 
 
@@ -273,9 +291,13 @@ def _run(
     max_seconds: float | None,
     sample_every: int,
 ) -> None:
-    """Train and write what main was asked to; a failed write raises OSError naming its file."""
+    """Train and write what main was asked to; a failed write raises OSError naming its file,
+    a save directory that cannot be continued SaveDirError."""
     fitness_log = None
-    if layout is not None:
+    state = ReplicaState.initial(cfg)
+    if layout is not None and layout.run_file.exists():
+        fitness_log, state = _resume(layout, cfg)
+    elif layout is not None:
         layout.snapshots.mkdir(parents=True, exist_ok=True)
         write_run(layout, new_run(cfg))
         with naming(layout.fitness_log):
@@ -292,10 +314,10 @@ def _run(
         threads=factory.threads,
         config_digest=cfg.digest().hex()[:16],
     )
-    backend = factory.build(dataset, ReplicaState.initial(cfg))
+    backend = factory.build(dataset, state)
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
-    result = train(cfg, backend, steps, fitness_log, samples, max_seconds)
-    if layout is not None:
+    result = train(cfg, backend, max(0, steps - state.step), fitness_log, samples, max_seconds)
+    if layout is not None and not layout.snapshot(result.state.step).exists():
         save_checkpoint(layout.snapshot(result.state.step), result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)
     blob = (json.dumps(summary, indent=2) + "\n").encode()
@@ -312,6 +334,38 @@ def _run(
         f"replica digest {summary['replica_digest']}",
         err=True,
     )
+
+
+def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
+    """The run in a save directory, to continue: its fitness log open for appending (a torn
+    last record cut off) and the replica state at its last committed step."""
+    run = SaveDir.open(layout.root)
+    if layout.lock.exists():  # a coordinator's directory: never two writers at once
+        fd = os.open(layout.lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process exits
+        except BlockingIOError:
+            os.close(fd)
+            raise SaveDirError(f"a coordinator is running on {layout.root}") from None
+    if run.config.digest() != cfg.digest():
+        raise SaveDirError(
+            f"{layout.root} holds a run of another config (digest "
+            f"{run.config.digest().hex()[:16]}, this one {cfg.digest().hex()[:16]}): give "
+            "its preset or config, or pick a new directory"
+        )
+    with naming(layout.fitness_log):
+        fitness_log = FitnessLog.open(layout.fitness_log)  # repairs a torn last record
+    state = run.state_at(fitness_log.steps, unpack_ternary)
+    log.info("resuming", save_dir=str(layout.root), step=state.step)
+    return fitness_log, state
+
+
+def _committed(layout: Layout) -> int:
+    """Steps the fitness log of a save directory holds (0 if it has none that reads)."""
+    try:
+        return FitnessLog.open(layout.fitness_log).steps  # a torn last record is cut
+    except (OSError, FitnessLogError):
+        return 0
 
 
 def _discard_run(layout: Layout, created: bool) -> str:
