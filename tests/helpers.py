@@ -55,6 +55,21 @@ max_tokens = 480
 """
 
 
+# A one-process run of six steps with two validations, for the commands that write.
+TRAIN_RUN = """
+steps = 6
+[model]
+n_layer = 1
+d_model = 16
+[es]
+population = 32
+chunk_size = 8
+seq_len = 12
+[validation]
+every_steps = 3
+max_tokens = 600
+"""
+
 # A tiny run: four chunks of 8 members a step, a step in milliseconds.
 TINY_RUN = """
 [model]

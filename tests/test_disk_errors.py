@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import command, digest_at
+from helpers import TRAIN_RUN, command, digest_at
 
 from eggroll_dist.shared import logs
 from eggroll_dist.shared.data import (
@@ -37,19 +37,7 @@ from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.local import _copy_output
 
 STEPS = 6
-CONFIG = f"""
-steps = {STEPS}
-[model]
-n_layer = 1
-d_model = 16
-[es]
-population = 32
-chunk_size = 8
-seq_len = 12
-[validation]
-every_steps = 3
-max_tokens = 600
-"""
+CONFIG = TRAIN_RUN
 ENOSPC_TEXT = "[Errno 28] No space left on device"
 
 

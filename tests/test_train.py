@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
+from helpers import TRAIN_RUN
 
 from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
@@ -28,19 +29,6 @@ SMALL = RunConfig(
     validation=ValidationConfig(every_steps=3, max_tokens=600),
     steps=6,
 )
-TOML = """
-steps = 6
-[model]
-n_layer = 1
-d_model = 16
-[es]
-population = 32
-chunk_size = 8
-seq_len = 12
-[validation]
-every_steps = 3
-max_tokens = 600
-"""
 
 
 def replay(state: ReplicaState, packed: list[bytes]) -> ReplicaState:
@@ -88,7 +76,7 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 def test_cli_runs_writes_summary_and_save_dir(data_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "small.toml"
-    config.write_text(TOML)
+    config.write_text(TRAIN_RUN)
     summaries = []
     for i in range(2):
         summary = tmp_path / f"summary{i}.json"
@@ -161,7 +149,7 @@ def test_vocab_mismatch_is_reported(data_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "data"
     shutil.copytree(data_dir, copy)
     config = tmp_path / "v.toml"
-    config.write_text(TOML.replace("d_model = 16", "d_model = 16\nvocab_size = 300"))
+    config.write_text(TRAIN_RUN.replace("d_model = 16", "d_model = 16\nvocab_size = 300"))
     done = _cli("--data-dir", copy, "--config", config)
     assert done.returncode == 1 and "vocabulary 256" in done.stderr
 
