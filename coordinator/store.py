@@ -15,7 +15,6 @@ the file is written again at the next chance.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 from dataclasses import dataclass
@@ -26,11 +25,13 @@ from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.save_dir import (
     Layout,
+    SaveDirBusy,
     SaveDirError,
     digest_line,
     new_run,
     read_digests,
     read_run,
+    take_lock,
     write_run,
 )
 
@@ -94,14 +95,12 @@ class RunStore:
         try:
             layout.snapshots.mkdir(parents=True, exist_ok=True)
             fsync_dir(path)
-            lock_fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            lock_fd = take_lock(layout)
         except OSError as exc:
             raise StoreError(f"cannot use --save-dir {path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
+        except SaveDirBusy:
             raise StoreError(f"another coordinator is running on {path}") from None
+        assert lock_fd is not None  # created when missing
         try:
             for stale in [*path.glob(_STALE_TMP), *layout.snapshots.glob(_STALE_TMP)]:
                 stale.unlink(missing_ok=True)  # we hold the lock: no writer is alive

@@ -45,7 +45,9 @@ view is deploy/README.md, "When the disk is full".
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import secrets
 import time
@@ -84,6 +86,10 @@ UnpackFitness = Callable[[bytes, int], np.ndarray]
 class SaveDirError(Exception):
     """A save directory that cannot be read, or a step it does not hold; the message says
     why in one line."""
+
+
+class SaveDirBusy(SaveDirError):
+    """Another process holds the save directory's writer lock."""
 
 
 def snapshot_name(step: int) -> str:
@@ -172,6 +178,21 @@ def write_run(layout: Layout, run: dict[str, Any]) -> None:
 def digest_line(step: int, digest: int) -> bytes:
     """The digests.log line that records the agreed replica digest at `step`."""
     return b"%d %016x\n" % (step, digest)
+
+
+def take_lock(layout: Layout, create: bool = True) -> int | None:
+    """Hold the writer lock (.lock) of the save directory: its file descriptor, held until
+    it is closed or the process ends. SaveDirBusy when another writer holds it; None when
+    there is no lock file and `create` is off. OSError when the file cannot be opened."""
+    if not create and not layout.lock.exists():
+        return None
+    fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SaveDirBusy(f"another process is writing to {layout.root}") from None
+    return fd
 
 
 # --- reading ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ fitness log replayed), read-only opening, and clear errors for what is not a sav
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,11 @@ from eggroll_dist.shared.replica import ReplicaState, replay, save_checkpoint
 from eggroll_dist.shared.save_dir import (
     Layout,
     SaveDir,
+    SaveDirBusy,
     SaveDirError,
     new_run,
     snapshot_name,
+    take_lock,
     write_run,
 )
 from eggroll_dist.worker.train import main as train_main
@@ -183,3 +186,16 @@ def test_eggroll_train_leaves_a_save_directory_that_reads_back(
     assert run.state_at(3, unpack_ternary).digest_hex() == summary["replica_digest"]
     fitness = [unpack_ternary(p, CFG.pairs) for p in run.fitness_log().read(0, 3)]
     assert run.state_at(2, unpack_ternary).digest() == _straight(fitness, 2).digest()
+
+
+def test_one_writer_at_a_time(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    assert take_lock(layout, create=False) is None and not layout.lock.exists()
+    held = take_lock(layout)
+    assert held is not None and layout.lock.exists()
+    with pytest.raises(SaveDirBusy, match="another process is writing"):
+        take_lock(layout, create=False)
+    os.close(held)
+    again = take_lock(layout, create=False)
+    assert again is not None
+    os.close(again)

@@ -11,9 +11,7 @@ one line and keeps every committed step.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +30,15 @@ from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import TrainingSamples
-from ..shared.save_dir import RUN_FILE, Layout, SaveDir, SaveDirError, new_run, write_run
+from ..shared.save_dir import (
+    RUN_FILE,
+    Layout,
+    SaveDir,
+    SaveDirError,
+    new_run,
+    take_lock,
+    write_run,
+)
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
@@ -340,13 +346,7 @@ def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
     """The run in a save directory, to continue: its fitness log open for appending (a torn
     last record cut off) and the replica state at its last committed step."""
     run = SaveDir.open(layout.root)
-    if layout.lock.exists():  # a coordinator's directory: never two writers at once
-        fd = os.open(layout.lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process exits
-        except BlockingIOError:
-            os.close(fd)
-            raise SaveDirError(f"a coordinator is running on {layout.root}") from None
+    take_lock(layout, create=False)  # a coordinator's directory: never two writers at once
     if run.config.digest() != cfg.digest():
         raise SaveDirError(
             f"{layout.root} holds a run of another config (digest "
