@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from helpers import command
 
 from eggroll_dist.coordinator.inspect import history, preset_of
 from eggroll_dist.shared.config import preset, resolve_config
@@ -26,13 +27,9 @@ max_tokens = 256
 """
 
 
-def _exe(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
 def _inspect(save_dir: Path, *args: str) -> str:
     done = subprocess.run(
-        [_exe("eggroll-inspect"), str(save_dir), *args], capture_output=True, text=True, timeout=60
+        [command("eggroll-inspect"), str(save_dir), *args], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -49,7 +46,7 @@ def test_a_train_run_shows_loss_held_out_bits_and_step_times(
     config.write_text(SMALL)
     done = subprocess.run(
         [
-            *(_exe("eggroll-train"), "--data-dir", str(words_data), "--config", str(config)),
+            *(command("eggroll-train"), "--data-dir", str(words_data), "--config", str(config)),
             *("--steps", "2", "--save-dir", str(save_dir), "--log-format", "json"),
         ],
         capture_output=True,
