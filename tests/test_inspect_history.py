@@ -29,7 +29,10 @@ max_tokens = 256
 
 def _inspect(save_dir: Path, *args: str) -> str:
     done = subprocess.run(
-        [command("eggroll-inspect"), str(save_dir), *args], capture_output=True, text=True, timeout=60
+        [command("eggroll-inspect"), str(save_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
