@@ -17,9 +17,17 @@ from ..protocol.security import (
     new_token,
     server_tls_context,
 )
-from ..shared.cli import OneLineError, command, config_options, log_format_option
-from ..shared.config import ConfigError, resolve_config
+from ..shared.cli import (
+    OneLineError,
+    command,
+    config_options,
+    init_from_option,
+    log_format_option,
+    run_config,
+)
+from ..shared.config import ConfigError
 from ..shared.data import DataError, load_data_dir
+from ..shared.goal import GoalError
 from ..shared.logs import configure_logging
 from ..shared.save_dir import Layout
 from .metrics import Metrics
@@ -195,6 +203,7 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     show_default=True,
     help="A worker that does not read what it is sent for this long is dropped.",
 )
+@init_from_option
 @log_format_option
 def main(
     save_dir: Path | None,
@@ -216,6 +225,7 @@ def main(
     tls_client_ca: Path | None,
     data_dir: Path | None,
     data_digest: str | None,
+    init_from: Path | None,
     max_connections: int,
     max_connections_per_address: int,
     handshake_timeout_s: float,
@@ -244,11 +254,12 @@ def main(
     except (TokenError, OSError, ValueError, DataError) as exc:
         raise OneLineError(str(exc)) from None
     try:
-        given = resolve_config(preset_name, config_path) if preset_name or config_path else None
-        if given is None and not Layout(save_dir).run_file.exists():
-            given = resolve_config(None, None)  # a new run without flags: the default preset
-        store = RunStore.open(save_dir, given)
-    except (ConfigError, StoreError) as exc:
+        given, base = None, None
+        if preset_name or config_path or init_from or not Layout(save_dir).run_file.exists():
+            # a new run without flags: the default preset
+            given, base = run_config(preset_name, config_path, init_from)
+        store = RunStore.open(save_dir, given, base)
+    except (ConfigError, GoalError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     options = Options(
         host=host,

@@ -142,7 +142,8 @@ class Progress(Event):
 @dataclass(frozen=True)
 class Committed(Event):
     """Step `step` (counted from 0, as STEP carries it) is durable; `seconds` from its first
-    lease, `loss_bits` the population's mean bits per token."""
+    lease, `loss_bits` the population's mean bits per token, or for a reward run `reward`
+    its mean reward per completion (and `loss_bits` NaN)."""
 
     step: int
     seconds: float
@@ -151,6 +152,7 @@ class Committed(Event):
     changed: int  # int8 weights changed by the update before it (0: unknown)
     workers: int
     requeued: int  # chunk re-queues during the step
+    reward: float | None = None
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,16 @@ class Metrics:
             "Mean population loss of the last step, bits per token.",
             registry=r,
         )
+        self.train_reward = Gauge(
+            "eggroll_train_reward",
+            "Mean reward per completion of the last step's population (reward runs).",
+            registry=r,
+        )
+        self.valid_reward = Gauge(
+            "eggroll_valid_reward",
+            "Mean reward of the unperturbed model on the held-out prompts (reward runs).",
+            registry=r,
+        )
         self.valid_bits = Gauge(
             "eggroll_valid_bits_per_token",
             "Held-out bits per token of the unperturbed model (windows from a zero state).",
@@ -223,10 +233,15 @@ class Metrics:
         self.weights_changed.set_function(changed)
         self.run_info.info({"run_id": run_id.hex(), "config_digest": config_digest.hex()})
 
-    def committed(self, seconds: float, loss_bits: float, member_tokens: int) -> None:
+    def committed(
+        self, seconds: float, loss_bits: float, member_tokens: int, reward: float | None = None
+    ) -> None:
         self.steps_committed.inc()
         self.step_duration.observe(seconds)
-        self.train_loss.set(loss_bits)
+        if reward is None:
+            self.train_loss.set(loss_bits)
+        else:
+            self.train_reward.set(reward)
         self.member_tokens.inc(member_tokens)
         self.last_commit.set(time.time())
 
@@ -244,6 +259,8 @@ class Metrics:
         self.valid_stream_bits.set(v.stream_bits_per_token if streams else nan)
         per_byte = v.stream_bits_per_byte
         self.valid_stream_bits_per_byte.set(nan if per_byte is None else per_byte)
+        if v.reward_prompts:
+            self.valid_reward.set(v.reward)
         self.valid_step.set(v.step)
 
     def sampled(self, step: int, worker: str, prompt: str, text: str) -> None:

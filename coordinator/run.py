@@ -57,6 +57,7 @@ event for the shell to record.
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -89,7 +90,7 @@ from ..protocol import (
     Welcome,
     verify_mac,
 )
-from ..shared.fitness import chunk_loss_range
+from ..shared.fitness import REWARD_UNIT, chunk_loss_range
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
@@ -679,11 +680,17 @@ class RunCore:
     def _committed(self, step: int, jobs: StepJobs) -> Committed:
         # From the step's first lease: time spent waiting for workers is not step time.
         seconds = max(self.clock() - (jobs.first_lease or jobs.opened), 1e-9)
-        tokens = self.cfg.es.population * self.cfg.es.seq_len
+        cfg, tokens = self.cfg, self.cfg.es.population * self.cfg.es.seq_len
+        reward = None
+        if cfg.fitness.objective == "reward":  # loss_sum: the rewards' sum in millionths
+            reward = (
+                jobs.loss_sum * REWARD_UNIT / (cfg.es.population * cfg.fitness.prompts_per_step)
+            )
         return Committed(
             step=step,
             seconds=seconds,
-            loss_bits=jobs.loss_sum / 16 / tokens,
+            loss_bits=math.nan if reward is not None else jobs.loss_sum / 16 / tokens,
+            reward=reward,
             member_tokens=tokens,
             changed=self.weights_changed or 0,
             workers=self.ready_count(),

@@ -93,12 +93,17 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
     contract (shared/logs.py)."""
     match event:
         case events.Committed():
-            metrics.committed(event.seconds, event.loss_bits, event.member_tokens)
+            metrics.committed(event.seconds, event.loss_bits, event.member_tokens, event.reward)
+            score = (
+                {"loss_bits": round(event.loss_bits, 4)}
+                if event.reward is None
+                else {"reward": round(event.reward, 4)}
+            )
             log.info(
                 STEP,
                 step=event.step + 1,  # steps committed, this one included
                 member_tokens=event.member_tokens,
-                loss_bits=round(event.loss_bits, 4),
+                **score,
                 step_s=round(event.seconds, 3),
                 changed=event.changed,
                 member_tok_s=round(event.member_tokens / event.seconds),
@@ -209,6 +214,7 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
                 ),
                 tokens=v.tokens,
                 worker=event.worker,
+                **({"held_out_reward": round(v.reward, 4)} if v.reward_prompts else {}),
             )
         case events.Sampled():
             metrics.sampled(event.step, event.worker, event.prompt, event.text)

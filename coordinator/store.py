@@ -23,6 +23,7 @@ from pathlib import Path
 from ..shared.atomic_file import fsync_dir, write_atomic
 from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.goal import GoalError
 from ..shared.save_dir import (
     Layout,
     SaveDirBusy,
@@ -33,6 +34,7 @@ from ..shared.save_dir import (
     read_run,
     take_lock,
     write_run,
+    write_start,
 )
 
 _STALE_TMP = ".*.tmp"  # write_atomic's temporary files, left by a crash
@@ -88,8 +90,11 @@ class RunStore:
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
-    def open(cls, path: str | Path, config: RunConfig | None) -> RunStore:
-        """Open the run in `path`, or start one there with `config` (None: must exist)."""
+    def open(
+        cls, path: str | Path, config: RunConfig | None, goal_dir: Path | None = None
+    ) -> RunStore:
+        """Open the run in `path`, or start one there with `config` (None: must exist); a
+        new run's starting replica (model.init_from) is copied in from under `goal_dir`."""
         path = Path(path)
         layout = Layout(path)
         try:
@@ -104,7 +109,7 @@ class RunStore:
         try:
             for stale in [*path.glob(_STALE_TMP), *layout.snapshots.glob(_STALE_TMP)]:
                 stale.unlink(missing_ok=True)  # we hold the lock: no writer is alive
-            run, stored = cls._load_or_create_run(layout, config)
+            run, stored = cls._load_or_create_run(layout, config, goal_dir or Path("."))
             log_path = layout.fitness_log
             if log_path.exists():
                 log = FitnessLog.open(log_path)
@@ -125,9 +130,15 @@ class RunStore:
             raise StoreError(str(exc)) from None
 
     @staticmethod
-    def _load_or_create_run(layout: Layout, config: RunConfig | None) -> tuple[dict, RunConfig]:
+    def _load_or_create_run(
+        layout: Layout, config: RunConfig | None, goal_dir: Path
+    ) -> tuple[dict, RunConfig]:
         path = layout.root
         if not layout.run_file.exists() and config is not None:
+            try:
+                write_start(layout, config, goal_dir)
+            except GoalError as exc:
+                raise StoreError(str(exc)) from None
             run = new_run(config)
             write_run(layout, run)
             return run, config

@@ -841,10 +841,11 @@ class Validation(Message):
     over the same target tokens: windows of seq_len + 1 tokens from a zero state, and long
     streams with the recurrent state carried (`stream_tokens` 0: the model has none). Each
     gives the tokens predicted, the bytes of text they decode to, the mean integer loss
-    (1/16 bit) and true bits per token; bits per byte follow from these."""
+    (1/16 bit) and true bits per token; bits per byte follow from these. A reward run adds
+    the mean reward of `reward_prompts` held-out prompts (0 prompts: none)."""
 
     TYPE: ClassVar[MsgType] = MsgType.VALIDATION
-    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQddQQddQ")
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQddQQddQQd")
 
     step: int
     tokens: int
@@ -855,10 +856,18 @@ class Validation(Message):
     stream_loss_16: float = 0.0
     stream_bits_per_token: float = 0.0
     stream_text_bytes: int = 0
+    reward_prompts: int = 0
+    reward: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step", "tokens", "text_bytes", "stream_tokens", "stream_text_bytes"):
+        names = ("step", "tokens", "text_bytes", "stream_tokens", "stream_text_bytes")
+        for name in (*names, "reward_prompts"):
             _u64(self, name)
+        if not isinstance(self.reward, float | int) or not math.isfinite(self.reward):
+            raise _invalid(f"reward must be a finite number, got {self.reward!r}")
+        object.__setattr__(self, "reward", float(self.reward))
+        if self.reward_prompts == 0 and self.reward:
+            raise _invalid("reward_prompts is 0 but reward is not")
         for name in ("loss_16", "bits_per_token", "stream_loss_16", "stream_bits_per_token"):
             value = getattr(self, name)
             if not isinstance(value, float | int) or not math.isfinite(value) or value < 0:
@@ -897,6 +906,8 @@ class Validation(Message):
             self.stream_loss_16,
             self.stream_bits_per_token,
             self.stream_text_bytes,
+            self.reward_prompts,
+            self.reward,
         )
 
     @classmethod

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from .config import PRESETS
+from .config import PRESETS, RunConfig, resolve_config
+from .goal import pin
 from .logs import os_error_text
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -120,3 +122,39 @@ def threads_option(f: F) -> F:
         help="CPU threads of the NumPy backend (per worker); eggroll-train shares them among "
         "the chunks it evaluates side by side.",
     )(f)
+
+
+def init_from_option(f: F) -> F:
+    """`--init-from FILE` (passed as init_from): start a new run from a trained replica."""
+    return click.option(
+        "--init-from",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Start a new run from this checkpoint or snapshot's weights (fine-tuning, e.g. "
+        "with a reward); the run config records it and its replica digest.",
+    )(f)
+
+
+def reward_timeout_option(f: F) -> F:
+    """`--reward-timeout SECONDS` (passed as reward_timeout): the reward's time per chunk."""
+    return click.option(
+        "--reward-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=120.0,
+        show_default=True,
+        help="Seconds the reward function may take on one chunk's completions before it is "
+        "stopped (reward runs).",
+    )(f)
+
+
+def run_config(
+    preset_name: str | None, config_path: str | None, init_from: Path | None = None
+) -> tuple[RunConfig, Path]:
+    """The run config a command starts or continues, with its goal files pinned, and the
+    folder they are read under (the config file's; the current one for a preset).
+    ConfigError or GoalError with one line."""
+    cfg = resolve_config(preset_name, config_path)
+    base = Path(config_path).parent if config_path else Path.cwd()
+    if init_from is not None:
+        cfg = cfg.replace(model=replace(cfg.model, init_from=str(init_from.resolve())))
+    return pin(cfg, base), base

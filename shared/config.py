@@ -6,10 +6,12 @@ a TOML file whose tables mirror the dataclasses below:
 
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300
-    [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed, head_bias
+    [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed, head_bias, init_from
     [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed, adaptive_noise,
              token_noise_rows
-    [fitness] chunk_mean_filter, adaptive_threshold
+    [fitness] chunk_mean_filter, adaptive_threshold,
+             objective, reward, prompts, prompts_per_step, completion_tokens, temperature,
+             min_p, held_out_prompts (the reward objective: shared/goal.py)
     [update] rule, alpha, alpha_decay_steps, momentum_shift,
              lr, lr_halve_steps, lr_halvings, beta1, beta2, weight_decay
     [data]   data_seed
@@ -49,6 +51,11 @@ class ModelConfig:
     # logits, starting at "zero" or at "zipf": 1/rank when ids are ranked by frequency, as
     # eggroll-data prepare --tokenizer bpe ranks them (see shared/former.py)
     head_bias: str = "none"
+    # Start from a trained replica instead of init_seed's weights: a checkpoint or snapshot
+    # file (relative to the config file, or a worker's --goal-dir), recorded with its replica
+    # digest; only its weights are taken (shared/goal.py)
+    init_from: str = ""
+    init_digest: str = ""  # 16 hex digits, filled in when the config is loaded
 
     @property
     def heads(self) -> int:
@@ -77,6 +84,18 @@ class ESConfig:
 class FitnessConfig:
     chunk_mean_filter: bool = False  # d-eggs: add sign(m)|m|^1.2 of the chunk mean diff
     adaptive_threshold: bool = False  # d-eggs: zero where |diff| < 0.1 * chunk mean |diff|
+    # "next_token": the loss of the data's windows; "reward": every member continues the
+    # step's prompts and a reward function scores the text (shared/goal.py)
+    objective: str = "next_token"
+    reward: str = ""  # "file.py:function" (relative to the config file) or "builtin:NAME"
+    reward_sha256: str = ""  # of the reward file's bytes, filled in when the config is loaded
+    prompts: str = ""  # a prompts file (one per line, or JSON lines), or "data"
+    prompts_sha256: str = ""
+    prompts_per_step: int = 8  # prompts every member continues per step
+    completion_tokens: int = 32  # tokens generated per prompt
+    temperature: int = 1000  # thousandths (shared/sample.py): 1000 = 1.0, 0 = greedy
+    min_p: int = 0  # thousandths
+    held_out_prompts: int = 64  # scored by the unperturbed model at every validation
 
 
 @dataclass(frozen=True)
@@ -153,7 +172,26 @@ class RunConfig:
 # Settings added after configs were first written: at their default they are left out of
 # the canonical bytes, so that a config written before they existed keeps its digest (and
 # its checkpoints stay loadable). Every later setting is appended here.
-LATER_SETTINGS = (("model", "head_bias"),)
+LATER_SETTINGS = (
+    ("model", "head_bias"),
+    ("model", "init_from"),
+    ("model", "init_digest"),
+    *(
+        ("fitness", key)
+        for key in (
+            "objective",
+            "reward",
+            "reward_sha256",
+            "prompts",
+            "prompts_sha256",
+            "prompts_per_step",
+            "completion_tokens",
+            "temperature",
+            "min_p",
+            "held_out_prompts",
+        )
+    ),
+)
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -213,6 +251,12 @@ def validate(cfg: RunConfig) -> None:
         0 <= es.token_noise_rows <= m.vocab_size,
         f"es.token_noise_rows={es.token_noise_rows} must be 0..model.vocab_size",
     )
+    _check_fitness(cfg)
+    _check(
+        not m.init_from or _is_hex(m.init_digest, 16),
+        f"model.init_digest={m.init_digest!r} must be the 16 hex digits of the replica digest "
+        "of model.init_from",
+    )
     _check(up.rule in RULES, f"update.rule={up.rule!r} must be {_names(RULES)}")
     # The bounds keep every fixed-point product of the adamw rule inside int64.
     _check(1 / (1 << 16) <= up.lr <= 16, f"update.lr={up.lr} must be in 2**-16..16 (weight steps)")
@@ -242,6 +286,48 @@ def validate(cfg: RunConfig) -> None:
         ("data.data_seed", cfg.data.data_seed),
     ):
         _check(0 <= seed <= MAX_SEED, f"{name}={seed} must be in 0..2**64-1")
+
+
+def _is_hex(text: str, digits: int) -> bool:
+    return len(text) == digits and all(c in "0123456789abcdef" for c in text)
+
+
+def _check_fitness(cfg: RunConfig) -> None:
+    f = cfg.fitness
+    objectives = ("next_token", "reward")
+    _check(f.objective in objectives, f"fitness.objective={f.objective!r} must be {objectives}")
+    for name in ("reward_sha256", "prompts_sha256"):
+        value = getattr(f, name)
+        _check(not value or _is_hex(value, 64), f"fitness.{name} must be 64 hex digits")
+    if f.objective == "next_token":
+        for name in ("reward", "prompts"):
+            _check(
+                not getattr(f, name),
+                f"fitness.{name} is set but fitness.objective is 'next_token': "
+                "set objective = 'reward' to train for it",
+            )
+        return
+    _check(bool(f.reward), "fitness.objective='reward' needs fitness.reward ('file.py:function')")
+    _check(bool(f.prompts), "fitness.objective='reward' needs fitness.prompts (a file or 'data')")
+    _check(
+        not (f.chunk_mean_filter or f.adaptive_threshold),
+        "fitness.chunk_mean_filter and adaptive_threshold shape loss differences: "
+        "turn them off for objective='reward'",
+    )
+    for name, lo, hi in (
+        ("prompts_per_step", 1, 1024),
+        ("completion_tokens", 1, 4096),
+        ("temperature", 0, 100_000),
+        ("min_p", 0, 1000),
+        ("held_out_prompts", 0, 4096),
+    ):
+        value = getattr(f, name)
+        _check(lo <= value <= hi, f"fitness.{name}={value} must be {lo}..{hi}")
+    # A chunk's reward sum crosses the wire in millionths of at most 1e6 each (shared/goal.py).
+    _check(
+        cfg.es.chunk_size * f.prompts_per_step < 9_000_000,
+        "es.chunk_size * fitness.prompts_per_step must be below 9,000,000 completions",
+    )
 
 
 def _typed(section: str, cls: type, values: dict[str, Any]) -> Any:

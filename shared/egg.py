@@ -135,6 +135,10 @@ class EggModel:
             x = clip8(x + self._mm(hidden, p + "w2", noise))  # (M, D)
         return self._mm(self._ln(x, "ln_out", noise), "head", noise)  # (M, V)
 
+    def decoder(self, noise: MemberNoise | None, rows: int) -> EggDecoder:
+        """`rows` rows (members, or unperturbed rows) reading one token at a time."""
+        return EggDecoder(self, noise, rows)
+
     def window_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Unperturbed logits (M, T, V) after each of tokens[:, :T] for rows (M, T + 1)."""
         state = self.initial_state(tokens.shape[0])
@@ -167,6 +171,17 @@ class EggModel:
         """
         loss, bits = self.position_losses(tokens, noise, float_bits)
         return loss.sum(axis=1), None if bits is None else bits.sum(axis=1)
+
+
+class EggDecoder:
+    """Rows that read a token each per call, the state carried (shared.sample.Decoder)."""
+
+    def __init__(self, model: EggModel, noise: MemberNoise | None, rows: int):
+        self.model, self.noise = model, noise
+        self.state = model.initial_state(rows)
+
+    def read(self, tokens: np.ndarray) -> np.ndarray:
+        return self.model.step(self.state, tokens, self.noise)
 
 
 class EggGenerator:

@@ -16,6 +16,12 @@ import numpy as np
 from .config import FitnessConfig, RunConfig
 from .loss import token_loss
 
+# A reward run's rewards: each within ±MAX_REWARD, and a chunk's sum crosses the wire (RESULT's
+# loss_sum) as an integer in REWARD_UNITs, which stays inside int64 (shared/config.py bounds
+# chunk_size * prompts_per_step).
+MAX_REWARD = 1e6
+REWARD_UNIT = 1e-6
+
 
 def _iroot(x: int, n: int) -> int:
     """floor(x ** (1/n)) for a non-negative int, exactly."""
@@ -45,12 +51,16 @@ def pair_fitness(member_loss: np.ndarray, cfg: FitnessConfig) -> np.ndarray:
 
 
 def chunk_loss_range(cfg: RunConfig) -> tuple[int, int]:
-    """Inclusive bounds of one chunk's loss sum, for checking what a worker reports.
+    """Inclusive bounds of one chunk's loss sum, for checking what a worker reports (a
+    reward run: its rewards' sum in millionths, each reward within ±MAX_REWARD).
 
     A token's integer loss only falls as its target logit rises and only rises as the
     others do, so it lies between the loss of a row with the target at the top and every
     other logit at the bottom, and the reverse.
     """
+    if cfg.fitness.objective == "reward":
+        bound = cfg.es.chunk_size * cfg.fitness.prompts_per_step * round(MAX_REWARD / REWARD_UNIT)
+        return -bound, bound
     v = cfg.model.vocab_size
     best = np.full((1, v), -128, dtype=np.int32)
     best[0, 0] = 127

@@ -337,6 +337,10 @@ class FormerModel:
         """Logits (M, T, V) after each of inputs (M, T): base-2 log-odds in 1/16 bit."""
         return self.head(self.hidden(inputs, noise), noise)
 
+    def decoder(self, noise: MemberNoise | None, rows: int) -> FormerDecoder:
+        """`rows` rows (members, or unperturbed rows) reading one token at a time."""
+        return FormerDecoder(self, noise, rows)
+
     def position_losses(
         self, tokens: np.ndarray, noise: MemberNoise | None = None, float_bits: bool = False
     ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -374,6 +378,22 @@ class FormerModel:
         if asked, the exact float64 bits per row for reporting (as EggModel.forward)."""
         loss, bits = self.position_losses(tokens, noise, float_bits)
         return loss.sum(axis=1), None if bits is None else bits.sum(axis=1)
+
+
+class FormerDecoder:
+    """Rows that read a token each per call (shared.sample.Decoder): each row's history, at
+    most seq_len tokens, is read whole again and the last position's logits kept, as
+    FormerGenerator does for one row."""
+
+    def __init__(self, model: FormerModel, noise: MemberNoise | None, rows: int):
+        self.model, self.noise = model, noise
+        self.history = np.zeros((rows, 0), dtype=np.int64)
+
+    def read(self, tokens: np.ndarray) -> np.ndarray:
+        self.history = np.concatenate([self.history, tokens[:, None]], axis=1)
+        self.history = self.history[:, -self.model.context :]
+        h = self.model.hidden(self.history, self.noise)
+        return self.model.head(h[:, -1:], self.noise)[:, 0]
 
 
 class FormerGenerator:

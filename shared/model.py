@@ -24,6 +24,7 @@ from .perturb import MemberNoise, ParamSpec
 
 if TYPE_CHECKING:
     from .config import ModelConfig, RunConfig
+    from .sample import Decoder
 
 
 class Model(Protocol):
@@ -43,6 +44,11 @@ class Model(Protocol):
         self, tokens: np.ndarray, noise: MemberNoise | None = None, float_bits: bool = False
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows (M, T + 1) -> integer loss (M, T) per position, float64 bits if asked."""
+        ...
+
+    def decoder(self, noise: MemberNoise | None, rows: int) -> Decoder:
+        """`rows` rows (each a member of `noise`, or unperturbed) that read one token at a
+        time, for generation (`shared.sample.generate_rows`)."""
         ...
 
 

@@ -49,6 +49,7 @@ DOMAIN_NOISE = 0x6E6F697365  # "noise"
 DOMAIN_INIT = 0x696E6974  # "init"
 DOMAIN_DATA = 0x64617461  # "data"
 DOMAIN_SAMPLE = 0x73616D706C65  # "sample"
+DOMAIN_PROMPT = 0x70726F6D7074  # "prompt": which prompts a step continues, and their seed
 
 NOISE_KINDS = ("uniform", "gaussian")
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from .data import Dataset
 from .model import build_generator
-from .noise import DOMAIN_SAMPLE, hash_key
+from .noise import DOMAIN_SAMPLE, combine_array, hash_key
 from .replica import ReplicaState
 from .vocab import decode
 from .window import held_out_prompt
@@ -166,6 +166,91 @@ def next_token(
     cumulative = np.cumsum(token_weights(logits, counts, settings))
     threshold = draw(seed, sample, position) % int(cumulative[-1])
     return int(np.searchsorted(cumulative, threshold, side="right"))
+
+
+def next_tokens(
+    logits: np.ndarray,
+    counts: np.ndarray,
+    settings: SampleSettings,
+    seed: int,
+    samples: np.ndarray,
+    position: int,
+) -> np.ndarray:
+    """`next_token` for many rows at once: row i is token `position` of sample
+    `samples[i]`, from its logits (M, V) and context counts (M, V); the same tokens, row by
+    row, as `next_token` chooses (tests/test_sample.py holds them to it)."""
+    big = penalized(logits, counts, settings)
+    if settings.temperature == 0:
+        return np.argmax(big, axis=1)
+    e = (16 * (big.max(axis=1, keepdims=True) - big)) // settings.temperature
+    w = exp_table()[e & 255] >> np.minimum(e >> 8, 31)
+    w[MILLI * w < settings.min_p * TOP_WEIGHT] = 0
+    if settings.top_k and settings.top_k < w.shape[1]:
+        order = np.argsort(-big, axis=1, kind="stable")  # largest L first, then smaller id
+        np.put_along_axis(w, order[:, settings.top_k :], 0, axis=1)
+    cumulative = np.cumsum(w, axis=1)
+    keys = combine_array(hash_key(DOMAIN_SAMPLE, seed), np.asarray(samples, dtype=np.uint64))
+    r = combine_array(keys, np.full(len(keys), position, dtype=np.uint64))
+    threshold = (r % cumulative[:, -1].astype(np.uint64)).astype(np.int64)
+    return np.count_nonzero(cumulative <= threshold[:, None], axis=1)
+
+
+class Decoder(Protocol):
+    """Many rows of a (perturbed) model reading one token each at a time."""
+
+    def read(self, tokens: np.ndarray) -> np.ndarray:
+        """Read one token per row (M,); the logits (M, V) of the token after it."""
+        ...
+
+
+def generate_rows(
+    decoder: Decoder,
+    prompts: np.ndarray,
+    new_tokens: int,
+    settings: SampleSettings,
+    seed: int,
+    samples: np.ndarray,
+) -> np.ndarray:
+    """`generate` for rows of prompts of one length (M, L) at once: (M, new_tokens) tokens,
+    row i the continuation `generate` writes for prompt i as sample `samples[i]`. Each row
+    starts a document (token 0), then reads its prompt, as `generate` does."""
+    m = prompts.shape[0]
+    logits = decoder.read(np.zeros(m, dtype=np.int64))
+    counts = np.zeros(logits.shape, dtype=np.int64)
+    rows = np.arange(m)
+    for t in range(prompts.shape[1]):
+        logits = decoder.read(prompts[:, t])
+        counts[rows, prompts[:, t]] += 1
+    out = np.zeros((m, new_tokens), dtype=np.int64)
+    for position in range(new_tokens):
+        tok = next_tokens(logits, counts, settings, seed, samples, position)
+        out[:, position] = tok
+        counts[rows, tok] += 1
+        if position + 1 < new_tokens:
+            logits = decoder.read(tok)
+    return out
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What members continue in a step of the reward objective: prompts (token ids), the
+    sample number of each (its randomness), the step's seed, settings and length."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    samples: tuple[int, ...]
+    seed: int
+    settings: SampleSettings
+    new_tokens: int
+
+    def groups(self) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+        """(indices, prompts (G, L), samples (G,)) of the prompts of each length L, which
+        `generate_rows` reads together."""
+        out = []
+        for length in sorted({len(p) for p in self.prompts}):
+            idx = [j for j, p in enumerate(self.prompts) if len(p) == length]
+            tokens = np.array([self.prompts[j] for j in idx], dtype=np.int64).reshape(-1, length)
+            out.append((idx, tokens, np.array([self.samples[j] for j in idx], dtype=np.int64)))
+        return out
 
 
 class StepModel(Protocol):

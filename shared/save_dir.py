@@ -6,6 +6,7 @@
     snapshots/       step-00000100.ckpt ...: replica states (checkpoint files)
     logs/            eggroll-local's logs: coordinator.log (JSON lines), worker-N.log
     summary.json     the last summary of eggroll-train or eggroll-local
+    init.ckpt        a copy of the replica the run started from (model.init_from), if any
     .lock            held while a coordinator runs on this directory
 
 Steps committed = records in fitness.log, and the state at step S is a pure function of
@@ -35,6 +36,7 @@ and the run goes on. A failure on the coordinator's side never fails a worker's 
     .lock, *.tmp       at start only: one line, non-zero exit
     logs/, console     degrade: a log line that cannot be written is dropped (shared/logs.py)
     summary.json       degrade: one warning; the run itself is complete
+    init.ckpt          at start, with run.json: one line, non-zero exit
     commands           eggroll-train --save-dir, eggroll-data prepare --out, eggroll-sample:
                        one line, non-zero exit, nothing half-written. eggroll-train keeps
                        its committed steps, and the same command continues them
@@ -61,6 +63,7 @@ import numpy as np
 from .atomic_file import write_atomic
 from .config import ConfigError, RunConfig, from_dict
 from .fitness_log import FitnessLog, FitnessLogError
+from .goal import GoalError, initial_state, resolve
 from .replica import CheckpointError, ReplicaState, load_checkpoint, replay
 
 RUN_FORMAT = 1
@@ -72,6 +75,7 @@ LOGS = "logs"
 COORDINATOR_LOG = "coordinator.log"
 SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".lock"
+START_FILE = "init.ckpt"
 SNAPSHOT_GLOB = "step-*.ckpt"
 
 _SNAPSHOT_NAME = re.compile(r"step-([0-9]+)\.ckpt")
@@ -135,6 +139,10 @@ class Layout:
     def lock(self) -> Path:
         return self.root / LOCK_FILE
 
+    @property
+    def start(self) -> Path:
+        return self.root / START_FILE
+
     def worker_log(self, index: int) -> Path:
         return self.logs / f"worker-{index}.log"
 
@@ -168,6 +176,14 @@ def new_run(config: RunConfig) -> dict[str, Any]:
         "config": config.to_dict(),
         "data_digest": None,
     }
+
+
+def write_start(layout: Layout, config: RunConfig, base: Path) -> None:
+    """Copy the replica a run starts from (model.init_from, under `base`) into the save
+    directory, so that its steps replay without the original file."""
+    if config.model.init_from:
+        initial_state(config, base)  # GoalError unless it is the replica the config pins
+        write_atomic(layout.start, resolve(config.model.init_from, base).read_bytes())
 
 
 def write_run(layout: Layout, run: dict[str, Any]) -> None:
@@ -306,7 +322,10 @@ class SaveDir:
             raise SaveDirError(f"step {step} is not in {self.path}: it has steps 0..{committed}")
         base = self.base_of(step) if snapshots else None
         if base is None:
-            state = ReplicaState.initial(self.config)
+            try:
+                state = initial_state(self.config, path=self.layout.start)
+            except GoalError as exc:
+                raise SaveDirError(str(exc)) from None
         else:
             try:
                 state = load_checkpoint(self.layout.snapshot(base))

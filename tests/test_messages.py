@@ -131,7 +131,11 @@ def held_out(draw: st.DrawFn) -> tuple[int, float, float, int]:
 def validations(draw: st.DrawFn) -> Validation:
     tokens, loss, bits, size = draw(held_out())
     s_tokens, s_loss, s_bits, s_size = draw(held_out())
-    return Validation(draw(u64), tokens, loss, bits, size, s_tokens, s_loss, s_bits, s_size)
+    prompts = draw(st.integers(0, 4096))
+    reward = draw(st.floats(-1e6, 1e6, allow_nan=False)) if prompts else 0.0
+    return Validation(
+        draw(u64), tokens, loss, bits, size, s_tokens, s_loss, s_bits, s_size, prompts, reward
+    )
 
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
@@ -357,6 +361,8 @@ def test_fixed_size_byte_fields() -> None:
         lambda: Validation(0, 10, 1.0, 2.0, 10, 0, 0.0, 0.0, 5),  # stream bytes, no tokens
         lambda: Validation(0, 10, 1.0, 2.0, 10, 0, 0.0, 1.5, 0),  # stream bits, no tokens
         lambda: Validation(0, 10, 1.0, 2.0, 10, 8, float("inf"), 1.5, 8),
+        lambda: Validation(0, 10, 1.0, 2.0, 10, 0, 0.0, 0.0, 0, 4, float("nan")),
+        lambda: Validation(0, 10, 1.0, 2.0, 10, 0, 0.0, 0.0, 0, 0, 0.5),  # reward, no prompts
     ],
 )
 def test_construction_rejects_invalid_fields(build: object) -> None:
@@ -386,9 +392,13 @@ def test_decode_rejects_invalid_fields() -> None:
 def test_validation_layout_and_bits_per_byte() -> None:
     both = Validation(40, 1000, 70.0, 4.5, 1500, 1000, 68.0, 4.25, 1500)
     assert both.encode() == struct.pack(
-        ">QQddQQddQ", 40, 1000, 70.0, 4.5, 1500, 1000, 68.0, 4.25, 1500
+        ">QQddQQddQQd", 40, 1000, 70.0, 4.5, 1500, 1000, 68.0, 4.25, 1500, 0, 0.0
     )
-    assert len(both.encode()) == 72
+    assert len(both.encode()) == 88
+    # A reward run adds the held-out prompts' mean reward (it may be negative).
+    rewarded = Validation(40, 1000, 70.0, 4.5, 1500, 0, 0.0, 0.0, 0, 64, -0.25)
+    assert Validation.decode(rewarded.encode()) == rewarded
+    assert rewarded.encode()[72:] == struct.pack(">Qd", 64, -0.25)
     assert both.bits_per_byte == 4.5 * (1000 / 1500)
     assert both.stream_bits_per_byte == 4.25 * (1000 / 1500)
     same = Validation(1, 3, 1.0, 0.1, 3, 3, 1.0, 0.7, 3)  # one byte per token

@@ -23,7 +23,13 @@ import structlog
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, client_tls_context, load_token
-from ..shared.cli import OneLineError, command, log_format_option, threads_option
+from ..shared.cli import (
+    OneLineError,
+    command,
+    log_format_option,
+    reward_timeout_option,
+    threads_option,
+)
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
@@ -164,6 +170,17 @@ async def _serve(client: WorkerClient) -> None:
     show_envvar=True,
     help="Longest wait between reconnect attempts, in seconds.",
 )
+@click.option(
+    "--goal-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    envvar="EGGROLL_GOAL_DIR",
+    show_envvar=True,
+    help="Folder of a reward run's files (reward, prompts, --init-from checkpoint), as the "
+    "run config names them relative to its own folder.",
+)
+@reward_timeout_option
 @threads_option
 def main(
     coordinator: str,
@@ -178,6 +195,8 @@ def main(
     log_format: str,
     batch_members: int,
     max_retry_s: float,
+    goal_dir: Path,
+    reward_timeout: float,
     threads: int | None,
 ) -> None:
     """Serve the coordinator at HOST[:PORT]: evaluate chunks, apply every committed step.
@@ -221,6 +240,8 @@ def main(
         token=token,
         tls=tls,
         max_retry_s=max_retry_s,
+        goal_dir=goal_dir,
+        reward_timeout_s=reward_timeout,
     )
     log.info(
         "worker starting",

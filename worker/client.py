@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import ssl
+from pathlib import Path
 
 import structlog
 
@@ -82,6 +83,8 @@ class WorkerClient:
         reply_timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
         hello_timeout_s: float = 10.0,
+        goal_dir: Path | None = None,
+        reward_timeout_s: float = 120.0,
     ) -> None:
         self.host = host
         self.port = port
@@ -90,8 +93,11 @@ class WorkerClient:
         self.dataset = dataset
         factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
-        self.identity = flow.Identity.of(self.name, token, factory, dataset, f"{host}:{port}")
-        self.replica = Replica(dataset, factory)
+        where, goal_dir = f"{host}:{port}", goal_dir or Path(".")
+        self.identity = flow.Identity.of(self.name, token, factory, dataset, where, goal_dir)
+        self.replica = Replica(
+            dataset, factory, goal_dir=goal_dir, reward_timeout_s=reward_timeout_s
+        )
         self.max_retry_s = max_retry_s
         self.heartbeat_s = heartbeat_s
         self.reply_timeout_s = reply_timeout_s

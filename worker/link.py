@@ -37,9 +37,11 @@ from ..protocol import (
     iter_snapshot_chunks,
 )
 from ..shared.config import RunConfig
+from ..shared.goal import GoalError
 from ..shared.replica import ReplicaState
 from . import session as flow
 from .backend import BackendUnavailable, ChunkResult, Validation
+from .reward import RewardError
 from .session import Ended, Identity, PeerViolation, Phase, ReplicaView, WorkerFatal
 
 __all__ = ["Executor", "Link", "LinkOptions", "Outcome", "ReplicaCalls", "describe"]
@@ -91,7 +93,13 @@ class Executor:
                 case flow.Send(msg=msg):
                     await self.send(msg)
                 case flow.Evaluate(job=job):
-                    result = await replica.evaluate(job.step, job.first_member, job.member_count)
+                    try:
+                        result = await replica.evaluate(
+                            job.step, job.first_member, job.member_count
+                        )
+                    except RewardError as exc:
+                        await self.carry_out(session.evaluation_failed(job, str(exc)))
+                        continue
                     await self.carry_out(session.evaluated(job, result, self.clock() - t0))
                 case flow.Apply(fitness=fitness):
                     await replica.apply(fitness)
@@ -106,6 +114,8 @@ class Executor:
                             ErrorCode.CONFIG_MISMATCH,
                             tell=True,
                         ) from None
+                    except (GoalError, RewardError) as exc:  # e.g. a prompt too long
+                        raise WorkerFatal(str(exc), ErrorCode.CONFIG_MISMATCH, tell=True) from None
                 case flow.DecodeSnapshot(blob=blob, step=step):
                     state, error = await replica.decode(blob)
                     await self.carry_out(session.snapshot_decoded(step, state, error))

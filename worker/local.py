@@ -22,10 +22,19 @@ from pathlib import Path
 import click
 
 from ..shared.atomic_file import write_atomic
-from ..shared.cli import cannot_write, command, config_options, threads_option
-from ..shared.config import ConfigError, resolve_config
+from ..shared.cli import (
+    cannot_write,
+    command,
+    config_options,
+    init_from_option,
+    reward_timeout_option,
+    run_config,
+    threads_option,
+)
+from ..shared.config import ConfigError
 from ..shared.data import META_FILE, DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.goal import GoalError
 from ..shared.logs import (
     LISTENING,
     PROGRESS,
@@ -101,9 +110,13 @@ class CoordinatorProcess:
             self.ready.set()
         elif event.get("event") == STEP:
             self.last_step = event["step"]
+            score = (
+                f"reward {event['reward']:.4f}"
+                if "reward" in event
+                else f"loss {event['loss_bits']:.3f} bits/token"
+            )
             echo(
-                f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
-                f"bits/token  {event['step_s']:.2f} s  "
+                f"step {event['step']:>6}/{self.total}  {score}  {event['step_s']:.2f} s  "
                 f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
                 f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
             )
@@ -113,7 +126,9 @@ class CoordinatorProcess:
                 f"in, {event['seconds']} s so far"
             )
         elif event.get("event") == VALIDATION:
-            echo(f"held-out at step {event['step']}: {held_out_text(event)}")
+            reward = event.get("held_out_reward")
+            extra = "" if reward is None else f"; held-out reward {reward:.4f}"
+            echo(f"held-out at step {event['step']}: {held_out_text(event)}{extra}")
         elif event.get("event") == SAMPLE:
             # Escaped by the coordinator already; again here, as it costs nothing.
             prompt, text = (escape(event[k], keep_newlines=False) for k in ("prompt", "text"))
@@ -273,6 +288,8 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     default=None,
     help="Write the run summary here as JSON.",
 )
+@init_from_option
+@reward_timeout_option
 @threads_option
 def main(
     workers: int,
@@ -286,16 +303,18 @@ def main(
     sample_every: int,
     metrics_port: int,
     summary_json: Path | None,
+    init_from: Path | None,
+    reward_timeout: float,
     threads: int | None,
 ) -> None:
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
     if steps is not None and more is not None:
         raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
     try:
-        cfg = resolve_config(preset_name, config_path)
+        cfg, goal_dir = run_config(preset_name, config_path, init_from)
         _ensure_data(data_dir)
         dataset = load_data_dir(data_dir)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, GoalError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
     short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
     if short is not None:
@@ -338,6 +357,8 @@ def main(
         "json",
     ]
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
+    if init_from is not None:
+        coord_args += ["--init-from", str(init_from)]
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
     coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)
@@ -367,6 +388,10 @@ def main(
                     str(data_dir),
                     "--name",
                     f"local-{i}",
+                    "--goal-dir",
+                    str(goal_dir),
+                    "--reward-timeout",
+                    str(reward_timeout),
                     "--log-format",
                     "json",
                 ],

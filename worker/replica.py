@@ -17,6 +17,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,9 +28,11 @@ from ..protocol import Sample
 from ..protocol.messages import MAX_SAMPLE_TEXT_BYTES
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
+from ..shared.goal import held_out, initial_state
 from ..shared.replica import CheckpointError, ReplicaState, decode_checkpoint, encode_checkpoint
 from ..shared.sample import write_sample
 from .backend import Backend, BackendFactory, ChunkResult, Validation
+from .objective import NextToken, Objective, Reward, make_objective
 
 __all__ = ["Replica"]
 
@@ -81,10 +85,21 @@ class Replica:
     at once on the caller's (`threaded=False`: the in-memory flow tests, where nothing else
     may run meanwhile)."""
 
-    def __init__(self, dataset: Dataset, factory: BackendFactory, *, threaded: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        factory: BackendFactory,
+        *,
+        threaded: bool = True,
+        goal_dir: Path = Path("."),
+        reward_timeout_s: float = 120.0,
+    ) -> None:
         self.dataset = dataset
         self.factory = factory
         self.threaded = threaded
+        self.goal_dir = goal_dir  # where a reward run's files are (shared/goal.py)
+        self.reward_timeout_s = reward_timeout_s
+        self.objective: Objective = NextToken()
         self.backend: Backend | None = None
         self.run_id: bytes | None = None
         self.digest = 0  # of backend.state, refreshed after every change
@@ -107,6 +122,7 @@ class Replica:
         self._thread = _BackendThread()
 
     def close(self) -> None:
+        self.objective.close()
         if self._thread is not None:
             self._thread.shutdown(wait=False)
             self._thread = None
@@ -120,10 +136,17 @@ class Replica:
     def drop(self) -> None:
         self.backend = None
         self.run_id = None
+        self.objective.close()
+        self.objective = NextToken()
 
     async def start(self, config: RunConfig, run_id: bytes) -> None:
-        """A fresh replica at step 0 of the run."""
-        backend = await self._call(self.factory.build, self.dataset, ReplicaState.initial(config))
+        """A fresh replica at step 0 of the run, and the run's objective. GoalError when a
+        goal file is missing or not the run's."""
+        state = await self._call(initial_state, config, self.goal_dir)
+        objective = make_objective(config, self.dataset, self.goal_dir, self.reward_timeout_s)
+        backend = await self._call(self.factory.build, self.dataset, state)
+        self.objective.close()
+        self.objective = objective
         self.backend = backend
         self.run_id = run_id
         self.digest = await self._call(backend.digest)
@@ -136,7 +159,9 @@ class Replica:
         return self.backend
 
     async def evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
-        return await self._call(self._backend().evaluate_chunk, step, first_member, count)
+        """One chunk's fitness; RewardError when a reward run's reward fails on it."""
+        backend, objective = self._backend(), self.objective
+        return await self._call(objective.evaluate_chunk, backend, step, first_member, count)
 
     async def apply(self, fitness: list[np.ndarray]) -> None:
         """Apply committed steps in order, one backend call per step (a stop or a heartbeat
@@ -184,7 +209,18 @@ class Replica:
         )
 
     async def validate(self) -> Validation:
-        return await self._call(self._backend().validate)
+        """Both held-out metrics, and a reward run's held-out reward."""
+        backend, objective = self._backend(), self.objective
+
+        def score() -> Validation:
+            v = backend.validate()
+            if not isinstance(objective, Reward):
+                return v
+            reward = objective.held_out(backend)
+            prompts = 0 if reward is None else len(held_out(backend.config, objective.prompts))
+            return replace(v, reward=reward, reward_prompts=prompts)
+
+        return await self._call(score)
 
     async def sample(self, request: Sample) -> tuple[bytes, bytes]:
         """Generate from the host copy of the weights (as validation does on every backend),

@@ -39,6 +39,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -56,6 +57,8 @@ from ..protocol import (
     Hello,
     Job,
     JobRequest,
+    Log,
+    LogLevel,
     Message,
     MsgType,
     Result,
@@ -75,6 +78,7 @@ from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
+from ..shared.goal import GoalError, check_files
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from .backend import BackendFactory, ChunkResult, HeldOut
 from .backend import Validation as Score
@@ -265,6 +269,7 @@ class Identity:
     vocab_size: int
     train_tokens: int
     coordinator: str = "the coordinator"  # host:port, for messages
+    goal_dir: Path = Path(".")  # where a reward run's files are (shared/goal.py)
 
     def __post_init__(self) -> None:
         size = len(self.name.encode("utf-8"))
@@ -275,9 +280,15 @@ class Identity:
 
     @classmethod
     def of(
-        cls, name: str, token: bytes | str, factory: BackendFactory, data: Dataset, where: str
+        cls,
+        name: str,
+        token: bytes | str,
+        factory: BackendFactory,
+        data: Dataset,
+        where: str,
+        goal_dir: Path = Path("."),
     ) -> Identity:
-        """A worker's identity from its name, token, backend and data."""
+        """A worker's identity from its name, token, backend, data and goal files."""
         return cls(
             name=name,
             token=token.encode("utf-8") if isinstance(token, str) else bytes(token),
@@ -287,6 +298,7 @@ class Identity:
             vocab_size=data.meta.vocab_size,
             train_tokens=len(data.train),
             coordinator=where,
+            goal_dir=goal_dir,
         )
 
 
@@ -316,6 +328,7 @@ class Session:
         self.retry_at: float | None = None  # WAITING: when to ask again
         self._download: _Download | None = None
         self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
+        self._last_failure = ""  # the reward's last failure on a chunk
         self._nonce = b""
 
     @property
@@ -376,6 +389,7 @@ class Session:
 
     def evaluated(self, job: Job, result: ChunkResult, seconds: float) -> list[Command]:
         self.phase = Phase.IDLE
+        self._last_failure = ""
         if self.newest_step_frame > job.step:
             # The step was committed meanwhile (another worker's copy won): nobody needs it.
             log.info("chunk dropped", step=job.step, chunk=job.chunk, reason="step committed")
@@ -403,6 +417,17 @@ class Session:
                 )
             )
         ]
+
+    def evaluation_failed(self, job: Job, error: str) -> list[Command]:
+        """The run's reward failed on a chunk: drop it (the coordinator leases it again) and
+        say why in both logs; the same failure twice in a row leaves the run."""
+        if error == self._last_failure:
+            raise WorkerFatal(f"the reward failed twice: {error}", ErrorCode.INTERNAL, tell=True)
+        self._last_failure = error
+        self.phase = Phase.IDLE
+        log.error("chunk failed", step=job.step, chunk=job.chunk, error=error)
+        text = f"chunk {job.chunk} of step {job.step} failed: {error}"
+        return [Send(Log(LogLevel.ERROR, text[:1000]))]  # LOG carries 4096 bytes of UTF-8
 
     def snapshot_decoded(
         self, step: int, state: ReplicaState | None, error: str = ""
@@ -444,6 +469,8 @@ class Session:
             stream_loss_16=s.loss_16,
             stream_bits_per_token=s.bits_per_token,
             stream_text_bytes=s.text_bytes,
+            reward_prompts=v.reward_prompts,
+            reward=v.reward or 0.0,
         )
         return [Send(message)]
 
@@ -521,6 +548,10 @@ class Session:
                 f"this worker's input.bin has {me.train_tokens} tokens, the run's "
                 f"es.seq_len={config.es.seq_len} needs more: point --data-dir at the run's data"
             )
+        try:  # the same goal everywhere: reward source, prompts, starting replica
+            check_files(config, me.goal_dir)
+        except GoalError as exc:
+            raise self._refuse(f"{exc} (--goal-dir {me.goal_dir})") from None
         return config
 
     def _refuse(self, message: str) -> WorkerFatal:

@@ -23,10 +23,20 @@ import structlog
 
 from ..protocol.ternary import pack_ternary, unpack_ternary
 from ..shared.atomic_file import naming, write_atomic
-from ..shared.cli import cannot_write, command, config_options, log_format_option, threads_option
-from ..shared.config import ConfigError, RunConfig, resolve_config
+from ..shared.cli import (
+    cannot_write,
+    command,
+    config_options,
+    init_from_option,
+    log_format_option,
+    reward_timeout_option,
+    run_config,
+    threads_option,
+)
+from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.goal import GoalError, initial_state
 from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import TrainingSamples
@@ -38,10 +48,13 @@ from ..shared.save_dir import (
     new_run,
     take_lock,
     write_run,
+    write_start,
 )
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
+from .objective import NextToken, Objective, Reward, make_objective, mean_score
+from .reward import RewardError
 
 log = structlog.get_logger("eggroll.train")
 
@@ -57,20 +70,36 @@ class TrainResult:
     curve: list[dict[str, Any]] = field(default_factory=list)  # validations
     samples: list[dict[str, Any]] = field(default_factory=list)  # step, prompt, text
     train_loss: list[float] = field(default_factory=list)  # bits per token per step
+    train_reward: list[float] = field(default_factory=list)  # mean reward per step (reward runs)
     step_seconds: list[float] = field(default_factory=list)
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
     validation: Validation | None = None  # the latest
 
 
-def _validate(backend: Backend, result: TrainResult) -> Validation:
+def _validate(backend: Backend, result: TrainResult, objective: Objective) -> Validation:
     v = result.validation = backend.validate()
-    result.curve.append({"step": backend.step, **v.report()})
-    log.info("validation", step=backend.step, **v.log_fields(), tokens=v.windows.tokens)
+    reward = objective.held_out(backend)
+    extra = {} if reward is None else {"held_out_reward": reward}
+    result.curve.append({"step": backend.step, **v.report(), **extra})
+    log.info(
+        "validation",
+        step=backend.step,
+        **v.log_fields(),
+        **{k: round(x, 4) for k, x in extra.items()},
+        tokens=v.windows.tokens,
+    )
     return v
 
 
-def _sample(samples: TrainingSamples, state: ReplicaState, result: TrainResult) -> None:
-    prompt, text = samples.write(state)
+def _sample(
+    samples: TrainingSamples, backend: Backend, result: TrainResult, objective: Objective
+) -> None:
+    state = backend.state
+    # A reward run shows what the reward scores: a held-out prompt's completion.
+    if isinstance(objective, Reward):
+        prompt, text = objective.sample(backend)
+    else:
+        prompt, text = samples.write(state)
     result.samples.append({"step": state.step, "prompt": prompt, "text": text})
     # Escaped: model text must not reach a terminal's control sequences (one line each).
     log.info(
@@ -88,10 +117,13 @@ def train(
     fitness_log: FitnessLog | None = None,
     samples: TrainingSamples | None = None,
     max_seconds: float | None = None,
+    objective: Objective | None = None,
 ) -> TrainResult:
     """Run `steps` steps from the backend's state (fewer if `max_seconds` of wall time run
     out first: the step under way finishes); validate every K steps and at the end, and
-    write a sample every `samples.every` steps."""
+    write a sample every `samples.every` steps. The objective defaults to the loss."""
+    objective = objective or NextToken()
+    reward_run = cfg.fitness.objective == "reward"
     result = TrainResult(backend.state)
     tokens_per_step = cfg.es.population * cfg.es.seq_len
     every = cfg.validation.every_steps
@@ -104,7 +136,8 @@ def train(
         size, group = cfg.es.chunk_size, max(1, backend.parallel_chunks)
         for lo in range(0, cfg.chunks, group):
             chunks = [(c * size, size) for c in range(lo, min(lo + group, cfg.chunks))]
-            for (first, _), res in zip(chunks, backend.evaluate_chunks(step, chunks), strict=True):
+            results = objective.evaluate_chunks(backend, step, chunks)
+            for (first, _), res in zip(chunks, results, strict=True):
                 fitness[first // 2 : (first + size) // 2] = res.fitness
                 loss_sum += res.loss_sum
             if time.perf_counter() - said >= PROGRESS_S:  # a long step is not a silent one
@@ -125,25 +158,25 @@ def train(
         result.step_seconds.append(dt)
         result.member_tokens += tokens_per_step
         result.fitness.append(packed)
-        bits = loss_sum / 16 / tokens_per_step
-        result.train_loss.append(bits)
+        score = mean_score(cfg, loss_sum)
+        (result.train_reward if reward_run else result.train_loss).append(score)
         log.info(
             "step",
             step=step + 1,
-            loss_bits=round(bits, 4),
+            **{("reward" if reward_run else "loss_bits"): round(score, 4)},
             changed=changed,
             member_tok_s=round(tokens_per_step / dt),
             step_s=round(dt, 3),
             eta_s=round(result.train_seconds / (done + 1) * (steps - done - 1)),
         )
         if every and backend.step % every == 0 and done + 1 < steps:
-            _validate(backend, result)
+            _validate(backend, result, objective)
         if samples and samples.every and backend.step % samples.every == 0:
-            _sample(samples, backend.state, result)
+            _sample(samples, backend, result, objective)
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             log.info("time budget spent", step=backend.step, seconds=round(max_seconds))
             break
-    _validate(backend, result)
+    _validate(backend, result, objective)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
     return result
@@ -161,6 +194,11 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         "baselines": meta.baselines,
         "baselines_per_byte": meta.baselines_per_byte,
         "train_loss_bits": result.train_loss[-1] if result.train_loss else None,
+        **(
+            {"train_reward": result.train_reward[-1], "train_rewards": result.train_reward}
+            if result.train_reward
+            else {}
+        ),
         "member_tokens": result.member_tokens,
         "member_tokens_per_second": result.member_tokens / max(result.train_seconds, 1e-9),
         "seconds": result.seconds,
@@ -210,6 +248,8 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     show_default=True,
     help="Log a sample of the model's writing every N steps (0 = never).",
 )
+@init_from_option
+@reward_timeout_option
 @log_format_option
 @threads_option
 def main(
@@ -221,16 +261,18 @@ def main(
     save_dir: Path | None,
     max_minutes: float | None,
     sample_every: int,
+    init_from: Path | None,
+    reward_timeout: float,
     log_format: str,
     threads: int | None,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
     configure_logging(log_format)
     try:
-        cfg = resolve_config(preset_name, config_path)
+        cfg, base = run_config(preset_name, config_path, init_from)
         dataset = load_data_dir(data_dir)
         factory = get_backend("numpy", threads=threads)
-    except (ConfigError, DataError, BackendUnavailable) as exc:
+    except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     if dataset.meta.vocab_size != cfg.model.vocab_size:
         raise click.ClickException(
@@ -262,8 +304,10 @@ def main(
             summary_json,
             max_seconds,
             sample_every,
+            base,
+            reward_timeout,
         )
-    except SaveDirError as exc:
+    except (SaveDirError, GoalError, RewardError) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         # A full disk or EIO: one line. Committed steps are the fitness log's, and the same
@@ -296,15 +340,20 @@ def _run(
     summary_json: Path | None,
     max_seconds: float | None,
     sample_every: int,
+    base: Path,
+    reward_timeout: float,
 ) -> None:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
-    a save directory that cannot be continued SaveDirError."""
+    a save directory that cannot be continued SaveDirError, a goal that fails GoalError or
+    RewardError."""
     fitness_log = None
-    state = ReplicaState.initial(cfg)
+    state = initial_state(cfg, base)
+    objective = make_objective(cfg, dataset, base, reward_timeout)
     if layout is not None and layout.run_file.exists():
         fitness_log, state = _resume(layout, cfg)
     elif layout is not None:
         layout.snapshots.mkdir(parents=True, exist_ok=True)
+        write_start(layout, cfg, base)
         write_run(layout, new_run(cfg))
         with naming(layout.fitness_log):
             fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
@@ -322,7 +371,12 @@ def _run(
     )
     backend = factory.build(dataset, state)
     samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
-    result = train(cfg, backend, max(0, steps - state.step), fitness_log, samples, max_seconds)
+    try:
+        result = train(
+            cfg, backend, max(0, steps - state.step), fitness_log, samples, max_seconds, objective
+        )
+    finally:
+        objective.close()
     if layout is not None and not layout.snapshot(result.state.step).exists():
         save_checkpoint(layout.snapshot(result.state.step), result.state)
     summary = _summary(cfg, preset_name, result, dataset.meta)
@@ -374,7 +428,7 @@ def _discard_run(layout: Layout, created: bool) -> str:
     snapshots folder, then the directory if this run made it. '' when done; else what is
     left, for the error line."""
     try:
-        for path in (layout.summary, *layout.snapshot_files(), layout.fitness_log):
+        for path in (layout.summary, *layout.snapshot_files(), layout.fitness_log, layout.start):
             path.unlink(missing_ok=True)
         layout.run_file.unlink(missing_ok=True)  # last: without it nothing reads as a run
         with contextlib.suppress(FileNotFoundError):

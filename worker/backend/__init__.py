@@ -20,6 +20,7 @@ from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.logs import held_out_fields
 from ...shared.replica import ReplicaState
+from ...shared.sample import Completions
 
 __all__ = [
     "Backend",
@@ -66,6 +67,9 @@ class Validation:
     # Long streams read token by token with the recurrent state carried across each one;
     # None for a model that carries no state from token to token.
     streams: HeldOut | None
+    # A reward run: the unperturbed model's mean reward on the held-out prompts, and how many
+    reward: float | None = None
+    reward_prompts: int = 0
 
     def report(self) -> dict[str, float | int | None]:
         """Both metrics as the flat fields of the step log and summary JSON (None: not
@@ -76,6 +80,8 @@ class Validation:
             out[prefix + "tokens"] = 0 if m is None else m.tokens
             for key in ("bits_per_token", "bits_per_byte", "loss_16"):
                 out[prefix + key] = None if m is None else getattr(m, key)
+        if self.reward is not None:
+            out["held_out_reward"] = self.reward
         return out
 
     def log_fields(self) -> dict[str, float | None]:
@@ -117,6 +123,14 @@ class Backend(Protocol):
 
     def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
         """Several (first_member, count) chunks of `step`, each result as `evaluate_chunk`'s."""
+        ...
+
+    def complete(
+        self, step: int, members: tuple[int, int] | None, request: Completions
+    ) -> np.ndarray:
+        """Tokens (count, P, N) that members [first, first + count) of `step` write for the
+        request's P prompts (the reward objective); members None: the unperturbed model,
+        (1, P, N)."""
         ...
 
     def apply_step(self, fitness: np.ndarray) -> int:

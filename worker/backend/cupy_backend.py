@@ -38,6 +38,7 @@ from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.replica import ReplicaState
 from ...shared.rules.ztest import alpha_at, move_threshold
+from ...shared.sample import Completions
 from ...shared.update import apply_update
 from ...shared.window import pair_windows
 from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
@@ -514,6 +515,13 @@ class CupyBackend:
     def validate(self) -> Validation:
         """Both held-out metrics, by the NumPy reference on the host copy of the weights."""
         return NumpyBackend(self.dataset, self._state).validate()
+
+    def complete(
+        self, step: int, members: tuple[int, int] | None, request: Completions
+    ) -> np.ndarray:
+        """Generation for the reward objective, by the NumPy reference on the host copy of
+        the weights (the same tokens; no generation kernels on the device yet)."""
+        return NumpyBackend(self.dataset, self._state).complete(step, members, request)
 
 
 def cupy_module(code: str, names: tuple[str, ...]) -> Any:

@@ -30,6 +30,7 @@ from ...shared.loss import token_loss, true_bits
 from ...shared.model import Recurrent, build_model, param_specs
 from ...shared.perturb import member_noise, noise_scales, pair_noise
 from ...shared.replica import ReplicaState
+from ...shared.sample import Completions, generate_rows
 from ...shared.update import apply_update
 from ...shared.window import (
     VALIDATION_STREAMS,
@@ -205,6 +206,53 @@ class NumpyBackend:
             losses.append(loss)
         loss = np.concatenate(losses)
         return ChunkResult(pair_fitness(loss, cfg.fitness), int(loss.sum()))
+
+    def complete(
+        self, step: int, members: tuple[int, int] | None, request: Completions
+    ) -> np.ndarray:
+        """Tokens (count, P, N) that members [first, first + count) write for the request's
+        P prompts (members None: the unperturbed model, (1, P, N)). Rows (pair, prompt, sign)
+        read the prompts of one length together, each with its member's noise."""
+        n = request.new_tokens
+        count = 1 if members is None else members[1]
+        out = np.zeros((count, len(request.prompts), n), dtype=np.int64)
+        if members is not None:
+            self._check_range(step, *members)
+        cfg, params = self.config, self.state.params
+        specs = param_specs(cfg.model)
+        scales = noise_scales(cfg, specs, self.state.opt)
+        with self._compute():
+            for idx, prompts, samples in request.groups():
+                g = len(idx)
+                if members is None:
+                    decoder = self.model.decoder(None, g)
+                    out[0, idx] = generate_rows(
+                        decoder, prompts, n, request.settings, request.seed, samples
+                    )
+                    continue
+                first, count = members
+                batch = max(2, self.batch_members // g // 2 * 2)
+                for lo in range(first, first + count, batch):
+                    hi = min(lo + batch, first + count)
+                    pairs = np.arange(lo // 2, hi // 2)
+                    noise = member_noise(
+                        pair_noise(cfg, specs, step, np.repeat(pairs, g), scales),
+                        params,
+                        cfg.es.sigma_shift,
+                    )
+                    rows = np.tile(np.repeat(prompts, 2, axis=0), (len(pairs), 1))
+                    decoder = self.model.decoder(noise, len(rows))
+                    tokens = generate_rows(
+                        decoder,
+                        rows,
+                        n,
+                        request.settings,
+                        request.seed,
+                        np.tile(np.repeat(samples, 2), len(pairs)),
+                    )  # rows (pair, prompt, sign) -> (member, prompt)
+                    tokens = tokens.reshape(len(pairs), g, 2, n).transpose(0, 2, 1, 3)
+                    out[lo - first : hi - first, idx] = tokens.reshape(hi - lo, g, n)
+        return out
 
     def apply_step(self, fitness: np.ndarray) -> int:
         """Apply the committed fitness of step `self.step` (all pairs); returns weights changed."""

@@ -1,0 +1,166 @@
+"""What a chunk's fitness measures: the data's next-token loss, or a reward over generated
+text (shared/goal.py). Both give a `ChunkResult` per chunk, so the trainer and the worker
+daemon never ask which objective a run has.
+
+`ChunkResult.loss_sum` is the chunk's integer loss (1/16 bit) for the loss, the sum of its
+rewards in millionths (`shared.goal.REWARD_UNIT`) for a reward: what RESULT carries, and what
+`mean_score` turns into the step's train loss or mean reward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..shared.config import RunConfig
+from ..shared.data import Dataset
+from ..shared.goal import (
+    REWARD_UNIT,
+    Prompt,
+    Prompts,
+    generation_seed,
+    held_out,
+    load_prompts,
+    reward_fitness,
+    reward_units,
+    settings,
+    step_prompts,
+)
+from ..shared.sample import Completions
+from ..shared.vocab import decode
+from .backend import Backend, ChunkResult
+from .reward import RewardRunner
+
+__all__ = ["NextToken", "Objective", "Reward", "make_objective", "mean_score"]
+
+
+class Objective(Protocol):
+    def evaluate_chunk(self, backend: Backend, step: int, first: int, count: int) -> ChunkResult:
+        """Members [first, first + count) of `step`: the worker daemon's one chunk."""
+        ...
+
+    def evaluate_chunks(
+        self, backend: Backend, step: int, chunks: Sequence[tuple[int, int]]
+    ) -> list[ChunkResult]:
+        """(first_member, count) chunks of `step`, in order."""
+        ...
+
+    def held_out(self, backend: Backend) -> float | None:
+        """The unperturbed model's mean reward on the held-out prompts (None: no reward)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NextToken:
+    """The loss of the data's windows: the backend's own evaluation."""
+
+    def evaluate_chunk(self, backend: Backend, step: int, first: int, count: int) -> ChunkResult:
+        return backend.evaluate_chunk(step, first, count)
+
+    def evaluate_chunks(
+        self, backend: Backend, step: int, chunks: Sequence[tuple[int, int]]
+    ) -> list[ChunkResult]:
+        return backend.evaluate_chunks(step, chunks)
+
+    def held_out(self, backend: Backend) -> float | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class Reward:
+    """Members continue the step's prompts, the run's reward scores the completions."""
+
+    def __init__(
+        self, cfg: RunConfig, prompts: Prompts, runner: RewardRunner, pieces: list[bytes]
+    ) -> None:
+        self.cfg, self.prompts, self.runner, self.pieces = cfg, prompts, runner, pieces
+        self.reward_seconds = 0.0  # inside the reward function, for throughput reports
+        self.generate_seconds = 0.0
+        self.completions = 0
+
+    def _request(self, chosen: list[Prompt], step: int) -> Completions:
+        cfg = self.cfg
+        return Completions(
+            tuple(p.tokens for p in chosen),
+            tuple(p.index for p in chosen),
+            generation_seed(cfg, step),
+            settings(cfg),
+            cfg.fitness.completion_tokens,
+        )
+
+    def _rewards(self, chosen: list[Prompt], tokens: np.ndarray) -> np.ndarray:
+        """Rewards (members, prompts) of completions (members, prompts, N)."""
+        members = tokens.shape[0]
+        texts = [decode(row, self.pieces) for member in tokens.tolist() for row in member]
+        prompts = [p.text for _ in range(members) for p in chosen]
+        keys = sorted({k for p in chosen for k in p.fields})
+        fields: dict[str, list[Any]] = {
+            k: [p.fields.get(k) for _ in range(members) for p in chosen] for k in keys
+        }
+        t0 = time.perf_counter()
+        values = self.runner.score(prompts, texts, fields)
+        self.reward_seconds += time.perf_counter() - t0
+        self.completions += len(texts)
+        return np.array(values, dtype=np.float64).reshape(members, len(chosen))
+
+    def evaluate_chunk(self, backend: Backend, step: int, first: int, count: int) -> ChunkResult:
+        return self.evaluate_chunks(backend, step, [(first, count)])[0]
+
+    def evaluate_chunks(
+        self, backend: Backend, step: int, chunks: Sequence[tuple[int, int]]
+    ) -> list[ChunkResult]:
+        chosen = step_prompts(self.cfg, self.prompts, step)
+        request = self._request(chosen, step)
+        results = []
+        for first, count in chunks:
+            t0 = time.perf_counter()
+            tokens = backend.complete(step, (first, count), request)
+            self.generate_seconds += time.perf_counter() - t0
+            rewards = self._rewards(chosen, tokens)
+            results.append(ChunkResult(reward_fitness(rewards), reward_units(rewards)))
+        return results
+
+    def held_out(self, backend: Backend) -> float | None:
+        chosen = held_out(self.cfg, self.prompts)
+        if not chosen:
+            return None
+        tokens = backend.complete(backend.step, None, self._request(chosen, backend.step))
+        return float(self._rewards(chosen, tokens).mean())
+
+    def sample(self, backend: Backend) -> tuple[str, str]:
+        """The unperturbed model's completion of the first held-out prompt (prompt, text)."""
+        chosen = held_out(self.cfg, self.prompts)[:1] or self.prompts.train[:1]
+        tokens = backend.complete(backend.step, None, self._request(chosen, backend.step))
+        return chosen[0].text, decode(tokens[0, 0].tolist(), self.pieces)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def make_objective(
+    cfg: RunConfig, dataset: Dataset, base: Path, reward_timeout_s: float = 120.0
+) -> Objective:
+    """The run's objective; goal files are read under `base` (GoalError if one is missing
+    or not the run's: check them with `shared.goal.check_files` first; RewardError if the
+    reward does not import)."""
+    if cfg.fitness.objective != "reward":
+        return NextToken()
+    prompts = load_prompts(cfg, base, dataset)
+    runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s)
+    runner.start()  # a reward file that does not import fails here, not at the first chunk
+    return Reward(cfg, prompts, runner, dataset.decoding)
+
+
+def mean_score(cfg: RunConfig, score_sum: int) -> float:
+    """A step's mean per member-token loss in bits, or its mean reward per completion, from
+    the sum of its chunks' `loss_sum`."""
+    if cfg.fitness.objective == "reward":
+        return score_sum * REWARD_UNIT / (cfg.es.population * cfg.fitness.prompts_per_step)
+    return score_sum / 16 / (cfg.es.population * cfg.es.seq_len)

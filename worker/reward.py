@@ -1,0 +1,257 @@
+"""The run's reward function, called in a child process with a time limit.
+
+A reward is user code: it may hang, crash, print or leak. It runs in its own Python process
+(this module run with `-m`), so a hung one is killed at the limit and a crashed one takes
+nothing of the worker with it. Requests and answers are JSON lines on private pipes; the
+child's stdout is its stderr, so a reward's prints cannot corrupt them.
+
+Two forms of reward function, told apart by their positional parameters:
+    score(completion: str) -> float                                 one completion at a time
+    reward(prompts: list[str], completions: list[str], **fields) -> list[float]    batched
+The batched form gets every other field of JSON-lines prompts as a list per key, aligned with
+the completions (`fields["answer"][i]` belongs to completion i).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..shared.goal import BUILTIN_REWARDS, GoalError, check_rewards, reward_target
+
+__all__ = ["RewardError", "RewardRunner"]
+
+START_TIMEOUT_S = 60.0  # importing a reward module (it may import a parser, a model...)
+MAX_ANSWER_BYTES = 256 << 20
+
+
+class RewardError(Exception):
+    """The reward failed on a chunk; str() is one line naming the function and the prompt."""
+
+
+def _load(spec: str, base: Path) -> tuple[Callable[..., Any], str]:
+    """The reward function and its name for messages, imported from its file."""
+    path, name = reward_target(spec)
+    if not path:
+        return BUILTIN_REWARDS[name], spec
+    file = Path(path) if Path(path).is_absolute() else base / path
+    where = f"{file}:{name}"
+    module_spec = importlib.util.spec_from_file_location(f"eggroll_reward_{file.stem}", file)
+    if module_spec is None or module_spec.loader is None:
+        raise GoalError(f"reward file {file} cannot be imported")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(file.parent))  # a reward may import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    except FileNotFoundError:
+        raise GoalError(f"reward file {file} does not exist") from None
+    except Exception as exc:  # the user's module failed to import
+        raise GoalError(f"reward file {file} raised {exc!r} on import") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise GoalError(f"reward file {file} has no function {name!r}")
+    return function, where
+
+
+def _batched(function: Callable[..., Any]) -> bool:
+    """Whether the function takes (prompts, completions, ...) rather than one text."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: one text at a time
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _call(
+    function: Callable[..., Any],
+    where: str,
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list[Any]],
+) -> list[float]:
+    """The rewards of the completions; GoalError naming the function and the prompt."""
+    if not _batched(function):
+        values = []
+        for i, text in enumerate(completions):
+            try:
+                values.append(function(text))
+            except Exception as exc:
+                raise GoalError(
+                    f"{where} raised {exc!r} on the completion of prompt {_shown(prompts[i])}"
+                ) from None
+            check_rewards(
+                values[-1:], 1, f"{where} on the completion of prompt {_shown(prompts[i])}"
+            )
+        return [float(v) for v in values]
+    try:
+        values = function(prompts, completions, **fields)
+    except Exception as exc:
+        # Find the prompt it fails on, one completion at a time.
+        for i in range(len(completions)):
+            one = {k: v[i : i + 1] for k, v in fields.items()}
+            try:
+                function(prompts[i : i + 1], completions[i : i + 1], **one)
+            except Exception as single:
+                raise GoalError(
+                    f"{where} raised {single!r} on the completion of prompt {_shown(prompts[i])}"
+                ) from None
+        raise GoalError(f"{where} raised {exc!r} on a batch of {len(completions)}") from None
+    try:
+        return check_rewards(values, len(completions), where)
+    except GoalError as exc:
+        index = _index(str(exc))
+        if index is not None and index < len(prompts):
+            raise GoalError(f"{exc} (prompt {_shown(prompts[index])})") from None
+        raise
+
+
+def _index(message: str) -> int | None:
+    marker = "for completion "
+    if marker not in message:
+        return None
+    digits = message.split(marker, 1)[1].split(":")[0].split()[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def _child(spec: str, base: str, fd_in: str, fd_out: str) -> None:
+    """The child process: answer JSON-line requests read from `fd_in` on `fd_out`."""
+    channel_in = os.fdopen(int(fd_in), "r", encoding="utf-8")
+    channel_out = os.fdopen(int(fd_out), "w", encoding="utf-8")
+    os.dup2(2, 1)  # a reward's prints go to stderr, never into the channel
+    sys.stdout = sys.stderr
+
+    def answer(payload: dict[str, Any]) -> None:
+        channel_out.write(json.dumps(payload) + "\n")
+        channel_out.flush()
+
+    try:
+        function, where = _load(spec, Path(base))
+    except GoalError as exc:
+        answer({"error": str(exc)})
+        return
+    answer({"ready": where})
+    for line in channel_in:
+        request = json.loads(line)
+        try:
+            rewards = _call(
+                function, where, request["prompts"], request["completions"], request["fields"]
+            )
+            answer({"rewards": rewards})
+        except GoalError as exc:
+            answer({"error": str(exc)})
+
+
+class RewardRunner:
+    """The reward function of a run in a child process, started on first use and again after
+    a timeout; `score` raises RewardError with one line when the reward fails."""
+
+    def __init__(self, spec: str, base: Path, timeout_s: float = 120.0) -> None:
+        self.spec, self.base, self.timeout_s = spec, base, timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._to_child: Any = None
+        self._from_child: Any = None
+        self._buffer = b""
+
+    def start(self) -> None:
+        """Start the child and import the reward (RewardError naming what failed)."""
+        if self._proc is None:
+            self._start()
+
+    def _start(self) -> None:
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        code = "import sys; from eggroll_dist.worker.reward import _child; _child(*sys.argv[1:])"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code, self.spec, str(self.base), str(to_r), str(from_w)],
+            stdin=subprocess.DEVNULL,
+            pass_fds=(to_r, from_w),
+        )
+        os.close(to_r)
+        os.close(from_w)
+        self._to_child = os.fdopen(to_w, "wb")
+        self._from_child = from_r
+        self._buffer = b""
+        ready = self._read(START_TIMEOUT_S, "starting")
+        if "error" in ready:
+            self.close()
+            raise RewardError(ready["error"])
+
+    def _read(self, timeout_s: float, doing: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._from_child, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.close()
+                    raise RewardError(
+                        f"the reward {self.spec} did not answer within {timeout_s:g} s while "
+                        f"{doing}: it was stopped (raise the limit with --reward-timeout)"
+                    )
+                data = os.read(self._from_child, 1 << 20)
+                if not data:
+                    status = self._proc.wait() if self._proc is not None else None
+                    self.close()
+                    raise RewardError(
+                        f"the reward {self.spec} exited (status {status}) while {doing}"
+                    )
+                self._buffer += data
+                if len(self._buffer) > MAX_ANSWER_BYTES:
+                    self.close()
+                    raise RewardError(f"the reward {self.spec} answered more than 256 MiB")
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def score(
+        self, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+    ) -> list[float]:
+        """One reward per completion (prompts[i] is completion i's prompt)."""
+        if self._proc is None:
+            self._start()
+        request = {"prompts": prompts, "completions": completions, "fields": fields}
+        try:
+            self._to_child.write((json.dumps(request) + "\n").encode())
+            self._to_child.flush()
+        except (BrokenPipeError, TypeError, ValueError) as exc:
+            self.close()
+            raise RewardError(f"the reward {self.spec} cannot be sent the chunk: {exc}") from None
+        answer = self._read(self.timeout_s, f"scoring {len(completions)} completions")
+        if "error" in answer:
+            raise RewardError(answer["error"])
+        return [float(v) for v in answer["rewards"]]
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+        for f in (self._to_child,):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if isinstance(self._from_child, int):
+            os.close(self._from_child)
+        self._to_child = self._from_child = None
+
+    def __del__(self) -> None:
+        self.close()
