@@ -253,7 +253,7 @@ def validate(cfg: RunConfig) -> None:
     )
     _check_fitness(cfg)
     _check(
-        not m.init_from or _is_hex(m.init_digest, 16),
+        not m.init_digest or (m.init_from and _is_hex(m.init_digest, 16)),
         f"model.init_digest={m.init_digest!r} must be the 16 hex digits of the replica digest "
         "of model.init_from",
     )

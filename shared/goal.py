@@ -204,6 +204,8 @@ def initial_state(
     the config pins."""
     if not cfg.model.init_from:
         return ReplicaState.initial(cfg)
+    if not cfg.model.init_digest:
+        raise GoalError("the run config names model.init_from but not its model.init_digest")
     path = path or resolve(cfg.model.init_from, base or Path("."))
     start = _read_init(path)
     if start.digest_hex() != cfg.model.init_digest:
