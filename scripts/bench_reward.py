@@ -1,0 +1,104 @@
+"""Benchmark a reward run's evaluation: completions per second, the share of a step spent
+inside the reward, and the population's generation against plain batched generation.
+
+The reference, measured in the same run: the unperturbed model generating the same number
+of completions (same prompts, same length, rows batched the same way). The ratio says what
+the members' rank-1 perturbations cost over inference, EGGROLL's headline comparison.
+
+    python scripts/bench_reward.py [--data-dir data] [--preset tiny] [--population 2048]
+        [--prompts-per-step 8] [--completion-tokens 32] [--reward builtin:letter_e]
+        [--repeats 2] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from eggroll_dist.shared.config import ESConfig, FitnessConfig, preset
+from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.shared.goal import generation_seed, settings, step_prompts
+from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.shared.sample import generate_rows
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.objective import Reward, make_objective
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", type=Path, default=Path("data"))
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--population", type=int, default=2048)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--completion-tokens", type=int, default=32)
+    p.add_argument("--reward", default="builtin:letter_e")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    base = preset(args.preset)
+    chunk = min(base.es.chunk_size, args.population)
+    cfg = base.replace(
+        es=dataclasses.replace(base.es, population=args.population, chunk_size=chunk),
+        fitness=FitnessConfig(
+            objective="reward",
+            reward=args.reward,
+            prompts="data",
+            prompts_per_step=args.prompts_per_step,
+            completion_tokens=args.completion_tokens,
+        ),
+    )
+    assert isinstance(cfg.es, ESConfig)
+    dataset = load_data_dir(args.data_dir)
+    backend = NumpyBackend(dataset, ReplicaState.initial(cfg), threads=args.threads)
+    objective = make_objective(cfg, dataset, Path("."))
+    assert isinstance(objective, Reward)
+    chunks = [(c * chunk, chunk) for c in range(cfg.chunks)]
+    objective.evaluate_chunks(backend, 0, chunks[:1])  # warm-up: tables, the reward's process
+    objective.reward_seconds = objective.generate_seconds = 0.0
+    objective.completions = 0
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):  # step 0 again: the work of any step
+        objective.evaluate_chunks(backend, 0, chunks)
+    total = time.perf_counter() - t0
+    completions = objective.completions
+    # The reference: the unperturbed model writes the same completions, batched the same way.
+    chosen = step_prompts(cfg, objective.prompts, 0)
+    model = backend.model
+    ref_s = 0.0
+    for _ in range(args.repeats):
+        for _first, count in chunks:
+            for length in sorted({len(q.tokens) for q in chosen}):
+                group = [q for q in chosen if len(q.tokens) == length]
+                rows = np.tile(np.array([q.tokens for q in group]), (count, 1))
+                samples = np.tile(np.array([q.index for q in group]), count)
+                t = time.perf_counter()
+                with threadpool_limits(backend.threads):  # as the backend computes
+                    generate_rows(
+                        model.decoder(None, len(rows)),
+                        rows,
+                        cfg.fitness.completion_tokens,
+                        settings(cfg),
+                        generation_seed(cfg, 0),
+                        samples,
+                    )
+                ref_s += time.perf_counter() - t
+    objective.close()
+    gen_tokens = completions * cfg.fitness.completion_tokens
+    print(f"config: {args.preset}, population {cfg.es.population}, {cfg.chunks} chunks, "
+          f"{args.prompts_per_step} prompts x {args.completion_tokens} tokens, "
+          f"{backend.threads} threads, reward {args.reward}")  # fmt: skip
+    print(f"completions/s:            {completions / total:,.0f}")
+    print(f"generated member-tok/s:   {gen_tokens / total:,.0f}")
+    print(f"share inside the reward:  {objective.reward_seconds / total:.1%}")
+    print(f"share generating:         {objective.generate_seconds / total:.1%}")
+    print(f"unperturbed generation:   {gen_tokens / ref_s:,.0f} tok/s (reference)")
+    print(f"ratio to the reference:   {ref_s / objective.generate_seconds:.2f}")
+
+
+if __name__ == "__main__":
+    main()
