@@ -90,7 +90,7 @@ from ..protocol import (
     Welcome,
     verify_mac,
 )
-from ..shared.fitness import REWARD_UNIT, chunk_loss_range
+from ..shared.fitness import chunk_loss_range, mean_score, member_tokens
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
@@ -586,7 +586,7 @@ class RunCore:
         started = peer.job_started.pop(msg.chunk, None)
         if started is not None and msg.step == self.step:
             seconds = max(self.clock() - started, 1e-9)
-            tokens = self.cfg.es.chunk_size * self.cfg.es.seq_len
+            tokens = member_tokens(self.cfg, self.cfg.es.chunk_size)
             out.append(ChunkTimed(peer.name, seconds, tokens))
         if msg.step == self.step:
             try:
@@ -680,18 +680,14 @@ class RunCore:
     def _committed(self, step: int, jobs: StepJobs) -> Committed:
         # From the step's first lease: time spent waiting for workers is not step time.
         seconds = max(self.clock() - (jobs.first_lease or jobs.opened), 1e-9)
-        cfg, tokens = self.cfg, self.cfg.es.population * self.cfg.es.seq_len
-        reward = None
-        if cfg.fitness.objective == "reward":  # loss_sum: the rewards' sum in millionths
-            reward = (
-                jobs.loss_sum * REWARD_UNIT / (cfg.es.population * cfg.fitness.prompts_per_step)
-            )
+        cfg, score = self.cfg, mean_score(self.cfg, jobs.loss_sum)
+        reward_run = cfg.fitness.objective == "reward"
         return Committed(
             step=step,
             seconds=seconds,
-            loss_bits=math.nan if reward is not None else jobs.loss_sum / 16 / tokens,
-            reward=reward,
-            member_tokens=tokens,
+            loss_bits=math.nan if reward_run else score,
+            reward=score if reward_run else None,
+            member_tokens=member_tokens(cfg, cfg.es.population),
             changed=self.weights_changed or 0,
             workers=self.ready_count(),
             requeued=sum(jobs.requeued.values()),

@@ -50,6 +50,22 @@ def pair_fitness(member_loss: np.ndarray, cfg: FitnessConfig) -> np.ndarray:
     return fit
 
 
+def member_tokens(cfg: RunConfig, members: int) -> int:
+    """Tokens `members` members score in a step: seq_len each for the loss; for a reward,
+    the tokens they generate (prompts_per_step * completion_tokens each)."""
+    f = cfg.fitness
+    per = f.prompts_per_step * f.completion_tokens if f.objective == "reward" else cfg.es.seq_len
+    return members * per
+
+
+def mean_score(cfg: RunConfig, score_sum: int) -> float:
+    """A step's mean loss in bits per token, or for a reward run its mean reward per
+    completion, from the sum of its chunks' loss_sum (a reward run's: millionths)."""
+    if cfg.fitness.objective == "reward":
+        return score_sum * REWARD_UNIT / (cfg.es.population * cfg.fitness.prompts_per_step)
+    return score_sum / 16 / (cfg.es.population * cfg.es.seq_len)
+
+
 def chunk_loss_range(cfg: RunConfig) -> tuple[int, int]:
     """Inclusive bounds of one chunk's loss sum, for checking what a worker reports (a
     reward run: its rewards' sum in millionths, each reward within ±MAX_REWARD).

@@ -3,8 +3,8 @@ text (shared/goal.py). Both give a `ChunkResult` per chunk, so the trainer and t
 daemon never ask which objective a run has.
 
 `ChunkResult.loss_sum` is the chunk's integer loss (1/16 bit) for the loss, the sum of its
-rewards in millionths (`shared.goal.REWARD_UNIT`) for a reward: what RESULT carries, and what
-`mean_score` turns into the step's train loss or mean reward.
+rewards in millionths (`shared.fitness.REWARD_UNIT`) for a reward: what RESULT carries, and
+what `shared.fitness.mean_score` turns into the step's train loss or mean reward.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
 from ..shared.goal import (
-    REWARD_UNIT,
     Prompt,
     Prompts,
     generation_seed,
@@ -35,7 +34,7 @@ from ..shared.vocab import decode
 from .backend import Backend, ChunkResult
 from .reward import RewardRunner
 
-__all__ = ["NextToken", "Objective", "Reward", "make_objective", "mean_score"]
+__all__ = ["NextToken", "Objective", "Reward", "make_objective"]
 
 
 class Objective(Protocol):
@@ -156,11 +155,3 @@ def make_objective(
     runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s)
     runner.start()  # a reward file that does not import fails here, not at the first chunk
     return Reward(cfg, prompts, runner, dataset.decoding)
-
-
-def mean_score(cfg: RunConfig, score_sum: int) -> float:
-    """A step's mean per member-token loss in bits, or its mean reward per completion, from
-    the sum of its chunks' `loss_sum`."""
-    if cfg.fitness.objective == "reward":
-        return score_sum * REWARD_UNIT / (cfg.es.population * cfg.fitness.prompts_per_step)
-    return score_sum / 16 / (cfg.es.population * cfg.es.seq_len)

@@ -78,6 +78,7 @@ from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
+from ..shared.fitness import member_tokens
 from ..shared.goal import GoalError, check_files
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from .backend import BackendFactory, ChunkResult, HeldOut
@@ -395,7 +396,7 @@ class Session:
             log.info("chunk dropped", step=job.step, chunk=job.chunk, reason="step committed")
             return []
         assert self.config is not None
-        tokens = job.member_count * self.config.es.seq_len
+        tokens = member_tokens(self.config, job.member_count)
         log.info(
             "chunk done",
             step=job.step,

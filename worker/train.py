@@ -35,6 +35,7 @@ from ..shared.cli import (
 )
 from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, Dataset, load_data_dir
+from ..shared.fitness import mean_score, member_tokens
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.goal import GoalError, initial_state
 from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
@@ -53,7 +54,7 @@ from ..shared.save_dir import (
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
-from .objective import NextToken, Objective, Reward, make_objective, mean_score
+from .objective import NextToken, Objective, Reward, make_objective
 from .reward import RewardError
 
 log = structlog.get_logger("eggroll.train")
@@ -125,7 +126,7 @@ def train(
     objective = objective or NextToken()
     reward_run = cfg.fitness.objective == "reward"
     result = TrainResult(backend.state)
-    tokens_per_step = cfg.es.population * cfg.es.seq_len
+    tokens_per_step = member_tokens(cfg, cfg.es.population)
     every = cfg.validation.every_steps
     start = time.perf_counter()
     for done in range(steps):
