@@ -120,3 +120,21 @@ def threads_option(f: F) -> F:
         help="CPU threads of the NumPy backend (per worker); eggroll-train shares them among "
         "the chunks it evaluates side by side.",
     )(f)
+
+
+def tracking_options(f: F) -> F:
+    """`--tensorboard DIR` and `--wandb-project NAME` (passed as tensorboard, wandb_project):
+    experiment tracking, off unless asked for (shared/tracking.py)."""
+    f = click.option(
+        "--wandb-project",
+        default=None,
+        help="Log the curves to this W&B project (the run resumes with its save directory; "
+        "WANDB_MODE=offline keeps it local). Needs the track extra.",
+    )(f)
+    return click.option(
+        "--tensorboard",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Write TensorBoard event files of the curves into this directory. Needs the track "
+        "extra.",
+    )(f)

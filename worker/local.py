@@ -22,7 +22,14 @@ from pathlib import Path
 import click
 
 from ..shared.atomic_file import write_atomic
-from ..shared.cli import cannot_write, command, config_options, threads_option
+from ..shared.cli import (
+    OneLineError,
+    cannot_write,
+    command,
+    config_options,
+    threads_option,
+    tracking_options,
+)
 from ..shared.config import ConfigError, resolve_config
 from ..shared.data import META_FILE, DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
@@ -40,6 +47,7 @@ from ..shared.logs import (
 )
 from ..shared.replica import load_checkpoint
 from ..shared.save_dir import Layout
+from ..shared.tracking import TrackingError, check_available
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import get_backend
@@ -273,6 +281,7 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     default=None,
     help="Write the run summary here as JSON.",
 )
+@tracking_options
 @threads_option
 def main(
     workers: int,
@@ -286,11 +295,17 @@ def main(
     sample_every: int,
     metrics_port: int,
     summary_json: Path | None,
+    tensorboard: Path | None,
+    wandb_project: str | None,
     threads: int | None,
 ) -> None:
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
     if steps is not None and more is not None:
         raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
+    try:
+        check_available(tensorboard is not None, wandb_project is not None)
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
     try:
         cfg = resolve_config(preset_name, config_path)
         _ensure_data(data_dir)
@@ -336,8 +351,12 @@ def main(
         str(metrics_port),
         "--log-format",
         "json",
+        "--data-dir",  # the data's baselines go into history.log (and the tracked curves)
+        str(data_dir),
     ]
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
+    coord_args += ["--tensorboard", str(tensorboard)] if tensorboard else []
+    coord_args += ["--wandb-project", wandb_project] if wandb_project else []
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
     coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)

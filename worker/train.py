@@ -2,10 +2,11 @@
 
 The population of each step is evaluated chunk by chunk exactly as workers would, the
 fitness of all pairs is packed, logged and applied. With --save-dir the run leaves the
-same files a coordinator does (run.json, fitness.log, snapshots/; shared/save_dir.py), so
-it can be inspected and replayed, and the same command run again continues it: from the
-newest snapshot and the fitness log, up to --steps in all. A failed write stops the run in
-one line and keeps every committed step.
+same files a coordinator does (run.json, fitness.log, history.log, snapshots/;
+shared/save_dir.py), so it can be inspected and replayed, and the same command run again
+continues it: from the newest snapshot and the fitness log, up to --steps in all. A failed
+write stops the run in one line and keeps every committed step; history.log only degrades,
+as the coordinator's does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,22 +25,42 @@ import structlog
 
 from ..protocol.ternary import pack_ternary, unpack_ternary
 from ..shared.atomic_file import naming, write_atomic
-from ..shared.cli import cannot_write, command, config_options, log_format_option, threads_option
+from ..shared.cli import (
+    OneLineError,
+    cannot_write,
+    command,
+    config_options,
+    log_format_option,
+    threads_option,
+    tracking_options,
+)
 from ..shared.config import ConfigError, RunConfig, resolve_config
 from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
+from ..shared.logs import (
+    SAMPLE,
+    STEP,
+    VALIDATION,
+    baselines_text,
+    configure_logging,
+    echo,
+    held_out_text,
+    os_error_text,
+)
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import TrainingSamples
 from ..shared.save_dir import (
     RUN_FILE,
+    HistoryLog,
     Layout,
     SaveDir,
     SaveDirError,
+    baselines_record,
     new_run,
     take_lock,
     write_run,
 )
+from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
@@ -46,6 +68,9 @@ from .backend import Backend, BackendFactory, BackendUnavailable, Validation, ge
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
+
+# Takes a record of the run's curve: a log event's name and fields, {"event": STEP, ...}.
+Curve = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -62,19 +87,29 @@ class TrainResult:
     validation: Validation | None = None  # the latest
 
 
-def _validate(backend: Backend, result: TrainResult) -> Validation:
+def _point(curve: Curve | None, event: str, **fields: Any) -> None:
+    """An info line of the log that is a point of the curve too (as the coordinator's)."""
+    log.info(event, **fields)
+    if curve is not None:
+        curve({"event": event, **fields})
+
+
+def _validate(backend: Backend, result: TrainResult, curve: Curve | None) -> Validation:
     v = result.validation = backend.validate()
     result.curve.append({"step": backend.step, **v.report()})
-    log.info("validation", step=backend.step, **v.log_fields(), tokens=v.windows.tokens)
+    _point(curve, VALIDATION, step=backend.step, **v.log_fields(), tokens=v.windows.tokens)
     return v
 
 
-def _sample(samples: TrainingSamples, state: ReplicaState, result: TrainResult) -> None:
+def _sample(
+    samples: TrainingSamples, state: ReplicaState, result: TrainResult, curve: Curve | None
+) -> None:
     prompt, text = samples.write(state)
     result.samples.append({"step": state.step, "prompt": prompt, "text": text})
     # Escaped: model text must not reach a terminal's control sequences (one line each).
-    log.info(
-        "sample",
+    _point(
+        curve,
+        SAMPLE,
         step=state.step,
         prompt=escape(prompt, keep_newlines=False),
         text=escape(text, keep_newlines=False),
@@ -88,10 +123,12 @@ def train(
     fitness_log: FitnessLog | None = None,
     samples: TrainingSamples | None = None,
     max_seconds: float | None = None,
+    curve: Curve | None = None,
 ) -> TrainResult:
     """Run `steps` steps from the backend's state (fewer if `max_seconds` of wall time run
     out first: the step under way finishes); validate every K steps and at the end, and
-    write a sample every `samples.every` steps."""
+    write a sample every `samples.every` steps. `curve` gets each step's, validation's and
+    sample's log line as a record too."""
     result = TrainResult(backend.state)
     tokens_per_step = cfg.es.population * cfg.es.seq_len
     every = cfg.validation.every_steps
@@ -127,23 +164,26 @@ def train(
         result.fitness.append(packed)
         bits = loss_sum / 16 / tokens_per_step
         result.train_loss.append(bits)
-        log.info(
-            "step",
+        _point(
+            curve,
+            STEP,
             step=step + 1,
             loss_bits=round(bits, 4),
             changed=changed,
             member_tok_s=round(tokens_per_step / dt),
-            step_s=round(dt, 3),
+            step_s=round(dt, 4),  # as summary.json's step_seconds
+            workers=1,  # the coordinator's fields: one process, no chunk ever re-queued
+            requeued=0,
             eta_s=round(result.train_seconds / (done + 1) * (steps - done - 1)),
         )
         if every and backend.step % every == 0 and done + 1 < steps:
-            _validate(backend, result)
+            _validate(backend, result, curve)
         if samples and samples.every and backend.step % samples.every == 0:
-            _sample(samples, backend.state, result)
+            _sample(samples, backend.state, result, curve)
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             log.info("time budget spent", step=backend.step, seconds=round(max_seconds))
             break
-    _validate(backend, result)
+    _validate(backend, result, curve)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
     return result
@@ -210,6 +250,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     show_default=True,
     help="Log a sample of the model's writing every N steps (0 = never).",
 )
+@tracking_options
 @log_format_option
 @threads_option
 def main(
@@ -221,11 +262,17 @@ def main(
     save_dir: Path | None,
     max_minutes: float | None,
     sample_every: int,
+    tensorboard: Path | None,
+    wandb_project: str | None,
     log_format: str,
     threads: int | None,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
     configure_logging(log_format)
+    try:
+        check_available(tensorboard is not None, wandb_project is not None)
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
     try:
         cfg = resolve_config(preset_name, config_path)
         dataset = load_data_dir(data_dir)
@@ -262,9 +309,12 @@ def main(
             summary_json,
             max_seconds,
             sample_every,
+            (tensorboard, wandb_project),
         )
     except SaveDirError as exc:
         raise click.ClickException(str(exc)) from None
+    except TrackingError as exc:  # before the run wrote anything
+        raise OneLineError(str(exc)) from None
     except OSError as exc:
         # A full disk or EIO: one line. Committed steps are the fitness log's, and the same
         # command run again once there is room continues from them to the digest of an
@@ -296,42 +346,63 @@ def _run(
     summary_json: Path | None,
     max_seconds: float | None,
     sample_every: int,
+    tracking: tuple[Path | None, str | None] = (None, None),
 ) -> None:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
-    a save directory that cannot be continued SaveDirError."""
+    a save directory that cannot be continued SaveDirError, tracking that cannot start
+    (`tracking`: --tensorboard, --wandb-project) TrackingError before anything is written."""
     fitness_log = None
     state = ReplicaState.initial(cfg)
-    if layout is not None and layout.run_file.exists():
-        fitness_log, state = _resume(layout, cfg)
-    elif layout is not None:
-        layout.snapshots.mkdir(parents=True, exist_ok=True)
-        write_run(layout, new_run(cfg))
-        with naming(layout.fitness_log):
-            fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
-    log.info(
-        "start",
-        preset=preset_name or ("tiny" if not config_path else None),
-        population=cfg.es.population,
-        chunks=cfg.chunks,
-        seq_len=cfg.es.seq_len,
-        layers=cfg.model.n_layer,
-        width=cfg.model.d_model,
-        steps=steps,
-        threads=factory.threads,
-        config_digest=cfg.digest().hex()[:16],
+    resume = layout is not None and layout.run_file.exists()
+    run = new_run(cfg)
+    if layout is not None and resume:
+        fitness_log, state, run = _resume(layout, cfg)
+    meta = dataset.meta
+    baselines = (meta.baselines, meta.baselines_per_byte)
+    tracker = open_tracker(
+        *tracking,
+        start_step=state.step,
+        run_id=None if layout is None else run.get("run_id"),
+        name=None if layout is None else layout.root.name,
+        config={"run_id": run.get("run_id"), **cfg.to_dict()},
+        baselines=baselines,
     )
-    backend = factory.build(dataset, state)
-    samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
-    result = train(cfg, backend, max(0, steps - state.step), fitness_log, samples, max_seconds)
+    curve = _Curve(None if layout is None else HistoryLog(layout.history), tracker)
+    try:
+        if layout is not None and not resume:
+            layout.snapshots.mkdir(parents=True, exist_ok=True)
+            write_run(layout, run)
+            with naming(layout.fitness_log):
+                fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
+        if layout is not None:
+            curve(baselines_record(*baselines))  # for eggroll-inspect --plot
+        log.info(
+            "start",
+            preset=preset_name or ("tiny" if not config_path else None),
+            population=cfg.es.population,
+            chunks=cfg.chunks,
+            seq_len=cfg.es.seq_len,
+            layers=cfg.model.n_layer,
+            width=cfg.model.d_model,
+            steps=steps,
+            threads=factory.threads,
+            config_digest=cfg.digest().hex()[:16],
+        )
+        backend = factory.build(dataset, state)
+        samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
+        result = train(
+            cfg, backend, max(0, steps - state.step), fitness_log, samples, max_seconds, curve
+        )
+    finally:
+        curve.close()
     if layout is not None and not layout.snapshot(result.state.step).exists():
         save_checkpoint(layout.snapshot(result.state.step), result.state)
-    summary = _summary(cfg, preset_name, result, dataset.meta)
+    summary = _summary(cfg, preset_name, result, meta)
     blob = (json.dumps(summary, indent=2) + "\n").encode()
     if layout is not None:  # for eggroll-inspect
         write_atomic(layout.summary, blob)
     if summary_json is not None:
         write_atomic(summary_json, blob)
-    meta = dataset.meta
     echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "
@@ -342,9 +413,41 @@ def _run(
     )
 
 
-def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
+class _Curve:
+    """Where eggroll-train's step, validation and sample records go besides its log: the
+    save directory's history.log (a failed write drops the record and warns once per spell
+    of failures, as the coordinator's does) and the tracker."""
+
+    def __init__(self, history: HistoryLog | None, tracker: Tracker | None) -> None:
+        self.history = history
+        self.tracker = tracker
+        self._failing = False
+
+    def __call__(self, point: dict[str, Any]) -> None:
+        if self.history is not None:
+            error = self.history.append(point)
+            if error is not None and not self._failing:
+                log.warning(
+                    "save directory write failed",
+                    path=str(self.history.path),
+                    error=os_error_text(error),
+                    hint="the run goes on: records of the curve (eggroll-inspect's history "
+                    "and plot) are dropped until a write succeeds",
+                )
+            self._failing = error is not None
+        if self.tracker is not None:
+            self.tracker.record(point)
+
+    def close(self) -> None:
+        if self.history is not None:
+            self.history.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState, dict[str, Any]]:
     """The run in a save directory, to continue: its fitness log open for appending (a torn
-    last record cut off) and the replica state at its last committed step."""
+    last record cut off), the replica state at its last committed step, and run.json."""
     run = SaveDir.open(layout.root)
     take_lock(layout, create=False)  # a coordinator's directory: never two writers at once
     if run.config.digest() != cfg.digest():
@@ -357,7 +460,7 @@ def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
         fitness_log = FitnessLog.open(layout.fitness_log)  # repairs a torn last record
     state = run.state_at(fitness_log.steps, unpack_ternary)
     log.info("resuming", save_dir=str(layout.root), step=state.step)
-    return fitness_log, state
+    return fitness_log, state, run.run
 
 
 def _committed(layout: Layout) -> int:
@@ -374,7 +477,12 @@ def _discard_run(layout: Layout, created: bool) -> str:
     snapshots folder, then the directory if this run made it. '' when done; else what is
     left, for the error line."""
     try:
-        for path in (layout.summary, *layout.snapshot_files(), layout.fitness_log):
+        for path in (
+            layout.summary,
+            layout.history,
+            *layout.snapshot_files(),
+            layout.fitness_log,
+        ):
             path.unlink(missing_ok=True)
         layout.run_file.unlink(missing_ok=True)  # last: without it nothing reads as a run
         with contextlib.suppress(FileNotFoundError):
