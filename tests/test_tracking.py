@@ -33,20 +33,20 @@ from eggroll_dist.shared.tracking import (
 from eggroll_dist.worker.local import main as local_main
 from eggroll_dist.worker.train import main as train_main
 
-pytest.importorskip("tensorboardX", reason="the track extra is not installed")
-pytest.importorskip("wandb", reason="the track extra is not installed")
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-
 # Validation and a sample every 2 steps, steps in milliseconds.
 TRACKED_RUN = TINY_RUN.replace("every_steps = 0", "every_steps = 2")
 
 
+def needs_track_extra() -> None:
+    for module in ("tensorboardX", "tensorboard", "wandb"):
+        pytest.importorskip(module, reason="the track extra is not installed")
+
+
 def accumulator(logdir: Path) -> Any:
-    """TensorBoard's reader of the event files in `logdir`, every event kept."""
-    acc = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={"scalars": 0, "tensors": 0}
-    )
-    return acc.Reload()
+    """TensorBoard's own reader of the event files in `logdir`, every event kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0}).Reload()
 
 
 def tensorboard_steps(logdir: Path) -> dict[str, list[int]]:
@@ -74,6 +74,7 @@ def expected(steps: range, every: int, baselines: dict[str, float]) -> dict[str,
 def test_the_coordinator_writes_every_quantity_once_across_a_restart(
     spawn: Callable[..., Any], words_data: Path, tmp_path: Path
 ) -> None:
+    needs_track_extra()
     config, save_dir, logdir = tmp_path / "tiny.toml", tmp_path / "run", tmp_path / "tb"
     config.write_text(TRACKED_RUN)
     flags = ("--data-dir", words_data, "--tensorboard", logdir, "--sample-every", "2")
@@ -135,6 +136,7 @@ def wandb_history(wandb_dir: Path) -> list[tuple[int, set[str]]]:
 def test_train_logs_the_same_keys_to_wandb_offline_and_tensorboard(
     words_data: Path, tmp_path: Path
 ) -> None:
+    needs_track_extra()
     config, save_dir, logdir = tmp_path / "train.toml", tmp_path / "run", tmp_path / "tb"
     config.write_text(TRAIN_RUN)  # validation every 3 steps and at the end
     env = {
