@@ -20,6 +20,14 @@ WIDTH, HEIGHT, DPI = 10.0, 6.0, 100  # inches, so 1000 x 600 pixels
 Lines = dict[str, tuple[list[int], list[float]]]
 
 _BASELINES = (("unigram", "unigram"), ("bigram", "bigram"), ("gzip9", "gzip -9"))
+_STYLES: dict[str, dict[str, object]] = {
+    "train loss": {"color": "tab:blue", "linewidth": 0.8, "alpha": 0.6},
+    "held-out": {"color": "tab:red", "marker": "o", "markersize": 4, "linewidth": 2},
+    "held-out, long streams": {"color": "tab:purple", "marker": "s", "markersize": 2},
+    "unigram": {"color": "tab:green", "linestyle": "--"},
+    "bigram": {"color": "tab:orange", "linestyle": "-."},
+    "gzip -9": {"color": "tab:brown", "linestyle": ":"},
+}
 
 
 class PlotError(Exception):
@@ -66,22 +74,19 @@ def draw(curve: Curve, path: Path, title: str) -> Lines:
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure  # a figure of its own: no pyplot state, no display
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI)
     ax = fig.subplots()
-    styles = {
-        "train loss": {"color": "tab:blue", "linewidth": 0.8, "alpha": 0.7},
-        "held-out": {"color": "tab:red", "marker": "o", "markersize": 3},
-        "held-out, long streams": {"color": "tab:purple", "marker": "s", "markersize": 3},
-    }
     for label, (x, y) in drawn.items():
-        style = styles.get(label, {"color": "gray", "linestyle": "--", "linewidth": 1})
-        ax.plot(x, y, label=label, **style)
+        name = label if label in _STYLES else label.rsplit(" ", 1)[0]  # "unigram 4.694"
+        ax.plot(x, y, label=label, **{"linewidth": 1.2, **_STYLES[name]})
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("bits per token")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, format="png")
     held: Lines = {}

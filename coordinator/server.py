@@ -47,7 +47,7 @@ from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import CheckpointError, decode_checkpoint
 from ..shared.save_dir import DIGESTS_LOG, HISTORY_LOG, RUN_FILE
-from ..shared.tracking import Tracker
+from ..shared.tracking import CurveSink, Tracker
 from . import events
 from .jobs import Clock, Outcome
 from .link import Link
@@ -73,9 +73,6 @@ READ_BYTES = 1 << 16
 # Runs a blocking call (file I/O, checkpoint decoding) off the event loop.
 Offload = Callable[..., Awaitable[Any]]
 
-# Takes a record of the run's curve: a log event's name and fields, {"event": STEP, ...}.
-Curve = Callable[[dict[str, Any]], None]
-
 
 @dataclass
 class Options:
@@ -94,7 +91,10 @@ class Options:
 
 
 def record(
-    metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0), curve: Curve | None = None
+    metrics: Metrics,
+    event: events.Event,
+    net: tuple[int, int] = (0, 0),
+    curve: CurveSink | None = None,
 ) -> None:
     """Measure and log one event of the run core. `net`: the bytes received and sent since
     the last commit, for a `Committed` step's line. Log event names and fields are a
@@ -239,7 +239,7 @@ def record(
             raise TypeError(f"no record for the event {event!r}")
 
 
-def _log(curve: Curve | None, event: str, **fields: Any) -> None:
+def _log(curve: CurveSink | None, event: str, **fields: Any) -> None:
     """An info line of the log that is a point of the curve too."""
     log.info(event, **fields)
     if curve is not None:

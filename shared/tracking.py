@@ -29,6 +29,10 @@ log = structlog.get_logger("eggroll.tracking")
 
 INSTALL = "pip install 'eggroll-distributed[track]'"
 
+# Takes a record of the run's curve, a log line's event and fields: {"event": STEP, ...}
+# (history.log and a Tracker take them).
+CurveSink = Callable[[dict[str, Any]], None]
+
 # A record's field -> its tag, in TensorBoard and W&B alike.
 STEP_TAGS = {
     "loss_bits": "train/loss_bits_per_token",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,13 @@ from ..shared.save_dir import (
     take_lock,
     write_run,
 )
-from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
+from ..shared.tracking import (
+    CurveSink,
+    Tracker,
+    TrackingError,
+    check_available,
+    open_tracker,
+)
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
@@ -68,9 +73,6 @@ from .backend import Backend, BackendFactory, BackendUnavailable, Validation, ge
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
-
-# Takes a record of the run's curve: a log event's name and fields, {"event": STEP, ...}.
-Curve = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -87,14 +89,14 @@ class TrainResult:
     validation: Validation | None = None  # the latest
 
 
-def _point(curve: Curve | None, event: str, **fields: Any) -> None:
+def _point(curve: CurveSink | None, event: str, **fields: Any) -> None:
     """An info line of the log that is a point of the curve too (as the coordinator's)."""
     log.info(event, **fields)
     if curve is not None:
         curve({"event": event, **fields})
 
 
-def _validate(backend: Backend, result: TrainResult, curve: Curve | None) -> Validation:
+def _validate(backend: Backend, result: TrainResult, curve: CurveSink | None) -> Validation:
     v = result.validation = backend.validate()
     result.curve.append({"step": backend.step, **v.report()})
     _point(curve, VALIDATION, step=backend.step, **v.log_fields(), tokens=v.windows.tokens)
@@ -102,7 +104,7 @@ def _validate(backend: Backend, result: TrainResult, curve: Curve | None) -> Val
 
 
 def _sample(
-    samples: TrainingSamples, state: ReplicaState, result: TrainResult, curve: Curve | None
+    samples: TrainingSamples, state: ReplicaState, result: TrainResult, curve: CurveSink | None
 ) -> None:
     prompt, text = samples.write(state)
     result.samples.append({"step": state.step, "prompt": prompt, "text": text})
@@ -123,7 +125,7 @@ def train(
     fitness_log: FitnessLog | None = None,
     samples: TrainingSamples | None = None,
     max_seconds: float | None = None,
-    curve: Curve | None = None,
+    curve: CurveSink | None = None,
 ) -> TrainResult:
     """Run `steps` steps from the backend's state (fewer if `max_seconds` of wall time run
     out first: the step under way finishes); validate every K steps and at the end, and
