@@ -163,6 +163,7 @@ def _history_line(info: dict[str, Any]) -> str:
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
+    metavar="PNG",
     help="Draw the train loss and held-out scores over the steps, against the baselines, "
     "into this PNG file. Needs the plot extra.",
 )

@@ -128,6 +128,7 @@ def tracking_options(f: F) -> F:
     f = click.option(
         "--wandb-project",
         default=None,
+        metavar="NAME",
         help="Log the curves to this W&B project (the run resumes with its save directory; "
         "WANDB_MODE=offline keeps it local). Needs the track extra.",
     )(f)
@@ -135,6 +136,7 @@ def tracking_options(f: F) -> F:
         "--tensorboard",
         type=click.Path(file_okay=False, path_type=Path),
         default=None,
+        metavar="DIR",
         help="Write TensorBoard event files of the curves into this directory. Needs the track "
         "extra.",
     )(f)

@@ -361,12 +361,13 @@ def _run(
         fitness_log, state, run = _resume(layout, cfg)
     meta = dataset.meta
     baselines = (meta.baselines, meta.baselines_per_byte)
+    run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
     tracker = open_tracker(
         *tracking,
         start_step=state.step,
-        run_id=None if layout is None else run.get("run_id"),
+        run_id=run_id,
         name=None if layout is None else layout.root.name,
-        config={"run_id": run.get("run_id"), **cfg.to_dict()},
+        config={"run_id": run_id, **cfg.to_dict()},
         baselines=baselines,
     )
     curve = _Curve(None if layout is None else HistoryLog(layout.history), tracker)
