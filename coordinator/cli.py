@@ -24,29 +24,33 @@ from ..shared.cli import (
     init_from_option,
     log_format_option,
     run_config,
+    tracking_options,
 )
 from ..shared.config import ConfigError
-from ..shared.data import DataError, load_data_dir
+from ..shared.data import DataError, DataMeta, load_data_dir
 from ..shared.goal import GoalError
 from ..shared.logs import configure_logging
-from ..shared.save_dir import Layout
+from ..shared.save_dir import Layout, baselines_record
+from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
 from .metrics import Metrics
 from .run import Fatal, RunOptions
 from .server import Coordinator, Options
 from .store import RunStore, StoreError
 
 
-def _data_digest(data_dir: Path | None, hex_digest: str | None) -> bytes | None:
+def _data(data_dir: Path | None, hex_digest: str | None) -> tuple[bytes | None, DataMeta | None]:
+    """The run's data digest, and the data's meta.json (its baselines) with --data-dir."""
     if data_dir is not None and hex_digest is not None:
         raise ValueError("give --data-dir or --data-digest, not both")
     if data_dir is not None:
-        return load_data_dir(data_dir).digest
+        dataset = load_data_dir(data_dir)
+        return dataset.digest, dataset.meta
     if hex_digest is not None:
         digest = bytes.fromhex(hex_digest)
         if len(digest) != 32:
             raise ValueError("--data-digest is 64 hex digits (sha256, `eggroll-data info`)")
-        return digest
-    return None
+        return digest, None
+    return None, None
 
 
 def _print_join(host: str, port: int, tls: bool) -> None:
@@ -62,9 +66,9 @@ def _print_join(host: str, port: int, tls: bool) -> None:
     )
 
 
-def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
+def _run(store: RunStore, options: Options, metrics: Metrics, tracker: Tracker | None) -> None:
     async def serve() -> None:
-        await Coordinator(store, options, metrics).run()
+        await Coordinator(store, options, metrics, tracker=tracker).run()
 
     try:
         import uvloop
@@ -167,7 +171,8 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     "--data-dir",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     default=None,
-    help="The run's data directory, if this host has it: workers must hold the same data.",
+    help="The run's data directory, if this host has it: workers must hold the same data "
+    "(and its baselines go into history.log and the tracked curves).",
 )
 @click.option(
     "--data-digest",
@@ -204,6 +209,7 @@ def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
     help="A worker that does not read what it is sent for this long is dropped.",
 )
 @init_from_option
+@tracking_options
 @log_format_option
 def main(
     save_dir: Path | None,
@@ -230,6 +236,8 @@ def main(
     max_connections_per_address: int,
     handshake_timeout_s: float,
     write_timeout_s: float,
+    tensorboard: Path | None,
+    wandb_project: str | None,
     log_format: str,
 ) -> None:
     """Coordinate an EGGROLL run: lease chunks to workers, commit each step durably.
@@ -244,14 +252,15 @@ def main(
         raise click.UsageError("Missing option '--save-dir'.")
     configure_logging(log_format)
     try:
+        check_available(tensorboard is not None, wandb_project is not None)
         token = load_token(token_file)
         tls = None
         if tls_cert is not None or tls_key is not None:
             if tls_cert is None or tls_key is None:
                 raise click.UsageError("--tls-cert and --tls-key go together")
             tls = server_tls_context(tls_cert, tls_key, tls_client_ca)
-        digest = _data_digest(data_dir, data_digest)
-    except (TokenError, OSError, ValueError, DataError) as exc:
+        digest, meta = _data(data_dir, data_digest)
+    except (TokenError, OSError, ValueError, DataError, TrackingError) as exc:
         raise OneLineError(str(exc)) from None
     try:
         given, base = None, None
@@ -289,8 +298,24 @@ def main(
                 f"cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror}): pass "
                 "another --metrics-port, or 0 to turn metrics off"
             ) from None
+    baselines = None if meta is None else (meta.baselines, meta.baselines_per_byte)
+    if baselines is not None:
+        store.record_history(baselines_record(*baselines))  # for eggroll-inspect --plot
     try:
-        _run(store, options, metrics)
+        tracker = open_tracker(
+            tensorboard,
+            wandb_project,
+            start_step=store.steps,
+            run_id=store.run_id.hex(),
+            name=save_dir.name,
+            config={"run_id": store.run_id.hex(), **store.config.to_dict()},
+            baselines=baselines,
+        )
+    except TrackingError as exc:
+        store.close()
+        raise OneLineError(str(exc)) from None
+    try:
+        _run(store, options, metrics, tracker)
     except Fatal as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
@@ -300,5 +325,7 @@ def main(
             ) from None
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     finally:
+        if tracker is not None:
+            tracker.close()
         store.close()
     sys.exit(0)

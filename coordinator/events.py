@@ -189,8 +189,9 @@ class SnapshotDropped(Event):
 
 @dataclass(frozen=True)
 class FileDegraded(Event):
-    """A write to digests.log or run.json failed; its content stays in memory and is
-    written again at the next chance (reported once per spell of failures)."""
+    """A write to digests.log, run.json or history.log failed; the first two keep their
+    content in memory and write it again at the next chance, history.log drops the record
+    (reported once per spell of failures)."""
 
     path: str
     error: str

@@ -9,11 +9,14 @@ from typing import Any
 
 import click
 
-from ..shared.cli import command
+from ..shared.cli import OneLineError, cannot_write, command
 from ..shared.config import PRESETS, RunConfig
-from ..shared.logs import STEP, VALIDATION
+from ..shared.logs import echo
 from ..shared.replica import CheckpointError, load_checkpoint
-from ..shared.save_dir import Layout, SaveDir, SaveDirError
+from ..shared.save_dir import SaveDir, SaveDirError
+from .curve import read_curve
+from .plot import PlotError, draw
+from .plot import check_available as check_plot
 
 
 def preset_of(config: RunConfig) -> str | None:
@@ -22,24 +25,11 @@ def preset_of(config: RunConfig) -> str | None:
     return next((name for name, cfg in PRESETS.items() if cfg.digest() == digest), None)
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    """The JSON log lines of `path` that parse (a log may end in a torn line)."""
-    events = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                events.append(event)
-    return events
-
-
 def history(save_dir: Path) -> dict[str, Any]:
-    """Train loss, held-out bits and step times, from what the save dir keeps of them: the
-    summary eggroll-train writes, or the coordinator log eggroll-local keeps. None where
-    neither is there (a coordinator started by hand logs them to its stderr only)."""
+    """Train loss, held-out bits and step times: the last of each in the curve the save dir
+    records (coordinator/curve.py), or summary.json's where it is as new (eggroll-train's
+    are unrounded). None where it records none (a run from before history.log whose
+    coordinator logged them to its stderr only)."""
     found: dict[str, Any] = {
         "source": None,
         "train_loss_bits": None,
@@ -50,37 +40,33 @@ def history(save_dir: Path) -> dict[str, Any]:
         "step_s_last": None,
         "steps_timed": 0,
     }
-    layout = Layout(save_dir)
-    summary, coordinator_log = layout.summary, layout.coordinator_log
-    sources, times = [], []
     try:
-        # eggroll-local: every step, and the coordinator's validations
-        if coordinator_log.is_file():
-            events = _events(coordinator_log)
-            steps = [e for e in events if e.get("event") == STEP]
-            valid = [e for e in events if e.get("event") == VALIDATION]
-            times = [float(e["step_s"]) for e in steps if "step_s" in e]
-            sources.append(coordinator_log.relative_to(save_dir).as_posix())
-            if steps:
-                found.update(train_loss_bits=steps[-1].get("loss_bits"))
-            if valid:
-                found.update(valid_bits_per_token=valid[-1].get("valid_bits"))
-                found.update(valid_stream_bits_per_token=valid[-1].get("stream_bits"))
-                found.update(valid_step=valid[-1].get("step"))
-        if summary.is_file():  # eggroll-train, or eggroll-local's final held-out score
-            data = json.loads(summary.read_text())
-            sources.append(summary.name)
-            times = [float(t) for t in data.get("step_seconds", [])] or times
-            if data.get("train_loss_bits") is not None:
-                found.update(train_loss_bits=data["train_loss_bits"])
-            if data.get("valid_bits_per_token") is not None:
-                found.update(valid_bits_per_token=data["valid_bits_per_token"])
-                found.update(valid_stream_bits_per_token=data.get("valid_stream_bits_per_token"))
-                found.update(valid_step=data.get("steps"))
+        curve = read_curve(save_dir)
+        times = [float(r["step_s"]) for r in curve.steps if r.get("step_s") is not None]
+        if curve.steps:
+            found.update(train_loss_bits=curve.steps[-1].get("loss_bits"))
+        if curve.validations:
+            last = curve.validations[-1]
+            found.update(
+                valid_bits_per_token=last.get("valid_bits"),
+                valid_stream_bits_per_token=last.get("stream_bits"),
+                valid_step=last["step"],
+            )
+        summary = curve.summary
+        if summary is not None and (summary.get("steps") or 0) >= curve.last_step:
+            times = times or [float(t) for t in summary.get("step_seconds", [])]
+            if summary.get("train_loss_bits") is not None:
+                found.update(train_loss_bits=summary["train_loss_bits"])
+            if summary.get("valid_bits_per_token") is not None:
+                found.update(
+                    valid_bits_per_token=summary["valid_bits_per_token"],
+                    valid_stream_bits_per_token=summary.get("valid_stream_bits_per_token"),
+                    valid_step=summary.get("steps"),
+                )
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
         found.update(source=f"unreadable: {exc}")
         return found
-    found.update(source=" + ".join(sources) or None)
+    found.update(source=" + ".join(curve.sources) or None)
     if times:
         found.update(
             step_s_mean=sum(times) / len(times), step_s_last=times[-1], steps_timed=len(times)
@@ -129,6 +115,21 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
     }
 
 
+def _plot(save_dir: Path, info: dict[str, Any], path: Path) -> None:
+    """Draw the curve into `path` and say so on stderr (stdout may be --json's)."""
+    title = f"{save_dir.name}: preset {info['preset'] or 'none (own config)'}, {info['step']} steps"
+    try:
+        curve = read_curve(save_dir)
+        drawn = draw(curve, path, title)
+    except PlotError as exc:
+        raise click.ClickException(f"{exc} ({save_dir})") from None
+    except OSError as exc:
+        raise cannot_write(exc, path) from None
+    points = len(drawn.get("held-out", ([], []))[0])
+    baselines = "" if curve.baselines else "; baselines unknown (no --data-dir)"
+    echo(f"plot of {info['step']} steps, {points} held-out scores in {path}{baselines}", err=True)
+
+
 def _number(value: Any, form: str) -> str:
     return "unknown" if value is None else format(value, form)
 
@@ -139,7 +140,7 @@ def _history_line(info: dict[str, Any]) -> str:
     if h["source"] is None:
         return (
             f"{head}; train loss, held-out bits and step times unknown: the save dir keeps "
-            "none (eggroll-train and eggroll-local keep them; a coordinator logs them to stderr)"
+            "none (a run from before history.log; its coordinator logged them to stderr)"
         )
     valid = _number(h["valid_bits_per_token"], ".3f")
     if h["valid_step"] is not None:
@@ -158,12 +159,26 @@ def _history_line(info: dict[str, Any]) -> str:
 @click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--last", default=5, show_default=True, help="How many recent digests to show.")
-def main(save_dir: Path, as_json: bool, last: int) -> None:
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="PNG",
+    help="Draw the train loss and held-out scores over the steps, against the baselines, "
+    "into this PNG file. Needs the plot extra.",
+)
+def main(save_dir: Path, as_json: bool, last: int, plot: Path | None) -> None:
     """Show a run's steps, digests, snapshots and fitness-log integrity."""
     try:
+        if plot is not None:
+            check_plot()
         info = inspect_run(save_dir, last)
+    except PlotError as exc:
+        raise OneLineError(str(exc)) from None
     except SaveDirError as exc:
         raise click.ClickException(str(exc)) from None
+    if plot is not None:
+        _plot(save_dir, info, plot)
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:

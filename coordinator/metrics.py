@@ -214,7 +214,7 @@ class Metrics:
             self.results_dropped.labels(reason)
         for code in ErrorCode:
             self.protocol_errors.labels(code.name)
-        for file in ("snapshot", "digests", "run"):
+        for file in ("snapshot", "digests", "run", "history"):
             self.save_dir_write_failures.labels(file)
         for direction in ("in", "out"):
             self.snapshot_transfers.labels(direction)

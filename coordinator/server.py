@@ -5,7 +5,9 @@ read task per worker connection (bytes -> `Connection` -> `RunCore.receive` -> c
 it returns), and shuts down in order: stop accepting, ask for a last snapshot, tell every
 worker, wait a bounded time, cancel the rest. What the core returns is carried out by one
 `Executor`, which the in-memory flow tests drive too: it writes messages, reads and writes
-snapshot files off the event loop, and records the core's events in the metrics and the log.
+snapshot files off the event loop, and records the core's events in the metrics and the log,
+and the run's curve (each committed step, held-out score and sample) in the save directory's
+history.log and the experiment tracker, if any.
 All run state is touched from the event loop only, so no locks are needed.
 
 Every peer is bounded: a cap on connections (in all and per address), a deadline for the
@@ -44,7 +46,8 @@ from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.replica import CheckpointError, decode_checkpoint
-from ..shared.save_dir import DIGESTS_LOG, RUN_FILE
+from ..shared.save_dir import DIGESTS_LOG, HISTORY_LOG, RUN_FILE
+from ..shared.tracking import CurveSink, Tracker
 from . import events
 from .jobs import Clock, Outcome
 from .link import Link
@@ -87,10 +90,16 @@ class Options:
     max_connections_per_address: int = 32
 
 
-def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0)) -> None:
+def record(
+    metrics: Metrics,
+    event: events.Event,
+    net: tuple[int, int] = (0, 0),
+    curve: CurveSink | None = None,
+) -> None:
     """Measure and log one event of the run core. `net`: the bytes received and sent since
     the last commit, for a `Committed` step's line. Log event names and fields are a
-    contract (shared/logs.py)."""
+    contract (shared/logs.py). `curve` gets the step, validation and sample lines as records
+    too (history.log and the tracker)."""
     match event:
         case events.Committed():
             metrics.committed(event.seconds, event.loss_bits, event.member_tokens, event.reward)
@@ -99,7 +108,8 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
                 if event.reward is None
                 else {"reward": round(event.reward, 4)}
             )
-            log.info(
+            _log(
+                curve,
                 STEP,
                 step=event.step + 1,  # steps committed, this one included
                 member_tokens=event.member_tokens,
@@ -203,7 +213,8 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
         case events.Validated(scores=v):
             metrics.validated(v)
             streams = v.stream_tokens > 0  # 0: the model carries no state along a stream
-            log.info(
+            _log(
+                curve,
                 VALIDATION,
                 step=v.step,
                 **held_out_fields(
@@ -218,8 +229,13 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
             )
         case events.Sampled():
             metrics.sampled(event.step, event.worker, event.prompt, event.text)
-            log.info(
-                SAMPLE, step=event.step, worker=event.worker, prompt=event.prompt, text=event.text
+            _log(
+                curve,
+                SAMPLE,
+                step=event.step,
+                worker=event.worker,
+                prompt=event.prompt,
+                text=event.text,
             )
         case events.WorkerLog():
             log.info("worker log", worker=event.worker, level=event.level, text=event.text)
@@ -229,21 +245,31 @@ def record(metrics: Metrics, event: events.Event, net: tuple[int, int] = (0, 0))
             raise TypeError(f"no record for the event {event!r}")
 
 
+def _log(curve: CurveSink | None, event: str, **fields: Any) -> None:
+    """An info line of the log that is a point of the curve too."""
+    log.info(event, **fields)
+    if curve is not None:
+        curve({"event": event, **fields})
+
+
 # A degraded file of the save directory -> its metric label, and what its loss costs.
-_DEGRADED_FILES = {DIGESTS_LOG: "digests", RUN_FILE: "run"}
+_DEGRADED_FILES = {DIGESTS_LOG: "digests", RUN_FILE: "run", HISTORY_LOG: "history"}
 _DEGRADED_HINTS = {
     DIGESTS_LOG: "the run goes on: agreed digests stay in memory, later lines are tried "
     "again, and workers agree a missing one again after a restart",
     RUN_FILE: "the run goes on with the data digest in memory; run.json is written again "
     "at each commit (until then a restart agrees the data digest again)",
+    HISTORY_LOG: "the run goes on: records of the curve (eggroll-inspect's history and plot) "
+    "are dropped until a write succeeds",
 }
 
 
 class Executor:
     """Carries out what the run core returns, for the server and the in-memory flow tests
     alike: messages go out through the peers' `Link`s, snapshots are streamed from and
-    written to the store with `offload` (a thread in the server), and events are recorded.
-    It also counts the bytes on every link, for each committed step's line."""
+    written to the store with `offload` (a thread in the server), and events are recorded
+    (the curve's in history.log and `tracker` too). It also counts the bytes on every link,
+    for each committed step's line."""
 
     def __init__(
         self,
@@ -253,8 +279,10 @@ class Executor:
         *,
         keep_snapshots: int = 3,
         offload: Offload = asyncio.to_thread,
+        tracker: Tracker | None = None,
     ) -> None:
         self.core = core
+        self.tracker = tracker
         self.store = core.store
         self.metrics = metrics
         self.links = links
@@ -273,7 +301,14 @@ class Executor:
             if isinstance(event, events.Committed):
                 net = (self.net_in - self._net_marks[0], self.net_out - self._net_marks[1])
                 self._net_marks = (self.net_in, self.net_out)
-            record(self.metrics, event, net)
+            record(self.metrics, event, net, self._curve)
+        if degraded := self.core.store_events():  # a history.log write just now
+            self.record(degraded)
+
+    def _curve(self, point: dict[str, Any]) -> None:
+        self.store.record_history(point)
+        if self.tracker is not None:
+            self.tracker.record(point)
 
     def write(self, link: Link, msg: Message) -> None:
         self.traffic(sent=link.write(msg))
@@ -356,6 +391,7 @@ class Coordinator:
         options: Options,
         metrics: Metrics | None = None,
         clock: Clock = time.monotonic,
+        tracker: Tracker | None = None,
     ) -> None:
         self.store = store
         self.opt = options
@@ -364,7 +400,11 @@ class Coordinator:
         self.metrics.observe(self.core.status, store.run_id, store.config.digest())
         self.links: dict[int, Link] = {}
         self.executor = Executor(
-            self.core, self.metrics, self.links, keep_snapshots=options.keep_snapshots
+            self.core,
+            self.metrics,
+            self.links,
+            keep_snapshots=options.keep_snapshots,
+            tracker=tracker,
         )
         self.stopping = asyncio.Event()
         self._changed = asyncio.Event()  # something happened that may move a deadline

@@ -1,7 +1,8 @@
 """The save directory, written: everything the coordinator keeps, crash-safe.
 
-The layout (run.json, fitness.log, digests.log, snapshots/, .lock) and its names and
-writers are shared/save_dir.py's; this module is the one writer that holds the lock.
+The layout (run.json, fitness.log, digests.log, history.log, snapshots/, .lock) and its
+names and writers are shared/save_dir.py's; this module is the one writer that holds the
+lock.
 Steps committed = records in fitness.log. A snapshot only shortens catch-up; losing one
 loses nothing.
 
@@ -9,7 +10,8 @@ A write that fails after the start follows the policy table of shared/save_dir.p
 fitness log's append raises (the run core stops the coordinator); a snapshot's raises
 `SnapshotWriteError` with nothing of it left behind; digests.log and run.json degrade: the
 value stays in memory, the failure waits in `take_failures()` for the core to report, and
-the file is written again at the next chance.
+the file is written again at the next chance. history.log (the curve that eggroll-inspect
+reads) degrades too: a record that cannot be written is dropped, reported the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.goal import GoalError
 from ..shared.save_dir import (
+    HistoryLog,
     Layout,
     SaveDirBusy,
     SaveDirError,
@@ -87,6 +90,8 @@ class RunStore:
         self._run_dirty = False  # run.json in memory is newer than on disk
         self._run_failing = False  # its last write failed (reported once)
         self._failures: list[WriteFailure] = []  # degraded writes not yet reported
+        self.history = HistoryLog(self.layout.history)
+        self._history_failing = False  # its last append failed (reported once)
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -171,11 +176,12 @@ class RunStore:
             self.sync_digests()
             os.close(self._digests_fd)
             self._digests_fd = None
+        self.history.close()
         os.close(self._lock_fd)
 
     def take_failures(self) -> list[WriteFailure]:
-        """The degraded writes (digests.log, run.json) not yet reported, each reported once
-        per spell of failures; the list is emptied."""
+        """The degraded writes (digests.log, run.json, history.log) not yet reported, each
+        reported once per spell of failures; the list is emptied."""
         failures, self._failures = self._failures, []
         return failures
 
@@ -215,6 +221,15 @@ class RunStore:
                 self._run_failing = True
             return
         self._run_dirty = self._run_failing = False
+
+    def record_history(self, record: dict) -> None:
+        """Append a record of the curve to history.log (a committed step, a held-out score,
+        a sample, the baselines). No commit waits for it: a failed write drops the record
+        and is reported once per spell of failures."""
+        error = self.history.append(record)
+        if error is not None and not self._history_failing:
+            self._failures.append(write_failure(self.layout.history, error))
+        self._history_failing = error is not None
 
     # ------------------------------------------------------------------------ digests
 

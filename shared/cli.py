@@ -158,3 +158,23 @@ def run_config(
     if init_from is not None:
         cfg = cfg.replace(model=replace(cfg.model, init_from=str(init_from.resolve())))
     return pin(cfg, base), base
+
+
+def tracking_options(f: F) -> F:
+    """`--tensorboard DIR` and `--wandb-project NAME` (passed as tensorboard, wandb_project):
+    experiment tracking, off unless asked for (shared/tracking.py)."""
+    f = click.option(
+        "--wandb-project",
+        default=None,
+        metavar="NAME",
+        help="Log the curves to this W&B project (the run resumes with its save directory; "
+        "WANDB_MODE=offline keeps it local). Needs the track extra.",
+    )(f)
+    return click.option(
+        "--tensorboard",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        metavar="DIR",
+        help="Write TensorBoard event files of the curves into this directory. Needs the track "
+        "extra.",
+    )(f)

@@ -3,6 +3,8 @@
     run.json         run id, run config, data digest (rewritten atomically)
     fitness.log      one fsync'd record per committed step: the run itself
     digests.log      "step digest" lines: the agreed replica digest at each step
+    history.log      the curve: a JSON line per committed step, held-out score and sample
+                     (the fields of their log lines, shared/logs.py), and the baselines
     snapshots/       step-00000100.ckpt ...: replica states (checkpoint files)
     logs/            eggroll-local's logs: coordinator.log (JSON lines), worker-N.log
     summary.json     the last summary of eggroll-train or eggroll-local
@@ -30,6 +32,9 @@ and the run goes on. A failure on the coordinator's side never fails a worker's 
     digests.log        degrade: digests stay in memory, a torn line is cut back, the next
                        digest tries again; one warning per spell of failures. A line lost is
                        agreed again by the workers after a restart
+    history.log        degrade: that record is dropped and a torn line cut back, the next
+                       record tries again; one warning per spell of failures (a point of
+                       the curve is lost, nothing of the run)
     run.json           at start: one line, non-zero exit. Later (the data digest): degrade,
                        kept in memory and written again at each commit; one warning (the old
                        file stays whole: it is replaced atomically)
@@ -47,6 +52,7 @@ view is deploy/README.md, "When the disk is full".
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -72,6 +78,7 @@ FITNESS_LOG = "fitness.log"
 DIGESTS_LOG = "digests.log"
 SNAPSHOTS = "snapshots"
 LOGS = "logs"
+HISTORY_LOG = "history.log"
 COORDINATOR_LOG = "coordinator.log"
 SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".lock"
@@ -118,6 +125,10 @@ class Layout:
     @property
     def digests_log(self) -> Path:
         return self.root / DIGESTS_LOG
+
+    @property
+    def history(self) -> Path:
+        return self.root / HISTORY_LOG
 
     @property
     def snapshots(self) -> Path:
@@ -211,6 +222,88 @@ def take_lock(layout: Layout, create: bool = True) -> int | None:
     return fd
 
 
+# history.log's record of the data's baselines (its other records are log events: STEP,
+# VALIDATION and SAMPLE of shared/logs.py, with the fields of their log lines).
+BASELINES = "baselines"
+
+
+def baselines_record(per_token: dict[str, float], per_byte: dict[str, float]) -> dict[str, Any]:
+    """The history.log record of the data's baselines (meta.json's, bits per token and per
+    byte), written at every start so a plot of the curve can draw them."""
+    return {"event": BASELINES, "per_token": per_token, "per_byte": per_byte}
+
+
+def _whole_lines(fd: int, size: int) -> int:
+    """The length of a file's whole lines: up to its last newline, read backwards."""
+    end = size
+    while end > 0:
+        start = max(0, end - 4096)
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
+
+
+class HistoryLog:
+    """history.log opened for appending, one JSON line per record. It is a convenience (the
+    policy table above): `append` never raises. A write that fails is cut back to the file's
+    whole lines and its error returned, for the writer to report once; the next append tries
+    again. No fsync: a line lost in a crash costs one point of the curve."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._good = 0  # the file's length in whole lines
+
+    def append(self, record: dict[str, Any]) -> OSError | None:
+        """Append `record`; the OSError of a write that failed (None: written)."""
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        try:
+            if self._fd is None:
+                self._open()
+            assert self._fd is not None
+            if os.write(self._fd, line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a short write
+        except OSError as exc:
+            self._cut_back()
+            return exc
+        self._good += len(line)
+        return None
+
+    def _open(self) -> None:
+        """Open for appending and cut a torn last line (a crash mid-write) off, so the next
+        record starts a line of its own."""
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = good = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                good = _whole_lines(fd, size)
+                os.ftruncate(fd, good)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd, self._good = fd, good
+
+    def _cut_back(self) -> None:
+        """Leave only whole lines; if even that fails, close: the next append opens the file
+        again and cuts its torn tail then."""
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, self._good)  # needs no free space
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+
 # --- reading ------------------------------------------------------------------------------
 
 
@@ -248,6 +341,24 @@ def read_digests(path: Path) -> tuple[dict[int, int], int]:
         digests[int(match[1])] = int(match[2], 16)
         good += len(line) + 1
     return digests, good
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """The records of history.log in order; a line that does not parse (a torn last line)
+    is left out, and a missing file has none."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("event"), str):
+            records.append(record)
+    return records
 
 
 class SaveDir:

@@ -3,8 +3,9 @@
 The fitness log is the run: an append that fails stops the coordinator at once. Everything
 else degrades: a snapshot that cannot be stored is dropped with one warning (path, error,
 free space), the run and the uploading worker's session go on, and the next snapshot step
-tries again; digests.log keeps its digests in memory. In memory first (faults injected into
-the store), then real processes on a small tmpfs (root only: CI runs as root).
+tries again; digests.log keeps its digests in memory, and history.log drops a record. In
+memory first (faults injected into the store), then real processes on a small tmpfs (root
+only: CI runs as root).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from eggroll_dist.shared.atomic_file import write_atomic
 from eggroll_dist.shared.config import RunConfig, load_config
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.fitness_log import HEADER_SIZE, RECORD_HEAD, packed_size
-from eggroll_dist.shared.save_dir import read_digests
+from eggroll_dist.shared.save_dir import read_digests, read_history
 
 PAGE = 4096  # tmpfs gives out whole pages
 
@@ -209,6 +210,46 @@ def test_digests_log_writes_that_fail_degrade_to_memory(
         on_disk, _ = read_digests(store.layout.digests_log)
         assert on_disk.items() <= store.digests.items() and max(on_disk) == 6
         assert set(store.digests) - set(on_disk)  # agreed meanwhile: kept in memory only
+    finally:
+        store.close()
+
+
+def test_history_log_writes_that_fail_drop_records_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_config: Path, dataset: Dataset
+) -> None:
+    want = undisturbed(tmp_path, tiny_config, dataset, 6)
+    store = open_store(tmp_path / "run", tiny_config)
+    real_write = os.write
+    failing = {"on": False}
+
+    def write(fd: int, data: bytes) -> int:
+        if failing["on"] and fd == store.history._fd:
+            return real_write(fd, data[:5])  # a short write: the disk filled mid-line
+        return real_write(fd, data)
+
+    monkeypatch.setattr(store_module.os, "write", write)
+    try:
+        net = Network(store, dataset, snapshot_every=0)
+        a, b = net.join("a"), net.join("b")
+        net.train(2)
+        failing["on"] = True
+        with structlog.testing.capture_logs() as logs:
+            net.train(2)
+        failing["on"] = False
+        net.train(2)
+        assert store.steps == 6 and a.replica.digest == b.replica.digest == want
+        degraded = [e for e in net.events if isinstance(e, FileDegraded)]
+        assert len(degraded) == 1 and degraded[0].path == str(store.layout.history)
+        assert degraded[0].error == os.strerror(errno.ENOSPC)
+        warnings = [e for e in logs if e["log_level"] == "warning"]
+        assert [e["event"] for e in warnings] == ["save directory write failed"]
+        assert "curve" in warnings[0]["hint"] and warnings[0]["path"] == degraded[0].path
+        # The torn lines were cut back: every line reads, the records of steps 3 and 4 are
+        # lost, and the next ones were written.
+        lines = store.layout.history.read_text().splitlines()
+        records = read_history(store.layout.history)
+        assert len(lines) == len(records)
+        assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 5, 6]
     finally:
         store.close()
 

@@ -1,13 +1,16 @@
 """eggroll-inspect shows the preset, the last train loss, the held-out bits and step times
-from what the save dir keeps, and says so when it keeps none."""
+from what the save dir keeps (history.log, which every writer keeps: a hand-started
+coordinator too), and says so when it keeps none."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from helpers import command
+from helpers import TINY_RUN, command, start_coordinator, start_worker
 
 from eggroll_dist.coordinator.inspect import history, preset_of
 from eggroll_dist.shared.config import preset, resolve_config
@@ -91,3 +94,24 @@ def test_a_save_dir_without_history_says_unknown(tmp_path: Path) -> None:
     FitnessLog.create(tmp_path / "fitness.log", cfg.pairs, cfg.digest())
     line = _inspect(tmp_path).splitlines()[1]
     assert line.startswith("preset tiny; train loss, held-out bits and step times unknown")
+
+
+def test_a_hand_started_coordinator_keeps_loss_held_out_bits_and_step_times(
+    spawn: Callable[..., Any], words_data: Path, tmp_path: Path
+) -> None:
+    config, save_dir = tmp_path / "tiny.toml", tmp_path / "run"
+    config.write_text(TINY_RUN.replace("every_steps = 0", "every_steps = 2"))
+    coord, port = start_coordinator(spawn, save_dir, config, "--max-steps", "4")
+    start_worker(spawn, port, words_data)
+    assert coord.wait(60) == 0
+    steps = [e for e in coord.events if e.get("event") == "step"]
+    valid = [e for e in coord.events if e.get("event") == "validation"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4] and valid
+    h = json.loads(_inspect(save_dir, "--json"))["history"]
+    assert h["source"] == "history.log"
+    assert h["train_loss_bits"] == steps[-1]["loss_bits"]
+    assert h["valid_bits_per_token"] == valid[-1]["valid_bits"]
+    assert h["valid_step"] == valid[-1]["step"]
+    assert h["steps_timed"] == 4 and h["step_s_last"] == steps[-1]["step_s"]
+    line = _inspect(save_dir).splitlines()[1]
+    assert "unknown" not in line and "(from history.log)" in line

@@ -17,11 +17,13 @@ from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, Validat
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, replay, save_checkpoint
 from eggroll_dist.shared.save_dir import (
+    HistoryLog,
     Layout,
     SaveDir,
     SaveDirBusy,
     SaveDirError,
     new_run,
+    read_history,
     snapshot_name,
     take_lock,
     write_run,
@@ -199,3 +201,16 @@ def test_one_writer_at_a_time(tmp_path: Path) -> None:
     again = take_lock(layout, create=False)
     assert again is not None
     os.close(again)
+
+
+@pytest.mark.parametrize("torn", [b'{"event":"st', b'{"event":"sample","text":"' + b"x" * 9000])
+def test_history_log_cuts_a_torn_line_before_it_appends(tmp_path: Path, torn: bytes) -> None:
+    path = tmp_path / "history.log"
+    whole = b'{"event":"step","step":1}\n'
+    path.write_bytes(whole + torn)  # a crash mid-line; the long one spans pages
+    history = HistoryLog(path)
+    assert history.append({"event": "step", "step": 2}) is None
+    history.close()
+    assert path.read_bytes() == whole + b'{"event":"step","step":2}\n'
+    assert [r["step"] for r in read_history(path)] == [1, 2]
+    assert read_history(tmp_path / "none.log") == []

@@ -23,6 +23,7 @@ import click
 
 from ..shared.atomic_file import write_atomic
 from ..shared.cli import (
+    OneLineError,
     cannot_write,
     command,
     config_options,
@@ -30,6 +31,7 @@ from ..shared.cli import (
     reward_timeout_option,
     run_config,
     threads_option,
+    tracking_options,
 )
 from ..shared.config import ConfigError
 from ..shared.data import META_FILE, DataError, load_data_dir
@@ -49,6 +51,7 @@ from ..shared.logs import (
 )
 from ..shared.replica import load_checkpoint
 from ..shared.save_dir import Layout
+from ..shared.tracking import TrackingError, check_available
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import get_backend
@@ -290,6 +293,7 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
 )
 @init_from_option
 @reward_timeout_option
+@tracking_options
 @threads_option
 def main(
     workers: int,
@@ -305,11 +309,17 @@ def main(
     summary_json: Path | None,
     init_from: Path | None,
     reward_timeout: float,
+    tensorboard: Path | None,
+    wandb_project: str | None,
     threads: int | None,
 ) -> None:
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
     if steps is not None and more is not None:
         raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
+    try:
+        check_available(tensorboard is not None, wandb_project is not None)
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
     try:
         cfg, goal_dir = run_config(preset_name, config_path, init_from)
         _ensure_data(data_dir)
@@ -355,10 +365,14 @@ def main(
         str(metrics_port),
         "--log-format",
         "json",
+        "--data-dir",  # the data's baselines go into history.log (and the tracked curves)
+        str(data_dir),
     ]
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
     if init_from is not None:
         coord_args += ["--init-from", str(init_from)]
+    coord_args += ["--tensorboard", str(tensorboard)] if tensorboard else []
+    coord_args += ["--wandb-project", wandb_project] if wandb_project else []
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
     coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)

@@ -2,10 +2,11 @@
 
 The population of each step is evaluated chunk by chunk exactly as workers would, the
 fitness of all pairs is packed, logged and applied. With --save-dir the run leaves the
-same files a coordinator does (run.json, fitness.log, snapshots/; shared/save_dir.py), so
-it can be inspected and replayed, and the same command run again continues it: from the
-newest snapshot and the fitness log, up to --steps in all. A failed write stops the run in
-one line and keeps every committed step.
+same files a coordinator does (run.json, fitness.log, history.log, snapshots/;
+shared/save_dir.py), so it can be inspected and replayed, and the same command run again
+continues it: from the newest snapshot and the fitness log, up to --steps in all. A failed
+write stops the run in one line and keeps every committed step; history.log only degrades,
+as the coordinator's does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import structlog
 from ..protocol.ternary import pack_ternary, unpack_ternary
 from ..shared.atomic_file import naming, write_atomic
 from ..shared.cli import (
+    OneLineError,
     cannot_write,
     command,
     config_options,
@@ -32,24 +34,43 @@ from ..shared.cli import (
     reward_timeout_option,
     run_config,
     threads_option,
+    tracking_options,
 )
 from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness import mean_score, member_tokens
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.goal import GoalError, initial_state
-from ..shared.logs import baselines_text, configure_logging, echo, held_out_text, os_error_text
+from ..shared.logs import (
+    SAMPLE,
+    STEP,
+    VALIDATION,
+    baselines_text,
+    configure_logging,
+    echo,
+    held_out_text,
+    os_error_text,
+)
 from ..shared.replica import ReplicaState, save_checkpoint
 from ..shared.sample import TrainingSamples
 from ..shared.save_dir import (
     RUN_FILE,
+    HistoryLog,
     Layout,
     SaveDir,
     SaveDirError,
+    baselines_record,
     new_run,
     take_lock,
     write_run,
     write_start,
+)
+from ..shared.tracking import (
+    CurveSink,
+    Tracker,
+    TrackingError,
+    check_available,
+    open_tracker,
 )
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
@@ -77,13 +98,23 @@ class TrainResult:
     validation: Validation | None = None  # the latest
 
 
-def _validate(backend: Backend, result: TrainResult, objective: Objective) -> Validation:
+def _point(curve: CurveSink | None, event: str, **fields: Any) -> None:
+    """An info line of the log that is a point of the curve too (as the coordinator's)."""
+    log.info(event, **fields)
+    if curve is not None:
+        curve({"event": event, **fields})
+
+
+def _validate(
+    backend: Backend, result: TrainResult, curve: CurveSink | None, objective: Objective
+) -> Validation:
     v = result.validation = backend.validate()
     reward = objective.held_out(backend)
     extra = {} if reward is None else {"held_out_reward": reward}
     result.curve.append({"step": backend.step, **v.report(), **extra})
-    log.info(
-        "validation",
+    _point(
+        curve,
+        VALIDATION,
         step=backend.step,
         **v.log_fields(),
         **{k: round(x, 4) for k, x in extra.items()},
@@ -93,7 +124,11 @@ def _validate(backend: Backend, result: TrainResult, objective: Objective) -> Va
 
 
 def _sample(
-    samples: TrainingSamples, backend: Backend, result: TrainResult, objective: Objective
+    samples: TrainingSamples,
+    backend: Backend,
+    result: TrainResult,
+    curve: CurveSink | None,
+    objective: Objective,
 ) -> None:
     state = backend.state
     # A reward run shows what the reward scores: a held-out prompt's completion.
@@ -103,8 +138,9 @@ def _sample(
         prompt, text = samples.write(state)
     result.samples.append({"step": state.step, "prompt": prompt, "text": text})
     # Escaped: model text must not reach a terminal's control sequences (one line each).
-    log.info(
-        "sample",
+    _point(
+        curve,
+        SAMPLE,
         step=state.step,
         prompt=escape(prompt, keep_newlines=False),
         text=escape(text, keep_newlines=False),
@@ -118,11 +154,13 @@ def train(
     fitness_log: FitnessLog | None = None,
     samples: TrainingSamples | None = None,
     max_seconds: float | None = None,
+    curve: CurveSink | None = None,
     objective: Objective | None = None,
 ) -> TrainResult:
     """Run `steps` steps from the backend's state (fewer if `max_seconds` of wall time run
     out first: the step under way finishes); validate every K steps and at the end, and
-    write a sample every `samples.every` steps. The objective defaults to the loss."""
+    write a sample every `samples.every` steps. `curve` gets each step's, validation's and
+    sample's log line as a record too. The objective defaults to the loss."""
     objective = objective or NextToken()
     reward_run = cfg.fitness.objective == "reward"
     result = TrainResult(backend.state)
@@ -161,23 +199,26 @@ def train(
         result.fitness.append(packed)
         score = mean_score(cfg, loss_sum)
         (result.train_reward if reward_run else result.train_loss).append(score)
-        log.info(
-            "step",
+        _point(
+            curve,
+            STEP,
             step=step + 1,
             **{("reward" if reward_run else "loss_bits"): round(score, 4)},
             changed=changed,
             member_tok_s=round(tokens_per_step / dt),
-            step_s=round(dt, 3),
+            step_s=round(dt, 4),  # as summary.json's step_seconds
+            workers=1,  # the coordinator's fields: one process, no chunk ever re-queued
+            requeued=0,
             eta_s=round(result.train_seconds / (done + 1) * (steps - done - 1)),
         )
         if every and backend.step % every == 0 and done + 1 < steps:
-            _validate(backend, result, objective)
+            _validate(backend, result, curve, objective)
         if samples and samples.every and backend.step % samples.every == 0:
-            _sample(samples, backend, result, objective)
+            _sample(samples, backend, result, curve, objective)
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             log.info("time budget spent", step=backend.step, seconds=round(max_seconds))
             break
-    _validate(backend, result, objective)
+    _validate(backend, result, curve, objective)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
     return result
@@ -251,6 +292,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
 )
 @init_from_option
 @reward_timeout_option
+@tracking_options
 @log_format_option
 @threads_option
 def main(
@@ -264,11 +306,17 @@ def main(
     sample_every: int,
     init_from: Path | None,
     reward_timeout: float,
+    tensorboard: Path | None,
+    wandb_project: str | None,
     log_format: str,
     threads: int | None,
 ) -> None:
     """Train an int8 EGG model with EGGROLL in one process, on the CPU."""
     configure_logging(log_format)
+    try:
+        check_available(tensorboard is not None, wandb_project is not None)
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
     try:
         cfg, base = run_config(preset_name, config_path, init_from)
         dataset = load_data_dir(data_dir)
@@ -305,11 +353,14 @@ def main(
             summary_json,
             max_seconds,
             sample_every,
+            (tensorboard, wandb_project),
             base,
             reward_timeout,
         )
     except (SaveDirError, GoalError, RewardError) as exc:
         raise click.ClickException(str(exc)) from None
+    except TrackingError as exc:  # before the run wrote anything
+        raise OneLineError(str(exc)) from None
     except OSError as exc:
         # A full disk or EIO: one line. Committed steps are the fitness log's, and the same
         # command run again once there is room continues from them to the digest of an
@@ -341,52 +392,78 @@ def _run(
     summary_json: Path | None,
     max_seconds: float | None,
     sample_every: int,
-    base: Path,
-    reward_timeout: float,
+    tracking: tuple[Path | None, str | None] = (None, None),
+    base: Path | None = None,
+    reward_timeout: float = 120.0,
 ) -> None:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
-    a save directory that cannot be continued SaveDirError, a goal that fails GoalError or
-    RewardError."""
+    a save directory that cannot be continued SaveDirError, tracking that cannot start
+    (`tracking`: --tensorboard, --wandb-project) TrackingError before anything is written,
+    a goal that fails GoalError or RewardError."""
     fitness_log = None
+    base = base or Path(".")
     state = initial_state(cfg, base)
     objective = make_objective(cfg, dataset, base, reward_timeout)
-    if layout is not None and layout.run_file.exists():
-        fitness_log, state = _resume(layout, cfg)
-    elif layout is not None:
-        layout.snapshots.mkdir(parents=True, exist_ok=True)
-        write_start(layout, cfg, base)
-        write_run(layout, new_run(cfg))
-        with naming(layout.fitness_log):
-            fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
-    log.info(
-        "start",
-        preset=preset_name or ("tiny" if not config_path else None),
-        population=cfg.es.population,
-        chunks=cfg.chunks,
-        seq_len=cfg.es.seq_len,
-        layers=cfg.model.n_layer,
-        width=cfg.model.d_model,
-        steps=steps,
-        threads=factory.threads,
-        config_digest=cfg.digest().hex()[:16],
+    resume = layout is not None and layout.run_file.exists()
+    run = new_run(cfg)
+    if layout is not None and resume:
+        fitness_log, state, run = _resume(layout, cfg)
+    meta = dataset.meta
+    baselines = (meta.baselines, meta.baselines_per_byte)
+    run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
+    tracker = open_tracker(
+        *tracking,
+        start_step=state.step,
+        run_id=run_id,
+        name=None if layout is None else layout.root.name,
+        config={"run_id": run_id, **cfg.to_dict()},
+        baselines=baselines,
     )
-    backend = factory.build(dataset, state)
-    samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
+    curve = _Curve(None if layout is None else HistoryLog(layout.history), tracker)
     try:
+        if layout is not None and not resume:
+            layout.snapshots.mkdir(parents=True, exist_ok=True)
+            write_start(layout, cfg, base)
+            write_run(layout, run)
+            with naming(layout.fitness_log):
+                fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
+        if layout is not None:
+            curve(baselines_record(*baselines))  # for eggroll-inspect --plot
+        log.info(
+            "start",
+            preset=preset_name or ("tiny" if not config_path else None),
+            population=cfg.es.population,
+            chunks=cfg.chunks,
+            seq_len=cfg.es.seq_len,
+            layers=cfg.model.n_layer,
+            width=cfg.model.d_model,
+            steps=steps,
+            threads=factory.threads,
+            config_digest=cfg.digest().hex()[:16],
+        )
+        backend = factory.build(dataset, state)
+        samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
         result = train(
-            cfg, backend, max(0, steps - state.step), fitness_log, samples, max_seconds, objective
+            cfg,
+            backend,
+            max(0, steps - state.step),
+            fitness_log,
+            samples,
+            max_seconds,
+            curve,
+            objective,
         )
     finally:
+        curve.close()
         objective.close()
     if layout is not None and not layout.snapshot(result.state.step).exists():
         save_checkpoint(layout.snapshot(result.state.step), result.state)
-    summary = _summary(cfg, preset_name, result, dataset.meta)
+    summary = _summary(cfg, preset_name, result, meta)
     blob = (json.dumps(summary, indent=2) + "\n").encode()
     if layout is not None:  # for eggroll-inspect
         write_atomic(layout.summary, blob)
     if summary_json is not None:
         write_atomic(summary_json, blob)
-    meta = dataset.meta
     echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "
@@ -397,9 +474,41 @@ def _run(
     )
 
 
-def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
+class _Curve:
+    """Where eggroll-train's step, validation and sample records go besides its log: the
+    save directory's history.log (a failed write drops the record and warns once per spell
+    of failures, as the coordinator's does) and the tracker."""
+
+    def __init__(self, history: HistoryLog | None, tracker: Tracker | None) -> None:
+        self.history = history
+        self.tracker = tracker
+        self._failing = False
+
+    def __call__(self, point: dict[str, Any]) -> None:
+        if self.history is not None:
+            error = self.history.append(point)
+            if error is not None and not self._failing:
+                log.warning(
+                    "save directory write failed",
+                    path=str(self.history.path),
+                    error=os_error_text(error),
+                    hint="the run goes on: records of the curve (eggroll-inspect's history "
+                    "and plot) are dropped until a write succeeds",
+                )
+            self._failing = error is not None
+        if self.tracker is not None:
+            self.tracker.record(point)
+
+    def close(self) -> None:
+        if self.history is not None:
+            self.history.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState, dict[str, Any]]:
     """The run in a save directory, to continue: its fitness log open for appending (a torn
-    last record cut off) and the replica state at its last committed step."""
+    last record cut off), the replica state at its last committed step, and run.json."""
     run = SaveDir.open(layout.root)
     take_lock(layout, create=False)  # a coordinator's directory: never two writers at once
     if run.config.digest() != cfg.digest():
@@ -412,7 +521,7 @@ def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
         fitness_log = FitnessLog.open(layout.fitness_log)  # repairs a torn last record
     state = run.state_at(fitness_log.steps, unpack_ternary)
     log.info("resuming", save_dir=str(layout.root), step=state.step)
-    return fitness_log, state
+    return fitness_log, state, run.run
 
 
 def _committed(layout: Layout) -> int:
@@ -429,7 +538,13 @@ def _discard_run(layout: Layout, created: bool) -> str:
     snapshots folder, then the directory if this run made it. '' when done; else what is
     left, for the error line."""
     try:
-        for path in (layout.summary, *layout.snapshot_files(), layout.fitness_log, layout.start):
+        for path in (
+            layout.summary,
+            layout.history,
+            *layout.snapshot_files(),
+            layout.fitness_log,
+            layout.start,
+        ):
             path.unlink(missing_ok=True)
         layout.run_file.unlink(missing_ok=True)  # last: without it nothing reads as a run
         with contextlib.suppress(FileNotFoundError):
