@@ -36,12 +36,12 @@ CurveSink = Callable[[dict[str, Any]], None]
 # A record's field -> its tag, in TensorBoard and W&B alike.
 STEP_TAGS = {
     "loss_bits": "train/loss_bits_per_token",
-    "reward": "train/reward",  # a reward run's mean reward, instead of the loss
     "step_s": "perf/step_seconds",
     "member_tok_s": "perf/member_tokens_per_second",
     "workers": "run/workers",
     "requeued": "run/requeued_chunks",
     "changed": "run/weights_changed",
+    "reward": "train/reward",  # a reward run's mean reward, instead of the loss
 }
 VALID_TAGS = dict(
     zip(
