@@ -33,6 +33,8 @@ def history(save_dir: Path) -> dict[str, Any]:
     found: dict[str, Any] = {
         "source": None,
         "train_loss_bits": None,
+        "train_reward": None,  # a reward run's, with its held-out prompts' reward
+        "held_out_reward": None,
         "valid_bits_per_token": None,
         "valid_stream_bits_per_token": None,
         "valid_step": None,
@@ -44,9 +46,13 @@ def history(save_dir: Path) -> dict[str, Any]:
         curve = read_curve(save_dir)
         times = [float(r["step_s"]) for r in curve.steps if r.get("step_s") is not None]
         if curve.steps:
-            found.update(train_loss_bits=curve.steps[-1].get("loss_bits"))
+            found.update(
+                train_loss_bits=curve.steps[-1].get("loss_bits"),
+                train_reward=curve.steps[-1].get("reward"),
+            )
         if curve.validations:
             last = curve.validations[-1]
+            found.update(held_out_reward=last.get("held_out_reward"))
             found.update(
                 valid_bits_per_token=last.get("valid_bits"),
                 valid_stream_bits_per_token=last.get("stream_bits"),
@@ -147,8 +153,12 @@ def _history_line(info: dict[str, Any]) -> str:
         valid += f" (step {h['valid_step']})"
     streams = h["valid_stream_bits_per_token"]
     valid += " bits/token" + ("" if streams is None else f", {streams:.3f} over long streams")
+    train = f"last train loss {_number(h['train_loss_bits'], '.3f')} bits/token"
+    if h["train_reward"] is not None:
+        train = f"last train reward {h['train_reward']:.4f}, held-out reward "
+        train += _number(h["held_out_reward"], ".4f")
     return (
-        f"{head}; last train loss {_number(h['train_loss_bits'], '.3f')} bits/token, "
+        f"{head}; {train}, "
         f"held-out {valid}, step time {_number(h['step_s_mean'], '.2f')} s mean "
         f"/ {_number(h['step_s_last'], '.2f')} s last over {h['steps_timed']} steps "
         f"(from {h['source']})"

@@ -1,8 +1,9 @@
 """`eggroll-inspect SAVE_DIR --plot FILE`: a run's curve as a PNG.
 
 Train loss per committed step and the held-out scores (windows and long streams), in bits
-per token, against the data's unigram, bigram and gzip -9 baselines: what the save
-directory records (coordinator/curve.py). `lines` is the picture as data, pure; `draw`
+per token, against the data's unigram, bigram and gzip -9 baselines, and a reward run's
+mean reward (train and held-out prompts) on a second axis: what the save directory records
+(coordinator/curve.py). `lines` is the picture as data, pure; `draw`
 renders it with matplotlib's Agg backend (no display needed), an optional extra.
 """
 
@@ -27,7 +28,10 @@ _STYLES: dict[str, dict[str, object]] = {
     "unigram": {"color": "tab:green", "linestyle": "--"},
     "bigram": {"color": "tab:orange", "linestyle": "-."},
     "gzip -9": {"color": "tab:brown", "linestyle": ":"},
+    "train reward": {"color": "tab:cyan", "linewidth": 0.8, "alpha": 0.8},
+    "held-out reward": {"color": "tab:olive", "marker": "D", "markersize": 4, "linewidth": 2},
 }
+REWARDS = ("train reward", "held-out reward")  # drawn on the right-hand axis
 
 
 class PlotError(Exception):
@@ -46,13 +50,15 @@ def lines(curve: Curve) -> Lines:
     """What the plot draws: the train loss, the held-out scores, and each baseline as a
     flat line over the steps (labelled with its value)."""
     out: Lines = {}
-    if curve.steps:
-        out["train loss"] = (
-            [r["step"] for r in curve.steps],
-            [float(r["loss_bits"]) for r in curve.steps],
-        )
-    for key, label in (("valid_bits", "held-out"), ("stream_bits", "held-out, long streams")):
-        points = [(r["step"], float(r[key])) for r in curve.validations if r.get(key) is not None]
+    series = (
+        (curve.steps, "loss_bits", "train loss"),
+        (curve.validations, "valid_bits", "held-out"),
+        (curve.validations, "stream_bits", "held-out, long streams"),
+        (curve.steps, "reward", "train reward"),
+        (curve.validations, "held_out_reward", "held-out reward"),
+    )
+    for records, key, label in series:
+        points = [(r["step"], float(r[key])) for r in records if r.get(key) is not None]
         if points:
             out[label] = ([s for s, _ in points], [v for _, v in points])
     span = [0, max(curve.last_step, 1)]
@@ -68,7 +74,7 @@ def draw(curve: Curve, path: Path, title: str) -> Lines:
     them, read back from matplotlib. PlotError when the curve has no point."""
     check_available()
     drawn = lines(curve)
-    if not any(label in drawn for label in ("train loss", "held-out")):
+    if not any(label in drawn for label in ("train loss", "held-out", *REWARDS)):
         raise PlotError("nothing to plot: the save directory records no step of its curve")
     import matplotlib
 
@@ -78,19 +84,25 @@ def draw(curve: Curve, path: Path, title: str) -> Lines:
 
     fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI)
     ax = fig.subplots()
+    axes = [ax]
+    if any(label in drawn for label in REWARDS):
+        axes.append(ax.twinx())
+        axes[1].set_ylabel("mean reward")
     for label, (x, y) in drawn.items():
         name = label if label in _STYLES else label.rsplit(" ", 1)[0]  # "unigram 4.694"
-        ax.plot(x, y, label=label, **{"linewidth": 1.2, **_STYLES[name]})
+        on = axes[-1] if label in REWARDS else ax
+        on.plot(x, y, label=label, **{"linewidth": 1.2, **_STYLES[name]})
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("bits per token")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    handles = [line for a in axes for line in a.get_lines()]
+    ax.legend(handles=handles, loc="best")
     fig.tight_layout()
     fig.savefig(path, format="png")
     held: Lines = {}
-    for line in ax.get_lines():
+    for line in handles:
         xs, ys = line.get_xdata(), line.get_ydata()
         held[str(line.get_label())] = ([int(x) for x in xs], [float(y) for y in ys])
     return held

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from helpers import command, digest_at, start_coordinator, start_worker
 
+from eggroll_dist.coordinator.curve import read_curve
+from eggroll_dist.coordinator.plot import lines
 from eggroll_dist.protocol import unpack_ternary
 from eggroll_dist.shared.config import (
     ConfigError,
@@ -202,6 +204,10 @@ def test_local_and_train_reach_the_same_digest(words_data: Path, tmp_path: Path)
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("reward" in s for s in steps)
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert len(summary["train_rewards"]) == 4 and "valid_held_out_reward" in summary
+    drawn = lines(read_curve(tmp_path / "one"))  # what eggroll-inspect --plot draws
+    assert drawn["train reward"][0] == [1, 2, 3, 4]
+    assert drawn["train reward"][1] == pytest.approx(summary["train_rewards"], abs=1e-4)
+    assert drawn["held-out reward"][0] == [2, 4]
     local = run_cli(
         "eggroll-local", "--data-dir", words_data, "--config", config, "--workers", "2",
         "--save-dir", tmp_path / "two", "--metrics-port", "0", "--sample-every", "0",
