@@ -126,10 +126,11 @@ def exp_table() -> np.ndarray:
 
 def penalized(logits: np.ndarray, counts: np.ndarray, settings: SampleSettings) -> np.ndarray:
     """L: the logits in 1/16000 bit minus the presence and frequency penalties (int64)."""
-    counts = np.asarray(counts, dtype=np.int64)
     out = np.asarray(logits, dtype=np.int64) * MILLI
-    out -= 16 * settings.presence_penalty * (counts > 0)
-    out -= 16 * settings.frequency_penalty * counts
+    if settings.presence_penalty or settings.frequency_penalty:  # a reward run's are 0
+        counts = np.asarray(counts, dtype=np.int64)
+        out -= 16 * settings.presence_penalty * (counts > 0)
+        out -= 16 * settings.frequency_penalty * counts
     return out
 
 
