@@ -874,9 +874,11 @@ def test_a_long_snapshot_download_logs_its_progress(store: RunStore, dataset: Da
         for chunk in iter_snapshot_chunks(2, blob, chunk_bytes=len(blob) // 4 + 1):
             net.clock.now += 6.0
             session.receive(chunk)
-    shown = [e["bytes"] for e in events if e["event"] == "downloading snapshot"]
+    shown = [e for e in events if e["event"] == "downloading snapshot"]
     quarter = len(blob) // 4 + 1
-    assert shown == [f"{2 * quarter}/{len(blob)}"]  # after 12 s; the next 6 s later ends it
+    # A line at each tenth (here each quarter) of the transfer; the last chunk ends it.
+    assert [e["done"] for e in shown] == [quarter, 2 * quarter, 3 * quarter]
+    assert shown[1]["total"] == len(blob) and shown[1]["percent"] == 200 * quarter // len(blob)
 
 
 def test_digest_and_data_votes_stay_bounded_by_the_workers_connected(
