@@ -43,6 +43,7 @@ from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
+from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
 from ..shared.save_dir import DIGESTS_LOG, RUN_FILE
 from . import events
@@ -66,6 +67,7 @@ __all__ = ["Coordinator", "Executor", "Options", "record"]
 log = structlog.get_logger("eggroll.coordinator")
 
 READ_BYTES = 1 << 16
+TRANSFER_QUIET_S = 2.0  # a snapshot sent quicker than this logs no progress lines
 
 # Runs a blocking call (file I/O, checkpoint decoding) off the event loop.
 Offload = Callable[..., Awaitable[Any]]
@@ -304,6 +306,15 @@ class Executor:
         name = self.core.name(link.peer)
         with f:
             size = await offload(lambda: os.fstat(f.fileno()).st_size)
+            # Lines only: several transfers may run at once, and bars would garble.
+            progress = Progress(
+                "snapshot upload",
+                size,
+                "B",
+                say=lambda p: log.info("sending snapshot", worker=name, step=step, **p.fields()),
+                bar=None,
+                quiet_s=TRANSFER_QUIET_S,
+            )
             offset = 0
             while True:
                 try:
@@ -317,6 +328,7 @@ class Executor:
                     break
                 self.write(link, SnapshotChunk(step, size, offset, piece))
                 offset += len(piece)
+                progress.update(offset)
                 await link.drain(name)
                 if offset >= size:
                     break

@@ -51,7 +51,9 @@ class Progress:
     """One piece of long work, `total` units of `unit` ("B" counts bytes, shown in MB; None:
     the total is not known). `bar` is the terminal stream to draw on ("auto": stderr if it
     is a terminal; None: log lines only). `say` hears the Progress at each log line and
-    reads `line()` or `fields()`. `clock` is injectable for tests and pure cores."""
+    reads `line()` or `fields()`. No line is said in the first `quiet_s` seconds, so that
+    work which is usually quick (a snapshot on a fast link) fills no log. `clock` is
+    injectable for tests and pure cores."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class Progress:
         *,
         say: Callable[[Progress], None] | None = None,
         bar: TextIO | str | None = "auto",
+        quiet_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.what = what
@@ -70,10 +73,12 @@ class Progress:
         self._say = say
         self._bar = _terminal() if bar == "auto" else bar
         self._clock = clock
+        self._quiet_s = quiet_s
         self.started = clock()
         self._said_at = self.started  # the last log line or bar drawn
         self._said_done = 0
         self.lines = 0  # log lines said so far
+        self._drawn = False  # the bar is on the terminal
 
     @property
     def on_terminal(self) -> bool:
@@ -86,6 +91,8 @@ class Progress:
         """The work has reached `done` units: draw or say it if it is time to."""
         self.done = done
         now = self._clock()
+        if now - self.started < self._quiet_s:
+            return
         if self.on_terminal:
             if now - self._said_at >= BAR_S:
                 self._draw(now)
@@ -102,9 +109,10 @@ class Progress:
             self.total = self.done
         now = self._clock()
         if self.on_terminal:
-            self._draw(now)
-            self._write("\n")
-        elif say:
+            if self._drawn or not self._quiet_s:
+                self._draw(now)
+                self._write("\n")
+        elif say and (self.lines or now - self.started >= self._quiet_s):
             self._line(now)
 
     # --- what is shown ----------------------------------------------------------------
@@ -155,7 +163,7 @@ class Progress:
             self._say(self)
 
     def _draw(self, now: float) -> None:
-        self._said_at = now
+        self._said_at, self._drawn = now, True
         if self.total:
             filled = min(BAR_WIDTH, BAR_WIDTH * self.done // self.total)
             bar = "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "] "

@@ -116,3 +116,22 @@ def test_a_terminal_that_fails_leaves_the_work_going() -> None:
 def test_durations_read_in_two_units_at_most(seconds: float, text: str) -> None:
     assert duration_text(seconds) == text
     assert YEAR_S == 365 * 86400
+
+
+def test_quick_work_with_a_quiet_start_says_nothing() -> None:
+    clock, said, tty = Clock(), [], Tty()
+    for bar in (None, tty):
+        progress = Progress("upload", 10, say=said.append, bar=bar, quiet_s=2.0, clock=clock)
+        for _ in range(10):
+            clock.now += 0.1
+            progress.advance()
+        progress.finish()
+    assert said == [] and tty.getvalue() == ""
+    done: list[int] = []
+    slow = Progress(
+        "upload", 10, say=lambda p: done.append(p.done), bar=None, quiet_s=2.0, clock=clock
+    )
+    for _ in range(10):
+        clock.now += 0.5
+        slow.advance()
+    assert done == [4, 5, 6, 7, 8, 9, 10]  # from 2 s on, a line per tenth

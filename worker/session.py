@@ -116,6 +116,7 @@ FATAL_CODES = frozenset(
 )
 # Steps asked for per FITNESS_REQUEST: one progress line per batch while catching up.
 FITNESS_STEPS_PER_REQUEST = 256
+QUIET_S = 2.0  # a replay or snapshot download quicker than this logs no progress lines
 
 
 class WorkerFatal(Exception):
@@ -386,6 +387,7 @@ class Session:
                 self.committed - step,
                 "steps",
                 say=lambda p: log.info("catching up", **p.fields()),
+                quiet_s=QUIET_S,
                 clock=self.clock,
             )
             self._replay = (step, progress)
@@ -658,6 +660,7 @@ class Session:
                 d.total,
                 "B",
                 say=lambda p: log.info("downloading snapshot", step=d.step, **p.fields()),
+                quiet_s=QUIET_S,
                 clock=self.clock,
             )
         elif (chunk.step, chunk.total_bytes, chunk.offset) != (d.step, d.total, d.received):
