@@ -38,6 +38,7 @@ from ..shared.logs import (
     echo,
     held_out_text,
 )
+from ..shared.progress import YEAR_S, duration_text
 from ..shared.replica import load_checkpoint
 from ..shared.save_dir import Layout
 from ..shared.vocab import escape
@@ -58,7 +59,10 @@ class CoordinatorProcess:
 
     def __init__(self, args: list[str], log_path: Path, total_steps: int):
         self.proc = subprocess.Popen(
-            [_exe("eggroll-coordinator"), *args], stderr=subprocess.PIPE, text=True
+            [_exe("eggroll-coordinator"), *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # see _interrupt: Ctrl-C is this command's to handle
         )
         self.port: int | None = None
         self.ready = threading.Event()
@@ -66,6 +70,8 @@ class CoordinatorProcess:
         self.last_step = 0
         self.tail: deque[str] = deque(maxlen=20)
         self.total = total_steps
+        self.quiet = False  # set when stopping: the console says only why and what is kept
+        self.warned_eta = False
         self._first: tuple[int, float] | None = None  # first step seen, and when (for the ETA)
         self.thread = threading.Thread(target=self._read, args=(log_path,), daemon=True)
         self.thread.start()
@@ -84,7 +90,7 @@ class CoordinatorProcess:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(event, dict):
+                if isinstance(event, dict) and not self.quiet:
                     try:
                         self._show(event)
                     except (KeyError, TypeError, ValueError):  # an odd line costs its line only
@@ -101,12 +107,19 @@ class CoordinatorProcess:
             self.ready.set()
         elif event.get("event") == STEP:
             self.last_step = event["step"]
+            eta = self._eta(event["step"])
             echo(
                 f"step {event['step']:>6}/{self.total}  loss {event['loss_bits']:.3f} "
                 f"bits/token  {event['step_s']:.2f} s  "
                 f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
-                f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
+                f"requeued {event['requeued']}  ETA {'?' if eta is None else duration_text(eta)}"
             )
+            if eta is not None and eta > YEAR_S and not self.warned_eta:
+                self.warned_eta = True
+                echo(
+                    f"warning: at this pace the {self.total:,} steps take {duration_text(eta)} "
+                    "more: is --steps what you meant? (Ctrl-C stops and keeps every step)"
+                )
         elif event.get("event") == PROGRESS:
             echo(
                 f"  step {event['step']}: {event['chunks_done']}/{event['chunks']} chunks "
@@ -135,16 +148,15 @@ class CoordinatorProcess:
                 text += f" exception={exc.get('type')}: {exc.get('message')}"
             echo(f"  coordinator: {event.get('event')} {text}".rstrip())
 
-    def _eta(self, step: int) -> str:
-        """Time left at the mean pace of the steps committed in this session."""
+    def _eta(self, step: int) -> float | None:
+        """Seconds left at the mean pace of the steps committed in this session (None at
+        the first)."""
         now = time.monotonic()
         if self._first is None:
             self._first = (step, now)
-            return "?"
+            return None
         done, seconds = step - self._first[0], now - self._first[1]
-        left = max(self.total - step, 0) * seconds / max(done, 1)
-        minutes, secs = divmod(round(left), 60)
-        return f"{minutes}m{secs:02d}s"
+        return max(self.total - step, 0) * seconds / max(done, 1)
 
 
 def _copy_output(proc: subprocess.Popen, log_path: Path) -> threading.Thread:
@@ -176,6 +188,9 @@ def _port_free(port: int) -> bool:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM and SIGHUP stop the run as Ctrl-C does. The children run in sessions of
+    their own, so a terminal's Ctrl-C or hangup reaches this process only: it stops the
+    workers first, so the coordinator has nobody to wait for a last snapshot from."""
     raise KeyboardInterrupt
 
 
@@ -188,6 +203,14 @@ def _committed_steps(save_dir: Path) -> int:
         return 0
 
 
+def _kept(save_dir: Path) -> str:
+    """What an interrupted run keeps, in one line."""
+    steps = _committed_steps(save_dir)
+    if not steps:
+        return f"stopped before the first step was committed; nothing to keep in {save_dir}"
+    return f"stopped at step {steps}; steps 1..{steps} are kept in {save_dir}: run again to resume"
+
+
 def _ensure_data(data_dir: Path) -> None:
     if (data_dir / META_FILE).exists():
         return
@@ -196,6 +219,13 @@ def _ensure_data(data_dir: Path) -> None:
         prepare_data_dir(builtin_documents(), data_dir, builtin_source(), echo=echo)
     except OSError as exc:  # it leaves no directory that looks complete (see build.py)
         raise cannot_write(exc, data_dir) from None
+
+
+def _stop_now(coordinator: subprocess.Popen, workers: list[subprocess.Popen]) -> None:
+    """Stop at once: the workers (what they hold is in the fitness log), then the
+    coordinator, which then finds no worker to wait for."""
+    _stop(workers, timeout_s=3.0)
+    _stop([coordinator])
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -339,7 +369,8 @@ def main(
     ]
     coord_args += ["--config", config_path] if config_path else ["--preset", preset_name or "tiny"]
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill or a closed terminal stops them too
+        signal.signal(sig, _interrupt)
     coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)
     procs: list[subprocess.Popen] = []
     copiers: list[threading.Thread] = []
@@ -375,6 +406,7 @@ def main(
                 text=True,
                 errors="replace",
                 env=env,
+                start_new_session=True,
             )
             procs.append(proc)
             copiers.append(_copy_output(proc, layout.worker_log(i)))
@@ -392,8 +424,9 @@ def main(
                 + "\n".join(coordinator.tail)
             )
     except KeyboardInterrupt:
-        echo("interrupted: stopping; nothing committed is lost, run again to resume")
-        _stop([coordinator.proc, *procs])
+        coordinator.quiet = True
+        _stop_now(coordinator.proc, procs)
+        echo(_kept(save_dir))
         sys.exit(130)
     finally:
         _stop([*procs, coordinator.proc])
