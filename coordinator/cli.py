@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -24,7 +25,7 @@ from ..shared.logs import configure_logging
 from ..shared.save_dir import Layout
 from .metrics import Metrics
 from .run import Fatal, RunOptions
-from .server import Coordinator, Options
+from .server import Coordinator, Listener, Options
 from .store import RunStore, StoreError
 
 
@@ -54,9 +55,17 @@ def _print_join(host: str, port: int, tls: bool) -> None:
     )
 
 
-def _run(store: RunStore, options: Options, metrics: Metrics) -> None:
+def _run(open_store: Callable[[], RunStore], options: Options, metrics: Metrics) -> None:
+    """Bind the port, then open the save directory and serve it: a port in use leaves
+    nothing written, and the corrected command (another preset too) starts afresh."""
+
     async def serve() -> None:
-        await Coordinator(store, options, metrics).run()
+        listener = await Listener.bind(options)
+        store = open_store()
+        try:
+            await Coordinator(store, options, metrics).run(listener)
+        finally:
+            store.close()
 
     try:
         import uvloop
@@ -247,8 +256,7 @@ def main(
         given = resolve_config(preset_name, config_path) if preset_name or config_path else None
         if given is None and not Layout(save_dir).run_file.exists():
             given = resolve_config(None, None)  # a new run without flags: the default preset
-        store = RunStore.open(save_dir, given)
-    except (ConfigError, StoreError) as exc:
+    except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     options = Options(
         host=host,
@@ -269,18 +277,17 @@ def main(
         keep_snapshots=keep_snapshots,
     )
     metrics = Metrics()
-    if metrics_port:
+    if metrics_port:  # before the save directory, which a failure here must leave alone
         try:
             metrics.serve(metrics_port, metrics_host)
         except OSError as exc:
-            store.close()
             raise click.ClickException(
                 f"cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror}): pass "
                 "another --metrics-port, or 0 to turn metrics off"
             ) from None
     try:
-        _run(store, options, metrics)
-    except Fatal as exc:
+        _run(lambda: RunStore.open(save_dir, given), options, metrics)
+    except (Fatal, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -288,6 +295,4 @@ def main(
                 f"port {port} on {host} is in use: stop the other process or pass --port"
             ) from None
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    finally:
-        store.close()
     sys.exit(0)

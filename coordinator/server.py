@@ -62,7 +62,7 @@ from .run import (
 )
 from .store import RunStore, SnapshotWriteError
 
-__all__ = ["Coordinator", "Executor", "Options", "record"]
+__all__ = ["Coordinator", "Executor", "Listener", "Options", "record"]
 
 log = structlog.get_logger("eggroll.coordinator")
 
@@ -355,6 +355,59 @@ class Executor:
         self.record(self.core.store_events())  # digests.log, flushed before the snapshot
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Listener:
+    """The coordinator's port, bound before the save directory is touched (a port in use
+    must leave nothing behind, so that the corrected command starts afresh) and accepting
+    connections only once the coordinator is built (`serve`). OSError when it cannot be
+    bound."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.host = ""
+        self._handler: Handler | None = None
+
+    @classmethod
+    async def bind(cls, options: Options) -> Listener:
+        listener = cls()
+        host = options.host
+        if not options.run.token and not is_loopback(host):
+            log.warning(
+                "protected mode: no token, so only this machine may connect",
+                listening_on="127.0.0.1",
+                asked_for=host,
+                hint="to serve the network, give a token with --token-file FILE or "
+                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
+            )
+            host = "127.0.0.1"
+        listener.host = host
+        listener.server = await asyncio.start_server(
+            listener._accept,
+            host,
+            options.port,
+            reuse_address=True,
+            ssl=options.tls,
+            start_serving=False,
+        )
+        return listener
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+    async def serve(self, handler: Handler) -> None:
+        assert self.server is not None
+        self._handler = handler
+        await self.server.start_serving()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._handler is not None  # nothing is accepted before `serve`
+        await self._handler(reader, writer)
+
+
 class Coordinator:
     def __init__(
         self,
@@ -386,38 +439,28 @@ class Coordinator:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def run(self) -> None:
-        """Serve until stopped by a signal or by reaching --max-steps, then shut down.
-        Raises Fatal after a failed commit."""
+    async def run(self, listener: Listener | None = None) -> None:
+        """Serve on `listener` (bound here if None) until stopped by a signal or by reaching
+        --max-steps, then shut down. Raises Fatal after a failed commit."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
         if self.store.fitness_log.repaired_bytes:
             log.warning(
                 "fitness log tail repaired",
+                path=str(self.store.fitness_log.path),
                 bytes_cut=self.store.fitness_log.repaired_bytes,
                 steps=self.step,
                 hint="a step that was being written when the coordinator stopped is redone",
             )
-        host = self.opt.host
-        if not self.opt.run.token and not is_loopback(host):
-            log.warning(
-                "protected mode: no token, so only this machine may connect",
-                listening_on="127.0.0.1",
-                asked_for=host,
-                hint="to serve the network, give a token with --token-file FILE or "
-                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
-            )
-            host = "127.0.0.1"
-        self._server = await asyncio.start_server(
-            self._handle, host, self.opt.port, reuse_address=True, ssl=self.opt.tls
-        )
-        port = self._server.sockets[0].getsockname()[1]
+        listener = listener or await Listener.bind(self.opt)
+        self._server = listener.server
+        await listener.serve(self._handle)
         log.info(
             LISTENING,
-            host=host,
+            host=listener.host,
             tls=self.opt.tls is not None,
-            port=port,
+            port=listener.port,
             step=self.step,
             run_id=self.store.run_id.hex(),
             config_digest=self.store.config.digest().hex()[:16],
