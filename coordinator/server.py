@@ -453,6 +453,14 @@ class Coordinator:
                 steps=self.step,
                 hint="a step that was being written when the coordinator stopped is redone",
             )
+        if self.store.digests_cut:
+            log.warning(
+                "digests log tail repaired",
+                path=str(self.store.layout.digests_log),
+                bytes_cut=self.store.digests_cut,
+                hint="a digest line being written when the coordinator stopped; workers agree "
+                "it again",
+            )
         listener = listener or await Listener.bind(self.opt)
         self._server = listener.server
         await listener.serve(self._handle)

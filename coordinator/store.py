@@ -78,6 +78,7 @@ class RunStore:
         self.config = config
         self._lock_fd = lock_fd
         self._digests_good = 0  # digests.log's length in whole lines, set by _load_digests
+        self.digests_cut = 0  # bytes of a torn last line cut off digests.log at open
         self.digests = self._load_digests()
         self._digests_fd: int | None = None  # digests.log, opened for appending on first use
         self._digests_failing = False  # the last digests.log write failed (reported once)
@@ -214,6 +215,7 @@ class RunStore:
         except SaveDirError as exc:
             raise StoreError(str(exc)) from None
         if path.exists() and path.stat().st_size != good:
+            self.digests_cut = path.stat().st_size - good
             with open(path, "r+b") as f:  # cut a torn last line before appending more
                 f.truncate(good)
                 os.fsync(f.fileno())

@@ -259,17 +259,20 @@ class SaveDir:
     def path(self) -> Path:
         return self.layout.root
 
-    def fitness_log(self) -> FitnessLog:
-        """The fitness log, every record verified, never repaired (a live run's torn last
-        record is an error here, not cut off); opened once."""
+    def fitness_log(self, torn_ok: bool = False) -> FitnessLog:
+        """The fitness log, every record verified, never repaired; opened once. A torn last
+        record (a crash mid-append, cut at the writer's next start) is an error here, or
+        with `torn_ok` left out of `steps` and counted in `torn_bytes`."""
         if self._log is None:
             try:
-                log = FitnessLog.open(self.layout.fitness_log, repair=False)
+                log = FitnessLog.open(self.layout.fitness_log, repair=False, torn_ok=True)
             except FitnessLogError as exc:
                 raise SaveDirError(str(exc)) from None
             if log.config_digest != self.config.digest():
                 raise SaveDirError(f"{self.layout.fitness_log} belongs to another run config")
             self._log = log
+        if self._log.torn_bytes and not torn_ok:
+            raise SaveDirError(f"fitness log {self._log.path} ends in a torn record")
         return self._log
 
     @property
