@@ -302,10 +302,10 @@ def _run(
     fitness_log = None
     state = ReplicaState.initial(cfg)
     if layout is not None and layout.run_file.exists():
-        fitness_log, state = _resume(layout, cfg)
+        fitness_log, state = _resume(layout, cfg, dataset.digest)
     elif layout is not None:
         layout.snapshots.mkdir(parents=True, exist_ok=True)
-        write_run(layout, new_run(cfg))
+        write_run(layout, new_run(cfg, dataset.digest))  # eggroll-sample checks it
         with naming(layout.fitness_log):
             fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
     log.info(
@@ -342,7 +342,7 @@ def _run(
     )
 
 
-def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
+def _resume(layout: Layout, cfg: RunConfig, data_digest: bytes) -> tuple[FitnessLog, ReplicaState]:
     """The run in a save directory, to continue: its fitness log open for appending (a torn
     last record cut off) and the replica state at its last committed step."""
     run = SaveDir.open(layout.root)
@@ -353,8 +353,22 @@ def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState]:
             f"{run.config.digest().hex()[:16]}, this one {cfg.digest().hex()[:16]}): give "
             "its preset or config, or pick a new directory"
         )
+    recorded = run.run.get("data_digest")
+    if recorded is not None and recorded != data_digest.hex():
+        raise SaveDirError(
+            f"{layout.root} was trained on data {recorded[:16]}, --data-dir holds "
+            f"{data_digest.hex()[:16]}: give the run's data directory"
+        )
     with naming(layout.fitness_log):
         fitness_log = FitnessLog.open(layout.fitness_log)  # repairs a torn last record
+    if fitness_log.repaired_bytes:
+        log.warning(
+            "fitness log tail repaired",
+            path=str(fitness_log.path),
+            bytes_cut=fitness_log.repaired_bytes,
+            steps=fitness_log.steps,
+            hint="a step that was being written when the run stopped is redone",
+        )
     state = run.state_at(fitness_log.steps, unpack_ternary)
     log.info("resuming", save_dir=str(layout.root), step=state.step)
     return fitness_log, state
