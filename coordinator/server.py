@@ -461,6 +461,15 @@ class Coordinator:
                 hint="a digest line being written when the coordinator stopped; workers agree "
                 "it again",
             )
+        for path, problem in self.store.bad_snapshots:
+            log.warning(
+                "snapshot unusable",
+                path=str(path),
+                error=problem,
+                serving=self.store.latest_snapshot,
+                hint="joiners get an older snapshot (or none) and replay the fitness log; "
+                "the file is left for you to look at",
+            )
         listener = listener or await Listener.bind(self.opt)
         self._server = listener.server
         await listener.serve(self._handle)

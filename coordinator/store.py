@@ -23,6 +23,7 @@ from pathlib import Path
 from ..shared.atomic_file import fsync_dir, write_atomic
 from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.replica import CheckpointError, load_checkpoint
 from ..shared.save_dir import (
     Layout,
     SaveDirBusy,
@@ -86,6 +87,7 @@ class RunStore:
         self._run_dirty = False  # run.json in memory is newer than on disk
         self._run_failing = False  # its last write failed (reported once)
         self._failures: list[WriteFailure] = []  # degraded writes not yet reported
+        self.bad_snapshots: list[tuple[Path, str]] = []  # found at open: path, why
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -271,7 +273,31 @@ class RunStore:
         return self.layout.snapshot(step)
 
     def _scan_snapshots(self) -> list[int]:
-        return [s for s in self.layout.snapshot_steps() if s <= self.steps]
+        """The snapshots of committed steps, the newest verified: one that cannot be read
+        (or is not of this run, or disagrees with the agreed digest) is left out and kept
+        in `bad_snapshots` for the log, and the next older one is verified instead, so that
+        joiners are served a good one. Older ones are checked by the worker that loads one."""
+        steps = [s for s in self.layout.snapshot_steps() if s <= self.steps]
+        while steps:
+            path = self.snapshot_path(steps[-1])
+            problem = self._snapshot_problem(steps[-1])
+            if not problem:
+                break
+            self.bad_snapshots.append((path, problem))
+            steps.pop()
+        return steps
+
+    def _snapshot_problem(self, step: int) -> str:
+        try:
+            state = load_checkpoint(self.snapshot_path(step))
+        except (CheckpointError, OSError) as exc:
+            return str(exc)
+        if state.config.digest() != self.config.digest() or state.step != step:
+            return "it belongs to another run"
+        agreed = self.digests.get(step)
+        if agreed is not None and agreed != state.digest():
+            return f"its digest {state.digest_hex()} is not the agreed {agreed:016x}"
+        return ""
 
     @property
     def latest_snapshot(self) -> int | None:
