@@ -44,7 +44,7 @@ from ..shared.save_dir import Layout
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import get_backend
-from .data.build import prepare_data_dir
+from .data.build import prepare_data_dir, vocabulary_mismatch
 from .data.builtin import builtin_documents, builtin_source
 
 
@@ -327,6 +327,9 @@ def main(
         dataset = load_data_dir(data_dir)
     except (ConfigError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
+    mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
+    if mismatch is not None:  # before anything starts: the workers would each refuse the run
+        raise click.ClickException(mismatch)
     short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
     if short is not None:
         raise click.ClickException(f"data in {data_dir}: {short}")

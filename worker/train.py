@@ -42,6 +42,7 @@ from ..shared.save_dir import (
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
+from .data.build import vocabulary_mismatch
 
 log = structlog.get_logger("eggroll.train")
 
@@ -232,11 +233,9 @@ def main(
         factory = get_backend("numpy", threads=threads)
     except (ConfigError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
-    if dataset.meta.vocab_size != cfg.model.vocab_size:
-        raise click.ClickException(
-            f"data in {data_dir} has vocabulary {dataset.meta.vocab_size}, the model expects "
-            f"{cfg.model.vocab_size}"
-        )
+    mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
+    if mismatch is not None:
+        raise click.ClickException(mismatch)
     short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
     if short is not None:
         raise click.ClickException(f"data in {data_dir}: {short}")

@@ -329,7 +329,27 @@ def prepare_tokenized_data_dir(
     return meta
 
 
-# --- how much data a preset needs ----------------------------------------------------
+# --- what data a config needs --------------------------------------------------------
+
+
+def vocabulary_mismatch(data_dir: Path | str, data_vocab: int, model_vocab: int) -> str | None:
+    """Why a model of `model_vocab` tokens cannot train on `data_dir` (one line that names
+    the command making suitable data), or None when the vocabularies agree."""
+    if data_vocab == model_vocab:
+        return None
+
+    def kind(v: int) -> str:
+        return "bytes (256 tokens)" if v == BYTE_VOCAB_SIZE else f"a {v:,}-token vocabulary"
+
+    if model_vocab == BYTE_VOCAB_SIZE:
+        out, flags = "data/bytes", ""
+    else:
+        out, flags = f"data/bpe-{model_vocab}", f" --tokenizer bpe --vocab-size {model_vocab}"
+    return (
+        f"{data_dir} holds {kind(data_vocab)}, the model reads {kind(model_vocab)}: make data "
+        f"of its vocabulary with `eggroll-data prepare --builtin{flags} --out {out}` (or your "
+        f"text files in place of --builtin), then pass --data-dir {out}"
+    )
 
 
 def size_warnings(train_tokens: int, valid_tokens: int, vocab_size: int) -> list[str]:
