@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -34,7 +35,7 @@ from ..shared.save_dir import Layout, baselines_record
 from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
 from .metrics import Metrics
 from .run import Fatal, RunOptions
-from .server import Coordinator, Options
+from .server import Coordinator, Listener, Options
 from .store import RunStore, StoreError
 
 
@@ -66,9 +67,27 @@ def _print_join(host: str, port: int, tls: bool) -> None:
     )
 
 
-def _run(store: RunStore, options: Options, metrics: Metrics, tracker: Tracker | None) -> None:
+def _run(
+    open_store: Callable[[], RunStore],
+    options: Options,
+    metrics: Metrics,
+    start_tracking: Callable[[RunStore], Tracker | None],
+) -> None:
+    """Bind the port, then open the save directory, start tracking and serve it: a port in
+    use leaves nothing written, and the corrected command (another preset too) starts
+    afresh."""
+
     async def serve() -> None:
-        await Coordinator(store, options, metrics, tracker=tracker).run()
+        listener = await Listener.bind(options)
+        store = open_store()
+        tracker = None
+        try:
+            tracker = start_tracking(store)
+            await Coordinator(store, options, metrics, tracker=tracker).run(listener)
+        finally:
+            if tracker is not None:
+                tracker.close()
+            store.close()
 
     try:
         import uvloop
@@ -267,8 +286,7 @@ def main(
         if preset_name or config_path or init_from or not Layout(save_dir).run_file.exists():
             # a new run without flags: the default preset
             given, base = run_config(preset_name, config_path, init_from)
-        store = RunStore.open(save_dir, given, base)
-    except (ConfigError, GoalError, StoreError) as exc:
+    except (ConfigError, GoalError) as exc:
         raise click.ClickException(str(exc)) from None
     options = Options(
         host=host,
@@ -289,20 +307,20 @@ def main(
         keep_snapshots=keep_snapshots,
     )
     metrics = Metrics()
-    if metrics_port:
+    if metrics_port:  # before the save directory, which a failure here must leave alone
         try:
             metrics.serve(metrics_port, metrics_host)
         except OSError as exc:
-            store.close()
             raise click.ClickException(
                 f"cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror}): pass "
                 "another --metrics-port, or 0 to turn metrics off"
             ) from None
     baselines = None if meta is None else (meta.baselines, meta.baselines_per_byte)
-    if baselines is not None:
-        store.record_history(baselines_record(*baselines))  # for eggroll-inspect --plot
-    try:
-        tracker = open_tracker(
+
+    def start_tracking(store: RunStore) -> Tracker | None:
+        if baselines is not None:
+            store.record_history(baselines_record(*baselines))  # for eggroll-inspect --plot
+        return open_tracker(
             tensorboard,
             wandb_project,
             start_step=store.steps,
@@ -311,21 +329,17 @@ def main(
             config={"run_id": store.run_id.hex(), **store.config.to_dict()},
             baselines=baselines,
         )
-    except TrackingError as exc:
-        store.close()
-        raise OneLineError(str(exc)) from None
+
     try:
-        _run(store, options, metrics, tracker)
-    except Fatal as exc:
+        _run(lambda: RunStore.open(save_dir, given, base), options, metrics, start_tracking)
+    except (Fatal, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise click.ClickException(
                 f"port {port} on {host} is in use: stop the other process or pass --port"
             ) from None
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    finally:
-        if tracker is not None:
-            tracker.close()
-        store.close()
     sys.exit(0)

@@ -84,9 +84,10 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
     """A summary of the run in `save_dir` (SaveDirError if it holds none)."""
     run_dir = SaveDir.open(save_dir)
     config = run_dir.config
-    log_ok, log_error, steps = True, None, 0
+    log_ok, log_error, steps, torn = True, None, 0, 0
     try:
-        steps = run_dir.fitness_log().steps  # verifies every CRC
+        log = run_dir.fitness_log(torn_ok=True)  # verifies every CRC
+        steps, torn = log.steps, log.torn_bytes
     except SaveDirError as exc:
         log_ok, log_error = False, str(exc)
     try:
@@ -117,6 +118,8 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
         "snapshots": snapshots,
         "log_ok": log_ok,
         "log_error": log_error,
+        # A crash mid-append (or an append under way): not a step; cut at the next start.
+        "torn_tail_bytes": torn,
         "history": history(save_dir),
     }
 
@@ -198,6 +201,11 @@ def main(save_dir: Path, as_json: bool, last: int, plot: Path | None) -> None:
         )
         click.echo(_history_line(info))
         state = "ok" if info["log_ok"] else f"BROKEN: {info['log_error']}"
+        if info["torn_tail_bytes"]:
+            state += (
+                f"; its tail is torn ({info['torn_tail_bytes']} bytes of an unfinished "
+                "append, not a step: cut when the run starts again)"
+            )
         click.echo(f"steps committed: {info['step']}  fitness log: {state}")
         click.echo(f"replica digest after step {info['step']}: {info['replica_digest'] or '?'}")
         for step, digest in info["digests"].items():

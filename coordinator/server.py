@@ -45,6 +45,7 @@ from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
+from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
 from ..shared.save_dir import DIGESTS_LOG, HISTORY_LOG, RUN_FILE
 from ..shared.tracking import CurveSink, Tracker
@@ -64,11 +65,12 @@ from .run import (
 )
 from .store import RunStore, SnapshotWriteError
 
-__all__ = ["Coordinator", "Executor", "Options", "record"]
+__all__ = ["Coordinator", "Executor", "Listener", "Options", "record"]
 
 log = structlog.get_logger("eggroll.coordinator")
 
 READ_BYTES = 1 << 16
+TRANSFER_QUIET_S = 2.0  # a snapshot sent quicker than this logs no progress lines
 
 # Runs a blocking call (file I/O, checkpoint decoding) off the event loop.
 Offload = Callable[..., Awaitable[Any]]
@@ -345,6 +347,15 @@ class Executor:
         name = self.core.name(link.peer)
         with f:
             size = await offload(lambda: os.fstat(f.fileno()).st_size)
+            # Lines only: several transfers may run at once, and bars would garble.
+            progress = Progress(
+                "snapshot upload",
+                size,
+                "B",
+                say=lambda p: log.info("sending snapshot", worker=name, step=step, **p.fields()),
+                bar=None,
+                quiet_s=TRANSFER_QUIET_S,
+            )
             offset = 0
             while True:
                 try:
@@ -358,6 +369,7 @@ class Executor:
                     break
                 self.write(link, SnapshotChunk(step, size, offset, piece))
                 offset += len(piece)
+                progress.update(offset)
                 await link.drain(name)
                 if offset >= size:
                     break
@@ -382,6 +394,59 @@ class Executor:
         else:
             self.record([self.core.snapshot_stored(link.peer, state, len(blob))])
         self.record(self.core.store_events())  # digests.log, flushed before the snapshot
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Listener:
+    """The coordinator's port, bound before the save directory is touched (a port in use
+    must leave nothing behind, so that the corrected command starts afresh) and accepting
+    connections only once the coordinator is built (`serve`). OSError when it cannot be
+    bound."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.host = ""
+        self._handler: Handler | None = None
+
+    @classmethod
+    async def bind(cls, options: Options) -> Listener:
+        listener = cls()
+        host = options.host
+        if not options.run.token and not is_loopback(host):
+            log.warning(
+                "protected mode: no token, so only this machine may connect",
+                listening_on="127.0.0.1",
+                asked_for=host,
+                hint="to serve the network, give a token with --token-file FILE or "
+                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
+            )
+            host = "127.0.0.1"
+        listener.host = host
+        listener.server = await asyncio.start_server(
+            listener._accept,
+            host,
+            options.port,
+            reuse_address=True,
+            ssl=options.tls,
+            start_serving=False,
+        )
+        return listener
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+    async def serve(self, handler: Handler) -> None:
+        assert self.server is not None
+        self._handler = handler
+        await self.server.start_serving()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._handler is not None  # nothing is accepted before `serve`
+        await self._handler(reader, writer)
 
 
 class Coordinator:
@@ -420,38 +485,45 @@ class Coordinator:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def run(self) -> None:
-        """Serve until stopped by a signal or by reaching --max-steps, then shut down.
-        Raises Fatal after a failed commit."""
+    async def run(self, listener: Listener | None = None) -> None:
+        """Serve on `listener` (bound here if None) until stopped by a signal or by reaching
+        --max-steps, then shut down. Raises Fatal after a failed commit."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
         if self.store.fitness_log.repaired_bytes:
             log.warning(
                 "fitness log tail repaired",
+                path=str(self.store.fitness_log.path),
                 bytes_cut=self.store.fitness_log.repaired_bytes,
                 steps=self.step,
                 hint="a step that was being written when the coordinator stopped is redone",
             )
-        host = self.opt.host
-        if not self.opt.run.token and not is_loopback(host):
+        if self.store.digests_cut:
             log.warning(
-                "protected mode: no token, so only this machine may connect",
-                listening_on="127.0.0.1",
-                asked_for=host,
-                hint="to serve the network, give a token with --token-file FILE or "
-                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
+                "digests log tail repaired",
+                path=str(self.store.layout.digests_log),
+                bytes_cut=self.store.digests_cut,
+                hint="a digest line being written when the coordinator stopped; workers agree "
+                "it again",
             )
-            host = "127.0.0.1"
-        self._server = await asyncio.start_server(
-            self._handle, host, self.opt.port, reuse_address=True, ssl=self.opt.tls
-        )
-        port = self._server.sockets[0].getsockname()[1]
+        for path, problem in self.store.bad_snapshots:
+            log.warning(
+                "snapshot unusable",
+                path=str(path),
+                error=problem,
+                serving=self.store.latest_snapshot,
+                hint="joiners get an older snapshot (or none) and replay the fitness log; "
+                "the file is left for you to look at",
+            )
+        listener = listener or await Listener.bind(self.opt)
+        self._server = listener.server
+        await listener.serve(self._handle)
         log.info(
             LISTENING,
-            host=host,
+            host=listener.host,
             tls=self.opt.tls is not None,
-            port=port,
+            port=listener.port,
             step=self.step,
             run_id=self.store.run_id.hex(),
             config_digest=self.store.config.digest().hex()[:16],

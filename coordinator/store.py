@@ -26,6 +26,7 @@ from ..shared.atomic_file import fsync_dir, write_atomic
 from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.goal import GoalError
+from ..shared.replica import CheckpointError, load_checkpoint
 from ..shared.save_dir import (
     HistoryLog,
     Layout,
@@ -83,6 +84,7 @@ class RunStore:
         self.config = config
         self._lock_fd = lock_fd
         self._digests_good = 0  # digests.log's length in whole lines, set by _load_digests
+        self.digests_cut = 0  # bytes of a torn last line cut off digests.log at open
         self.digests = self._load_digests()
         self._digests_fd: int | None = None  # digests.log, opened for appending on first use
         self._digests_failing = False  # the last digests.log write failed (reported once)
@@ -92,6 +94,7 @@ class RunStore:
         self._failures: list[WriteFailure] = []  # degraded writes not yet reported
         self.history = HistoryLog(self.layout.history)
         self._history_failing = False  # its last append failed (reported once)
+        self.bad_snapshots: list[tuple[Path, str]] = []  # found at open: path, why
         self.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -240,6 +243,7 @@ class RunStore:
         except SaveDirError as exc:
             raise StoreError(str(exc)) from None
         if path.exists() and path.stat().st_size != good:
+            self.digests_cut = path.stat().st_size - good
             with open(path, "r+b") as f:  # cut a torn last line before appending more
                 f.truncate(good)
                 os.fsync(f.fileno())
@@ -295,7 +299,31 @@ class RunStore:
         return self.layout.snapshot(step)
 
     def _scan_snapshots(self) -> list[int]:
-        return [s for s in self.layout.snapshot_steps() if s <= self.steps]
+        """The snapshots of committed steps, the newest verified: one that cannot be read
+        (or is not of this run, or disagrees with the agreed digest) is left out and kept
+        in `bad_snapshots` for the log, and the next older one is verified instead, so that
+        joiners are served a good one. Older ones are checked by the worker that loads one."""
+        steps = [s for s in self.layout.snapshot_steps() if s <= self.steps]
+        while steps:
+            path = self.snapshot_path(steps[-1])
+            problem = self._snapshot_problem(steps[-1])
+            if not problem:
+                break
+            self.bad_snapshots.append((path, problem))
+            steps.pop()
+        return steps
+
+    def _snapshot_problem(self, step: int) -> str:
+        try:
+            state = load_checkpoint(self.snapshot_path(step))
+        except (CheckpointError, OSError) as exc:
+            return str(exc)
+        if state.config.digest() != self.config.digest() or state.step != step:
+            return "it belongs to another run"
+        agreed = self.digests.get(step)
+        if agreed is not None and agreed != state.digest():
+            return f"its digest {state.digest_hex()} is not the agreed {agreed:016x}"
+        return ""
 
     @property
     def latest_snapshot(self) -> int | None:

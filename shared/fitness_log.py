@@ -53,6 +53,7 @@ class FitnessLog:
         self.record_size = RECORD_HEAD.size + packed_size(pairs) + 4
         self.steps = steps  # records on disk = steps committed
         self.repaired_bytes = repaired  # bytes of a torn last record cut off at open
+        self.torn_bytes = 0  # bytes of a torn last record left in place (torn_ok)
         self.failed = False  # an append failed: the tail is unknown until reopened
 
     @classmethod
@@ -67,9 +68,10 @@ class FitnessLog:
         return cls(path, pairs, config_digest, 0, 0)
 
     @classmethod
-    def open(cls, path: str | Path, repair: bool = True) -> FitnessLog:
+    def open(cls, path: str | Path, repair: bool = True, torn_ok: bool = False) -> FitnessLog:
         """Open and verify a log, reading it in blocks; with `repair`, cut off a torn last
-        record (see the module docstring)."""
+        record (see the module docstring). Without it a torn last record is an error, or
+        with `torn_ok` left in place and counted in `torn_bytes` (a reader of a live run)."""
         path = Path(path)
         try:
             f = open(path, "rb")
@@ -102,6 +104,9 @@ class FitnessLog:
                         if not (last and _has_zero_sector(record, offset)):
                             raise FitnessLogError(log._corrupt(first + k)) from None
                         whole, torn = whole - 1, torn + log.record_size
+        if torn and not repair and torn_ok:
+            log.steps, log.torn_bytes = whole, torn
+            return log
         if torn:
             if not repair:
                 raise FitnessLogError(f"fitness log {path} ends in a torn record")

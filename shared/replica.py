@@ -163,6 +163,23 @@ class _Reader:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
 
 
+def _truncation(data: bytes, version: int) -> str:
+    """Why a checkpoint of the current format is short, by the size its own config gives
+    ('': not short, or too damaged to tell: the CRC then says it is corrupt)."""
+    (cfg_len,) = struct.unpack(">I", data[len(MAGIC) + 4 : len(MAGIC) + 8])
+    head = len(MAGIC) + 8
+    if version != FORMAT_VERSION or cfg_len > 1 << 16:
+        return ""
+    if len(data) < head + cfg_len:
+        return f"{len(data):,} bytes, cut off inside its config"
+    try:
+        config = from_canonical_bytes(data[head : head + cfg_len])
+    except ConfigError:
+        return ""
+    size = checkpoint_bytes(config)
+    return f"{len(data):,} of its {size:,} bytes" if len(data) < size else ""
+
+
 def decode_checkpoint(data: bytes) -> ReplicaState:
     """Parse and verify a checkpoint (CRC, layout, config, digest)."""
     if len(data) < len(MAGIC) + 12 or data[: len(MAGIC)] != MAGIC:
@@ -173,6 +190,9 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
             f"checkpoint format {version} cannot be read here (this version reads formats "
             f"1 to {FORMAT_VERSION}): load it with the release that wrote it"
         )
+    short = _truncation(data, version)
+    if short:
+        raise CheckpointError(f"checkpoint is truncated ({short}): a copy or write cut off")
     body, (crc,) = data[:-4], struct.unpack(">I", data[-4:])
     if zlib.crc32(body) != crc:
         raise CheckpointError("checkpoint CRC mismatch: the file is corrupt")

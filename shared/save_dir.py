@@ -178,14 +178,15 @@ class Layout:
 # --- writing (the coordinator's store and eggroll-train) ---------------------------------
 
 
-def new_run(config: RunConfig) -> dict[str, Any]:
-    """The run.json record of a new run: a fresh run id, no data digest yet."""
+def new_run(config: RunConfig, data_digest: bytes | None = None) -> dict[str, Any]:
+    """The run.json record of a new run: a fresh run id, and the data digest if known (a
+    coordinator learns it from its workers)."""
     return {
         "format": RUN_FORMAT,
         "run_id": secrets.token_hex(16),
         "created": time.time(),
         "config": config.to_dict(),
-        "data_digest": None,
+        "data_digest": None if data_digest is None else data_digest.hex(),
     }
 
 
@@ -386,17 +387,20 @@ class SaveDir:
     def path(self) -> Path:
         return self.layout.root
 
-    def fitness_log(self) -> FitnessLog:
-        """The fitness log, every record verified, never repaired (a live run's torn last
-        record is an error here, not cut off); opened once."""
+    def fitness_log(self, torn_ok: bool = False) -> FitnessLog:
+        """The fitness log, every record verified, never repaired; opened once. A torn last
+        record (a crash mid-append, cut at the writer's next start) is an error here, or
+        with `torn_ok` left out of `steps` and counted in `torn_bytes`."""
         if self._log is None:
             try:
-                log = FitnessLog.open(self.layout.fitness_log, repair=False)
+                log = FitnessLog.open(self.layout.fitness_log, repair=False, torn_ok=True)
             except FitnessLogError as exc:
                 raise SaveDirError(str(exc)) from None
             if log.config_digest != self.config.digest():
                 raise SaveDirError(f"{self.layout.fitness_log} belongs to another run config")
             self._log = log
+        if self._log.torn_bytes and not torn_ok:
+            raise SaveDirError(f"fitness log {self._log.path} ends in a torn record")
         return self._log
 
     @property
@@ -428,22 +432,52 @@ class SaveDir:
         newest snapshot at or below it (with `snapshots`; else the initial state), then the
         fitness log replayed up to it, each record read by `unpack`. `on_replay` hears how
         many steps are about to be replayed."""
+        base = self.base_at(step) if snapshots else self.initial()
+        return self.replay_from(base, step, unpack, on_replay)
+
+    def base_at(
+        self, step: int, on_bad_snapshot: Callable[[Path, str], None] | None = None
+    ) -> ReplicaState:
+        """The state a replay up to `step` starts from: the newest snapshot at or below it,
+        else the initial state. A snapshot that cannot be read is an error, or with
+        `on_bad_snapshot` passed over for an older one (told its path and why): the log
+        gives the same state from there. A snapshot of another run is always an error."""
         committed = self.steps
         if not 0 <= step <= committed:
             raise SaveDirError(f"step {step} is not in {self.path}: it has steps 0..{committed}")
-        base = self.base_of(step) if snapshots else None
-        if base is None:
+        for base in reversed([s for s in self.snapshot_steps() if s <= step]):
+            path = self.layout.snapshot(base)
             try:
-                state = initial_state(self.config, path=self.layout.start)
-            except GoalError as exc:
-                raise SaveDirError(str(exc)) from None
-        else:
-            try:
-                state = load_checkpoint(self.layout.snapshot(base))
+                state = load_checkpoint(path)
             except CheckpointError as exc:
-                raise SaveDirError(f"{self.layout.snapshot(base)}: {exc}") from None
+                if on_bad_snapshot is None:
+                    raise SaveDirError(f"{path}: {exc}") from None
+                on_bad_snapshot(path, str(exc))
+                continue
             if state.config.digest() != self.config.digest() or state.step != base:
                 raise SaveDirError(f"snapshot of step {base} in {self.path} belongs to another run")
+            return state
+        return self.initial()
+
+    def initial(self) -> ReplicaState:
+        """The run's state at step 0 (a run that started from a trained replica keeps a
+        copy of it: init.ckpt)."""
+        try:
+            return initial_state(self.config, path=self.layout.start)
+        except GoalError as exc:
+            raise SaveDirError(str(exc)) from None
+
+    def replay_from(
+        self,
+        state: ReplicaState,
+        step: int,
+        unpack: UnpackFitness,
+        on_replay: Callable[[int], None] | None = None,
+    ) -> ReplicaState:
+        """`state` with the fitness log replayed up to `step` (see `state_at`)."""
+        committed = self.steps
+        if not state.step <= step <= committed:
+            raise SaveDirError(f"step {step} is not in {self.path}: it has steps 0..{committed}")
         if step > state.step:
             count = step - state.step
             if on_replay is not None:

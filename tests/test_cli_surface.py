@@ -17,6 +17,7 @@ from eggroll_dist.shared.config import preset
 from eggroll_dist.shared.fitness_log import FitnessLog, packed_size
 from eggroll_dist.worker.cli import main as worker_main
 from eggroll_dist.worker.data.cli import main as data_main
+from eggroll_dist.worker.export import main as export_main
 from eggroll_dist.worker.local import main as local_main
 from eggroll_dist.worker.sample import main as sample_main
 from eggroll_dist.worker.train import main as train_main
@@ -28,6 +29,7 @@ COMMANDS = {
     "eggroll-local": local_main,
     "eggroll-inspect": inspect_main,
     "eggroll-sample": sample_main,
+    "eggroll-export": export_main,
     "eggroll-data prepare": data_main.commands["prepare"],
     "eggroll-data info": data_main.commands["info"],
 }

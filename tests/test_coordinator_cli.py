@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from eggroll_dist.coordinator.store import RunStore
+from eggroll_dist.shared.config import preset
+
 EXE = str(Path(sys.executable).with_name("eggroll-coordinator"))
 
 
@@ -48,16 +51,27 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_different_config_on_resume_is_one_clear_line(tmp_path: Path) -> None:
-    save = str(tmp_path / "run")
-    with socket.socket() as busy:  # also: a port in use is one clear line
+def test_a_port_in_use_leaves_the_save_dir_untouched(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
-        done = _run("--save-dir", save, "--preset", "tiny", "--host", "127.0.0.1", "--port", port)
+        done = _run(
+            "--save-dir", str(save), "--preset", "tiny", "--host", "127.0.0.1", "--port", port
+        )
     assert done.returncode == 1 and "is in use" in done.stderr
     assert "Traceback" not in done.stderr
-    done = _run("--save-dir", save, "--preset", "egg-paper")
+    # Nothing was written, so the corrected command may start the run with any preset.
+    assert not save.exists()
+
+
+def test_a_different_config_on_resume_is_one_clear_line(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    RunStore.open(save, preset("tiny")).close()
+    done = _run(
+        "--save-dir", str(save), "--preset", "egg-paper", "--host", "127.0.0.1", "--port", "0"
+    )
     assert done.returncode == 1 and "holds a run with config digest" in done.stderr
     assert "Traceback" not in done.stderr
 

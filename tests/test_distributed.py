@@ -83,7 +83,7 @@ def test_local_run_equals_single_process(words_data: Path, tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout + done.stderr
     assert "held-out" in done.stdout and "unigram" in done.stdout
     assert "sample at step " in done.stdout
-    assert "ETA 0m00s" in done.stdout  # the last step line: nothing left
+    assert "ETA 0s\n" in done.stdout  # the last step line: nothing left
     train_summary = tmp_path / "train.json"
     single = subprocess.run(
         [

@@ -356,6 +356,29 @@ def test_catch_up_in_batches(
     assert w.replica.digest == digest_at(store.path, 5)
 
 
+def test_a_long_replay_logs_its_progress(
+    store: RunStore, dataset: Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_module, "FITNESS_STEPS_PER_REQUEST", 2)
+    monkeypatch.setattr(session_module, "QUIET_S", 0.0)  # as if each batch took a while
+    rng = np.random.default_rng(2)
+    for step in range(20):
+        store.fitness_log.append(step, pack_ternary(rng.integers(-1, 2, CFG.pairs, np.int8)))
+    net = Network(store, dataset)
+    w = net.join("w")
+    w.hold_jobs = True
+    with structlog.testing.capture_logs() as events:
+        net.run()
+    shown = [e for e in events if e["event"] == "catching up"]
+    # Not a terminal: a line per tenth of the replay; "caught up" says the end.
+    assert [(e["done"], e["total"], e["percent"]) for e in shown] == [
+        (n, 20, 5 * n) for n in range(2, 20, 2)
+    ]
+    assert shown[0]["work"] == "replay" and shown[0]["unit"] == "steps"
+    assert [e["event"] for e in events].count("caught up") == 1
+    assert w.replica.digest == digest_at(store.path, 20)
+
+
 def test_late_join_loads_the_snapshot_then_the_log_tail(store: RunStore, dataset: Dataset) -> None:
     net = Network(store, dataset, snapshot_every=2)
     net.join("a")
@@ -874,9 +897,12 @@ def test_a_long_snapshot_download_logs_its_progress(store: RunStore, dataset: Da
         for chunk in iter_snapshot_chunks(2, blob, chunk_bytes=len(blob) // 4 + 1):
             net.clock.now += 6.0
             session.receive(chunk)
-    shown = [e["bytes"] for e in events if e["event"] == "downloading snapshot"]
+    shown = [e for e in events if e["event"] == "downloading snapshot"]
     quarter = len(blob) // 4 + 1
-    assert shown == [f"{2 * quarter}/{len(blob)}"]  # after 12 s; the next 6 s later ends it
+    # A line at each tenth (here each quarter) of a transfer that takes a while, not in its
+    # first seconds; the last chunk ends it.
+    assert [e["done"] for e in shown] == [2 * quarter, 3 * quarter]
+    assert shown[0]["total"] == len(blob) and shown[0]["percent"] == 200 * quarter // len(blob)
 
 
 def test_digest_and_data_votes_stay_bounded_by_the_workers_connected(

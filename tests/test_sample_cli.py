@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
+from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import (
     DataMeta,
@@ -23,8 +24,10 @@ from eggroll_dist.shared.data import (
 )
 from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
 from eggroll_dist.shared.sample import TrainingSamples
+from eggroll_dist.shared.save_dir import Layout, SaveDir
 from eggroll_dist.shared.vocab import escape
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.sample import main
 from eggroll_dist.worker.train import train
 
@@ -216,3 +219,43 @@ def test_sample_every_zero_writes_no_samples(words_data: Path) -> None:
     result = train(SMALL, NumpyBackend(dataset, state), 2, samples=every)
     assert [s["step"] for s in result.samples] == [1, 2]
     assert result.samples[0]["prompt"] == bytes(dataset.valid[1:13]).decode()
+
+
+def test_the_data_dir_defaults_to_data_and_must_be_the_runs(
+    run, words_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save, _ = run
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(words_data)
+    args = ["--prompt", "the", "--tokens", "5"]
+    assert _json(save, *args) == _json(save, *args, "--data-dir", words_data)
+    # Other text of the same vocabulary: refused in one line naming both digests.
+    other = tmp_path / "other"
+    prepare_data_dir([b"other text %d " % i * 50 for i in range(20)], other, "test:other")
+    result = _sample(save, *args, "--data-dir", other)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    theirs, ours = load_data_dir(other).meta.sha256[:16], load_data_dir(words_data).meta.sha256
+    assert f"{other} holds data {theirs}, the run was trained on {ours[:16]}" in result.output
+
+
+def test_a_corrupt_newest_snapshot_gives_way_to_an_older_one(
+    run, words_data: Path, tmp_path: Path
+) -> None:
+    save, _ = run
+    args = ["--data-dir", words_data, "--prompt", "the", "--tokens", "8"]
+    (good,) = _json(save, *args)
+    copy = tmp_path / "copy"
+    shutil.copytree(save, copy)
+    layout = Layout(copy)
+    save_checkpoint(layout.snapshot(2), SaveDir.open(copy).state_at(2, unpack_ternary))
+    newest = layout.snapshot(4)
+    newest.write_bytes(newest.read_bytes()[:-10])  # a copy cut short
+    result = _sample(copy, *args, "--json")
+    assert result.exit_code == 0, result.output
+    assert f"warning: {newest} cannot be used (checkpoint is truncated" in result.stderr
+    (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert record["tokens"] == good["tokens"] and record["step"] == 4
+    assert record["replica_digest"] == good["replica_digest"]
+    # The file itself as the source: one line that names it and says what is wrong.
+    result = _sample(newest, *args)
+    assert result.exit_code == 1 and f"{newest}: checkpoint is truncated" in result.output

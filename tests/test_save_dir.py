@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol.ternary import pack_ternary, unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
+from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, replay, save_checkpoint
 from eggroll_dist.shared.save_dir import (
@@ -182,7 +183,8 @@ def test_eggroll_train_leaves_a_save_directory_that_reads_back(
     assert result.exit_code == 0, result.output
     run = SaveDir.open(save)
     stored = json.loads(run.layout.run_file.read_text())
-    assert stored["format"] == 1 and len(stored["run_id"]) == 32 and stored["data_digest"] is None
+    assert stored["format"] == 1 and len(stored["run_id"]) == 32
+    assert stored["data_digest"] == load_data_dir(words_data).meta.sha256  # for eggroll-sample
     summary = json.loads(run.layout.summary.read_text())
     assert run.config == CFG and run.steps == 3 and run.snapshot_steps() == [3]
     assert run.state_at(3, unpack_ternary).digest_hex() == summary["replica_digest"]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from eggroll_dist.coordinator.store import RunStore, StoreError
-from eggroll_dist.shared.config import ESConfig, preset
+from eggroll_dist.protocol.ternary import pack_ternary
+from eggroll_dist.shared.config import ESConfig, RunConfig, preset
 from eggroll_dist.shared.fitness_log import packed_size
+from eggroll_dist.shared.replica import ReplicaState, encode_checkpoint, replay
 
 
 def test_create_resume_and_metadata(tmp_path: Path) -> None:
@@ -18,15 +21,44 @@ def test_create_resume_and_metadata(tmp_path: Path) -> None:
     assert store.steps == 0 and store.data_digest is None and store.latest_snapshot is None
     store.fitness_log.append(0, bytes(packed_size(cfg.pairs)))
     store.set_data_digest(b"\x01" * 32)
-    store.record_digest(1, 0xABC)
-    store.save_snapshot(1, b"blob", keep=2)
+    state = _state_after(cfg, 1)
+    store.record_digest(1, state.digest())
+    store.save_snapshot(1, encode_checkpoint(state), keep=2)
     store.close()
     again = RunStore.open(tmp_path / "run", None)  # no flags: the stored config
     assert again.run_id == run_id and again.config == cfg and again.steps == 1
-    assert again.data_digest == b"\x01" * 32 and again.digests == {1: 0xABC}
-    assert again.latest_snapshot == 1
+    assert again.data_digest == b"\x01" * 32 and again.digests == {1: state.digest()}
+    assert again.latest_snapshot == 1 and again.bad_snapshots == []
     again.close()
     RunStore.open(tmp_path / "run", cfg).close()  # the same flags again are fine
+
+
+def _state_after(cfg: RunConfig, steps: int) -> ReplicaState:
+    """The state after `steps` steps of all-zero fitness (what a zeroed log records)."""
+    return replay(ReplicaState.initial(cfg), [np.zeros(cfg.pairs, np.int8)] * steps)
+
+
+def test_a_bad_newest_snapshot_is_left_out_for_the_older_one(tmp_path: Path) -> None:
+    cfg = preset("tiny")
+    store = RunStore.open(tmp_path / "run", cfg)
+    for step in range(3):
+        store.fitness_log.append(step, pack_ternary(np.zeros(cfg.pairs, np.int8)))
+    for step in (1, 2, 3):
+        store.save_snapshot(step, encode_checkpoint(_state_after(cfg, step)), keep=3)
+    store.close()
+    newest, middle = store.snapshot_path(3), store.snapshot_path(2)
+    newest.write_bytes(newest.read_bytes()[:1000])  # cut short
+    data = bytearray(middle.read_bytes())
+    data[5000] ^= 1  # bit rot
+    middle.write_bytes(bytes(data))
+    again = RunStore.open(tmp_path / "run", None)
+    assert again.snapshot_steps == [1] and again.latest_snapshot == 1
+    assert [(p, why.split(" (")[0]) for p, why in again.bad_snapshots] == [
+        (newest, "checkpoint is truncated"),
+        (middle, "checkpoint CRC mismatch: the file is corrupt"),
+    ]
+    assert newest.exists() and middle.exists()  # left for the operator
+    again.close()
 
 
 def test_different_config_is_refused(tmp_path: Path) -> None:

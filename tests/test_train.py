@@ -151,7 +151,7 @@ def test_vocab_mismatch_is_reported(data_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "v.toml"
     config.write_text(TRAIN_RUN.replace("d_model = 16", "d_model = 16\nvocab_size = 300"))
     done = _cli("--data-dir", copy, "--config", config)
-    assert done.returncode == 1 and "vocabulary 256" in done.stderr
+    assert done.returncode == 1 and "holds bytes (256 tokens)" in done.stderr
 
 
 def test_member_noise_and_windows_are_shared_within_a_pair(data_dir: Path) -> None:

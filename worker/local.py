@@ -49,13 +49,14 @@ from ..shared.logs import (
     echo,
     held_out_text,
 )
+from ..shared.progress import YEAR_S, duration_text
 from ..shared.replica import load_checkpoint
 from ..shared.save_dir import Layout
 from ..shared.tracking import TrackingError, check_available
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import get_backend
-from .data.build import prepare_data_dir
+from .data.build import prepare_data_dir, vocabulary_mismatch
 from .data.builtin import builtin_documents, builtin_source
 
 
@@ -70,7 +71,10 @@ class CoordinatorProcess:
 
     def __init__(self, args: list[str], log_path: Path, total_steps: int):
         self.proc = subprocess.Popen(
-            [_exe("eggroll-coordinator"), *args], stderr=subprocess.PIPE, text=True
+            [_exe("eggroll-coordinator"), *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # see _interrupt: Ctrl-C is this command's to handle
         )
         self.port: int | None = None
         self.ready = threading.Event()
@@ -78,6 +82,8 @@ class CoordinatorProcess:
         self.last_step = 0
         self.tail: deque[str] = deque(maxlen=20)
         self.total = total_steps
+        self.quiet = False  # set when stopping: the console says only why and what is kept
+        self.warned_eta = False
         self._first: tuple[int, float] | None = None  # first step seen, and when (for the ETA)
         self.thread = threading.Thread(target=self._read, args=(log_path,), daemon=True)
         self.thread.start()
@@ -96,7 +102,7 @@ class CoordinatorProcess:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(event, dict):
+                if isinstance(event, dict) and not self.quiet:
                     try:
                         self._show(event)
                     except (KeyError, TypeError, ValueError):  # an odd line costs its line only
@@ -118,11 +124,18 @@ class CoordinatorProcess:
                 if "reward" in event
                 else f"loss {event['loss_bits']:.3f} bits/token"
             )
+            eta = self._eta(event["step"])
             echo(
                 f"step {event['step']:>6}/{self.total}  {score}  {event['step_s']:.2f} s  "
                 f"{event['member_tok_s']:>9,} member-tok/s  workers {event['workers']}  "
-                f"requeued {event['requeued']}  ETA {self._eta(event['step'])}"
+                f"requeued {event['requeued']}  ETA {'?' if eta is None else duration_text(eta)}"
             )
+            if eta is not None and eta > YEAR_S and not self.warned_eta:
+                self.warned_eta = True
+                echo(
+                    f"warning: at this pace the {self.total:,} steps take {duration_text(eta)} "
+                    "more: is --steps what you meant? (Ctrl-C stops and keeps every step)"
+                )
         elif event.get("event") == PROGRESS:
             echo(
                 f"  step {event['step']}: {event['chunks_done']}/{event['chunks']} chunks "
@@ -153,16 +166,15 @@ class CoordinatorProcess:
                 text += f" exception={exc.get('type')}: {exc.get('message')}"
             echo(f"  coordinator: {event.get('event')} {text}".rstrip())
 
-    def _eta(self, step: int) -> str:
-        """Time left at the mean pace of the steps committed in this session."""
+    def _eta(self, step: int) -> float | None:
+        """Seconds left at the mean pace of the steps committed in this session (None at
+        the first)."""
         now = time.monotonic()
         if self._first is None:
             self._first = (step, now)
-            return "?"
+            return None
         done, seconds = step - self._first[0], now - self._first[1]
-        left = max(self.total - step, 0) * seconds / max(done, 1)
-        minutes, secs = divmod(round(left), 60)
-        return f"{minutes}m{secs:02d}s"
+        return max(self.total - step, 0) * seconds / max(done, 1)
 
 
 def _copy_output(proc: subprocess.Popen, log_path: Path) -> threading.Thread:
@@ -194,6 +206,9 @@ def _port_free(port: int) -> bool:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM and SIGHUP stop the run as Ctrl-C does. The children run in sessions of
+    their own, so a terminal's Ctrl-C or hangup reaches this process only: it stops the
+    workers first, so the coordinator has nobody to wait for a last snapshot from."""
     raise KeyboardInterrupt
 
 
@@ -206,6 +221,14 @@ def _committed_steps(save_dir: Path) -> int:
         return 0
 
 
+def _kept(save_dir: Path) -> str:
+    """What an interrupted run keeps, in one line."""
+    steps = _committed_steps(save_dir)
+    if not steps:
+        return f"stopped before the first step was committed; nothing to keep in {save_dir}"
+    return f"stopped at step {steps}; steps 1..{steps} are kept in {save_dir}: run again to resume"
+
+
 def _ensure_data(data_dir: Path) -> None:
     if (data_dir / META_FILE).exists():
         return
@@ -214,6 +237,13 @@ def _ensure_data(data_dir: Path) -> None:
         prepare_data_dir(builtin_documents(), data_dir, builtin_source(), echo=echo)
     except OSError as exc:  # it leaves no directory that looks complete (see build.py)
         raise cannot_write(exc, data_dir) from None
+
+
+def _stop_now(coordinator: subprocess.Popen, workers: list[subprocess.Popen]) -> None:
+    """Stop at once: the workers (what they hold is in the fitness log), then the
+    coordinator, which then finds no worker to wait for."""
+    _stop(workers, timeout_s=3.0)
+    _stop([coordinator])
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -326,6 +356,9 @@ def main(
         dataset = load_data_dir(data_dir)
     except (ConfigError, GoalError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
+    mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
+    if mismatch is not None:  # before anything starts: the workers would each refuse the run
+        raise click.ClickException(mismatch)
     short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
     if short is not None:
         raise click.ClickException(f"data in {data_dir}: {short}")
@@ -374,7 +407,8 @@ def main(
     coord_args += ["--tensorboard", str(tensorboard)] if tensorboard else []
     coord_args += ["--wandb-project", wandb_project] if wandb_project else []
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the children too
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill or a closed terminal stops them too
+        signal.signal(sig, _interrupt)
     coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)
     procs: list[subprocess.Popen] = []
     copiers: list[threading.Thread] = []
@@ -414,6 +448,7 @@ def main(
                 text=True,
                 errors="replace",
                 env=env,
+                start_new_session=True,
             )
             procs.append(proc)
             copiers.append(_copy_output(proc, layout.worker_log(i)))
@@ -431,8 +466,9 @@ def main(
                 + "\n".join(coordinator.tail)
             )
     except KeyboardInterrupt:
-        echo("interrupted: stopping; nothing committed is lost, run again to resume")
-        _stop([coordinator.proc, *procs])
+        coordinator.quiet = True
+        _stop_now(coordinator.proc, procs)
+        echo(_kept(save_dir))
         sys.exit(130)
     finally:
         _stop([*procs, coordinator.proc])

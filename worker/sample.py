@@ -1,9 +1,10 @@
 """`eggroll-sample`: see what a model writes, from a save directory or a checkpoint file.
 
 The replica is the newest snapshot of a save directory, or the state at `--step N`: the
-newest snapshot at or before N with the fitness log replayed up to N (from the initial
-weights when there is no snapshot). The data directory supplies the vocabulary, and the
-held-out prompts when no prompt is given.
+newest readable snapshot at or before N with the fitness log replayed up to N (from the
+initial weights when there is no snapshot); or a checkpoint file or an export (source.py).
+The data directory (`data` by default) supplies the vocabulary, and the held-out prompts
+when no prompt is given; it must hold the data the run records.
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from ..protocol.ternary import unpack_ternary
 from ..shared.cli import command
 from ..shared.data import (
     DECODING_FILE,
@@ -30,7 +29,6 @@ from ..shared.data import (
 )
 from ..shared.logs import echo, os_error_text
 from ..shared.model import build_generator
-from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint
 from ..shared.sample import (
     NEW_TOKENS,
     PROMPT_TOKENS,
@@ -41,60 +39,12 @@ from ..shared.sample import (
     milli_text,
     parse_milli,
 )
-from ..shared.save_dir import SaveDir, SaveDirError
-from ..shared.vocab import BYTE_VOCAB_SIZE, Detokenizer, VocabError, decode, encode
+from ..shared.vocab import Detokenizer, VocabError, decode, encode
 from ..shared.vocab import escape as escape_text
 from ..shared.window import held_out_prompt
+from .source import SourceError, check_data_dir, load_source
 
 MAX_PROMPT_FILE_BYTES = 1 << 20  # only the last `context` tokens are used anyway
-
-
-class SourceError(Exception):
-    """A save directory, checkpoint or step that cannot give a replica."""
-
-
-# ------------------------------------------------------------------------------ replica
-
-
-def load_replica(
-    source: Path, step: int | None = None, on_replay: Callable[[int], None] | None = None
-) -> tuple[ReplicaState, str]:
-    """The replica to sample from, and a few words on where it came from; `on_replay` hears
-    how many logged steps are about to be replayed."""
-    if not source.exists():
-        raise SourceError(f"{source} does not exist: give a save directory or a checkpoint file")
-    if source.is_file():
-        try:
-            state = load_checkpoint(source)
-        except CheckpointError as exc:
-            raise SourceError(str(exc)) from None
-        if step is not None and step != state.step:
-            raise SourceError(
-                f"{source} holds step {state.step}, not {step}: give its save directory "
-                "to replay other steps"
-            )
-        return state, f"checkpoint {source.name}"
-    try:
-        return _from_save_dir(SaveDir.open(source), step, on_replay)
-    except SaveDirError as exc:
-        raise SourceError(str(exc)) from None
-
-
-def _from_save_dir(
-    run: SaveDir, step: int | None, on_replay: Callable[[int], None] | None
-) -> tuple[ReplicaState, str]:
-    committed = run.steps
-    if step is None:
-        snapshots = run.snapshot_steps()
-        step = snapshots[-1] if snapshots else committed
-    elif not 0 <= step <= committed:
-        raise SourceError(f"--step {step} is not in {run.path}: it has steps 0..{committed}")
-    base = run.base_of(step)
-    state = run.state_at(step, unpack_ternary, on_replay)
-    origin = "initial weights" if base is None else f"snapshot {base}"
-    if step > (base or 0):
-        origin += f" + {step - (base or 0)} steps replayed"
-    return state, origin
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -107,19 +57,12 @@ class Vocabulary:
     valid_path: Path
 
 
-def load_vocabulary(data_dir: Path, model_vocab: int) -> Vocabulary:
-    """decoding.bin and meta.json of `data_dir`, checked against the model's vocabulary."""
+def load_vocabulary(data_dir: Path, model_vocab: int, data_digest: str | None) -> Vocabulary:
+    """decoding.bin and meta.json of `data_dir`, checked against the model's vocabulary and
+    the data digest of its run (hex; None: not recorded)."""
     meta = read_meta(data_dir / META_FILE)
+    check_data_dir(data_dir, meta, model_vocab, data_digest)
     pieces = read_decoding(data_dir / DECODING_FILE)
-    if meta.vocab_size != model_vocab:
-
-        def kind(v: int) -> str:
-            return "bytes (256 tokens)" if v == BYTE_VOCAB_SIZE else f"a {v}-token vocabulary"
-
-        raise DataError(
-            f"the model reads {kind(model_vocab)} but {data_dir} holds {kind(meta.vocab_size)}"
-            ": give the data directory the model was trained on"
-        )
     if len(pieces) != meta.vocab_size:
         raise DataError(f"{data_dir / DECODING_FILE} does not match {data_dir / META_FILE}")
     return Vocabulary(pieces, meta.vocab_size, data_dir / VALID_FILE)
@@ -138,9 +81,11 @@ def _terminal_styles() -> tuple[str, str]:
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option(
     "--data-dir",
-    required=True,
+    default=Path("data"),
+    show_default=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Data directory of the run: its vocabulary (and held-out prompts).",
+    help="Data directory of the run: its vocabulary (and held-out prompts); checked against "
+    "the data digest the run records.",
 )
 @click.option(
     "--step", type=int, default=None, help="Step to sample at (default: the newest snapshot)."
@@ -210,7 +155,8 @@ def main(
     count: int,
     as_json: bool,
 ) -> None:
-    """Generate text from the model in SOURCE (a save directory or a checkpoint file)."""
+    """Generate text from the model in SOURCE (a save directory, a checkpoint file or an
+    export directory)."""
     try:
         settings = SampleSettings(
             temperature=parse_milli(temperature, "--temperature"),
@@ -221,10 +167,14 @@ def main(
         )
         if prompt is not None and prompt_file is not None:
             raise SampleError("give --prompt or --prompt-file, not both")
-        state, origin = load_replica(
-            source, step, lambda n: click.echo(f"replaying {n} steps of the fitness log", err=True)
+        found = load_source(
+            source,
+            step,
+            on_replay=lambda n: echo(f"replaying {n} steps of the fitness log", err=True),
+            warn=lambda text: echo(f"warning: {text}", err=True),
         )
-        vocab = load_vocabulary(data_dir, state.config.model.vocab_size)
+        state, origin = found.state, found.origin
+        vocab = load_vocabulary(data_dir, state.config.model.vocab_size, found.data_digest)
         if prompt is not None:
             prompt_ids = encode(prompt.encode("utf-8", errors="surrogateescape"), vocab.pieces)
         elif prompt_file is not None:

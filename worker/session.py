@@ -80,6 +80,7 @@ from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
 from ..shared.fitness import member_tokens
 from ..shared.goal import GoalError, check_files
+from ..shared.progress import Progress
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from .backend import BackendFactory, ChunkResult, HeldOut
 from .backend import Validation as Score
@@ -120,7 +121,7 @@ FATAL_CODES = frozenset(
 )
 # Steps asked for per FITNESS_REQUEST: one progress line per batch while catching up.
 FITNESS_STEPS_PER_REQUEST = 256
-PROGRESS_S = 10.0  # a snapshot download this long logs its progress this often
+QUIET_S = 2.0  # a replay or snapshot download quicker than this logs no progress lines
 
 
 class WorkerFatal(Exception):
@@ -312,7 +313,7 @@ class _Download:
     total: int | None = None
     received: int = 0
     parts: list[bytes] = field(default_factory=list)
-    said: float = 0.0  # when progress was last logged
+    progress: Progress | None = None  # from the first chunk, which gives the size
 
 
 class Session:
@@ -330,6 +331,7 @@ class Session:
         self._download: _Download | None = None
         self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
         self._last_failure = ""  # the reward's last failure on a chunk
+        self._replay: tuple[int, Progress] | None = None  # (from step, its progress) likewise
         self._nonce = b""
 
     @property
@@ -371,8 +373,12 @@ class Session:
         if replica.step < self.committed:
             if self._catchup is None:
                 self._catchup = (replica.step, self.clock())
+            self._replay_progress(replica.step)
             self.phase = Phase.CATCHING_UP
             return [Send(FitnessRequest(replica.step, self._fitness_batch()))]
+        if self._replay is not None:
+            self._replay[1].finish(say=False)  # "caught up" says the rest
+            self._replay = None
         if self._catchup is not None:
             start, t0 = self._catchup
             self._catchup = None
@@ -385,6 +391,23 @@ class Session:
             )
         self.phase = Phase.REQUESTED
         return [Send(JobRequest(replica.step, replica.digest, replica.weights_changed))]
+
+    def _replay_progress(self, step: int) -> None:
+        """The replay of the fitness log, from where it began to the steps committed so far
+        (a bar on a terminal, a line now and then in a log)."""
+        if self._replay is None or step < self._replay[0]:  # a dropped replica starts again
+            progress = Progress(
+                "replay",
+                self.committed - step,
+                "steps",
+                say=lambda p: log.info("catching up", **p.fields()),
+                quiet_s=QUIET_S,
+                clock=self.clock,
+            )
+            self._replay = (step, progress)
+        first, progress = self._replay
+        progress.total = self.committed - first
+        progress.update(step - first)
 
     # --- results of commands -----------------------------------------------------------
 
@@ -664,6 +687,14 @@ class Session:
                     f"snapshot of {chunk.total_bytes} bytes; this run's checkpoints have {size}"
                 )
             d.step, d.total = chunk.step, chunk.total_bytes
+            d.progress = Progress(
+                "snapshot download",
+                d.total,
+                "B",
+                say=lambda p: log.info("downloading snapshot", step=d.step, **p.fields()),
+                quiet_s=QUIET_S,
+                clock=self.clock,
+            )
         elif (chunk.step, chunk.total_bytes, chunk.offset) != (d.step, d.total, d.received):
             raise PeerViolation(
                 f"SNAPSHOT_CHUNK (step {chunk.step}, total {chunk.total_bytes}, offset "
@@ -671,12 +702,12 @@ class Session:
             )
         d.parts.append(chunk.data)
         d.received += len(chunk.data)
+        assert d.progress is not None
         if not chunk.is_last:
-            now = self.clock()
-            if now - max(d.started, d.said) >= PROGRESS_S:  # a long transfer is not silent
-                d.said = now
-                log.info("downloading snapshot", step=d.step, bytes=f"{d.received}/{d.total}")
+            d.progress.update(d.received)  # a long transfer is not a silent one
             return []
+        d.progress.done = d.received
+        d.progress.finish(say=False)  # "snapshot loaded" follows
         self._download, self.phase = None, Phase.IDLE
         blob = b"".join(d.parts)
         d.parts.clear()

@@ -75,6 +75,7 @@ from ..shared.tracking import (
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
+from .data.build import vocabulary_mismatch
 from .objective import NextToken, Objective, Reward, make_objective
 from .reward import RewardError
 
@@ -323,11 +324,9 @@ def main(
         factory = get_backend("numpy", threads=threads)
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
-    if dataset.meta.vocab_size != cfg.model.vocab_size:
-        raise click.ClickException(
-            f"data in {data_dir} has vocabulary {dataset.meta.vocab_size}, the model expects "
-            f"{cfg.model.vocab_size}"
-        )
+    mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
+    if mismatch is not None:
+        raise click.ClickException(mismatch)
     short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
     if short is not None:
         raise click.ClickException(f"data in {data_dir}: {short}")
@@ -405,9 +404,9 @@ def _run(
     state = initial_state(cfg, base)
     objective = make_objective(cfg, dataset, base, reward_timeout)
     resume = layout is not None and layout.run_file.exists()
-    run = new_run(cfg)
+    run = new_run(cfg, dataset.digest)  # eggroll-sample checks the data digest
     if layout is not None and resume:
-        fitness_log, state, run = _resume(layout, cfg)
+        fitness_log, state, run = _resume(layout, cfg, dataset.digest)
     meta = dataset.meta
     baselines = (meta.baselines, meta.baselines_per_byte)
     run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
@@ -506,7 +505,9 @@ class _Curve:
             self.tracker.close()
 
 
-def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState, dict[str, Any]]:
+def _resume(
+    layout: Layout, cfg: RunConfig, data_digest: bytes
+) -> tuple[FitnessLog, ReplicaState, dict[str, Any]]:
     """The run in a save directory, to continue: its fitness log open for appending (a torn
     last record cut off), the replica state at its last committed step, and run.json."""
     run = SaveDir.open(layout.root)
@@ -517,8 +518,22 @@ def _resume(layout: Layout, cfg: RunConfig) -> tuple[FitnessLog, ReplicaState, d
             f"{run.config.digest().hex()[:16]}, this one {cfg.digest().hex()[:16]}): give "
             "its preset or config, or pick a new directory"
         )
+    recorded = run.run.get("data_digest")
+    if recorded is not None and recorded != data_digest.hex():
+        raise SaveDirError(
+            f"{layout.root} was trained on data {recorded[:16]}, --data-dir holds "
+            f"{data_digest.hex()[:16]}: give the run's data directory"
+        )
     with naming(layout.fitness_log):
         fitness_log = FitnessLog.open(layout.fitness_log)  # repairs a torn last record
+    if fitness_log.repaired_bytes:
+        log.warning(
+            "fitness log tail repaired",
+            path=str(fitness_log.path),
+            bytes_cut=fitness_log.repaired_bytes,
+            steps=fitness_log.steps,
+            hint="a step that was being written when the run stopped is redone",
+        )
     state = run.state_at(fitness_log.steps, unpack_ternary)
     log.info("resuming", save_dir=str(layout.root), step=state.step)
     return fitness_log, state, run.run

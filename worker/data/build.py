@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from ...shared.data import (
     write_meta,
     write_tokens,
 )
+from ...shared.progress import Progress, duration_text
 from ...shared.window import data_too_short, step_tokens
 from .baselines import data_meta, token_counts
 from .tokenizer import encode_documents, renumber, tokenizer_pieces, train_bpe
@@ -158,31 +158,13 @@ def discard_data_files(root: Path) -> None:
 # --- a trained tokenizer -------------------------------------------------------------
 
 DocSource = Callable[[], Iterator[bytes]]
-PROGRESS_EVERY_BYTES = 16 << 20
 ENCODE_BATCH_BYTES = 1 << 20
 
 
-class _Meter:
-    """Progress lines while a pass over the text runs: one per PROGRESS_EVERY_BYTES."""
-
-    def __init__(self, say: Echo, what: str) -> None:
-        self.say, self.what = say, what
-        self.docs = self.bytes = 0
-        self.next = PROGRESS_EVERY_BYTES
-        self.start = time.monotonic()
-
-    def add(self, n: int) -> None:
-        self.docs += 1
-        self.bytes += n
-        if self.bytes >= self.next:
-            self.next += PROGRESS_EVERY_BYTES
-            self.line()
-
-    def line(self) -> None:
-        self.say(
-            f"{self.what} {self.bytes / 1e6:,.1f} MB of text ({counted(self.docs, 'document')}), "
-            f"{time.monotonic() - self.start:.1f} s"
-        )
+def _reading(say: Echo, what: str, total_bytes: int | None) -> Progress:
+    """The progress of one pass over the text: a bar on a terminal, else a line per tenth
+    of `total_bytes` (when known) or every few seconds."""
+    return Progress(what, total_bytes, "B", say=lambda p: say(p.line()))
 
 
 def _encode_pass(
@@ -191,7 +173,7 @@ def _encode_pass(
     tokenizer: Tokenizer,
     pieces: Sequence[bytes],
     root: Path,
-    meter: _Meter,
+    meter: Progress,
 ) -> None:
     """Encode `docs()` in batches, appending separator + ids to input.bin / valid.bin as
     `flags` says. The files are built under hidden names and renamed when complete; the old
@@ -214,8 +196,7 @@ def _encode_pass(
                     if ids:
                         with naming(root / (VALID_FILE if valid else INPUT_FILE)):
                             f.write(np.asarray(ids, dtype).tobytes())
-                for doc, _ in batch:
-                    meter.add(len(doc))
+                meter.advance(sum(len(doc) for doc, _ in batch))
                 batch.clear()
 
             size = 0
@@ -226,6 +207,7 @@ def _encode_pass(
                     flush()
                     size = 0
             flush()
+            meter.finish()
             for name, f in ((INPUT_FILE, train_f), (VALID_FILE, valid_f)):
                 with naming(root / name):
                     f.flush()
@@ -277,6 +259,7 @@ def prepare_tokenized_data_dir(
     vocab_size: int = DEFAULT_BPE_VOCAB_SIZE,
     valid_fraction: float = DEFAULT_VALID_FRACTION,
     echo: Echo | None = None,
+    total_bytes: int | None = None,
 ) -> DataMeta:
     """Tokenize the documents `docs()` yields with `tokenizer` (or a byte-level BPE of
     `vocab_size` trained on the train documents) and write a data directory into `out`.
@@ -286,24 +269,30 @@ def prepare_tokenized_data_dir(
     The text is never held whole; the token files are read back for the baselines.
     Documents and split are those of the byte vocabulary; each document is id 0 (the
     separator) followed by its ids. Writes tokenizer.json beside the four files.
+    `total_bytes`, the size of the text if known, lets progress say how far each pass is.
     """
     say = echo or (lambda _line: None)
     flags: list[bool] = []
-    meter = _Meter(say, "read")
+    meter = _reading(say, "read", total_bytes)
 
     def train_texts() -> Iterator[str]:
         for doc in docs():
             flags.append(goes_to_valid(doc, valid_fraction))
-            meter.add(len(doc))
+            meter.advance(len(doc))
             if not flags[-1]:
                 yield doc.decode("utf-8")
+        meter.finish()
+        if trained:  # what follows the reading takes a while on a large vocabulary
+            say(f"merging pairs up to {vocab_size:,} tokens ...")
 
     trained = tokenizer is None
     if trained:
         say(f"training a byte-level BPE of {vocab_size:,} tokens on the train documents ...")
         tokenizer = train_bpe(train_texts(), vocab_size)
-        meter.line()
-        say(f"trained {tokenizer.get_vocab_size(with_added_tokens=True):,} tokens")
+        say(
+            f"trained {tokenizer.get_vocab_size(with_added_tokens=True):,} tokens "
+            f"in {duration_text(meter.seconds())}"
+        )
     else:
         for _ in train_texts():
             pass
@@ -316,7 +305,7 @@ def prepare_tokenized_data_dir(
     root.mkdir(parents=True, exist_ok=True)
     # A failed write in the encode pass leaves the old directory as it was; after it, the
     # old meta.json is gone and a failed write removes the data files (discard_data_files).
-    _encode_pass(docs, flags, tokenizer, pieces, root, _Meter(say, "encoded"))
+    _encode_pass(docs, flags, tokenizer, pieces, root, _reading(say, "encoded", meter.done))
     try:
         if trained:
             tokenizer, pieces = _rank_by_frequency(root, tokenizer, pieces)
@@ -340,7 +329,27 @@ def prepare_tokenized_data_dir(
     return meta
 
 
-# --- how much data a preset needs ----------------------------------------------------
+# --- what data a config needs --------------------------------------------------------
+
+
+def vocabulary_mismatch(data_dir: Path | str, data_vocab: int, model_vocab: int) -> str | None:
+    """Why a model of `model_vocab` tokens cannot train on `data_dir` (one line that names
+    the command making suitable data), or None when the vocabularies agree."""
+    if data_vocab == model_vocab:
+        return None
+
+    def kind(v: int) -> str:
+        return "bytes (256 tokens)" if v == BYTE_VOCAB_SIZE else f"a {v:,}-token vocabulary"
+
+    if model_vocab == BYTE_VOCAB_SIZE:
+        out, flags = "data/bytes", ""
+    else:
+        out, flags = f"data/bpe-{model_vocab}", f" --tokenizer bpe --vocab-size {model_vocab}"
+    return (
+        f"{data_dir} holds {kind(data_vocab)}, the model reads {kind(model_vocab)}: make data "
+        f"of its vocabulary with `eggroll-data prepare --builtin{flags} --out {out}` (or your "
+        f"text files in place of --builtin), then pass --data-dir {out}"
+    )
 
 
 def size_warnings(train_tokens: int, valid_tokens: int, vocab_size: int) -> list[str]:

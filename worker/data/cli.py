@@ -22,6 +22,7 @@ import click
 from ...shared.cli import OneLineError, cannot_write, command
 from ...shared.data import DataError, DataMeta, load_data_dir
 from ...shared.logs import echo
+from ...shared.progress import Progress
 from .baselines import BASELINE_NAMES
 from .build import (
     DEFAULT_BPE_VOCAB_SIZE,
@@ -50,6 +51,25 @@ def _os_error(exc: OSError, out: Path) -> click.ClickException:
     if name is None or name == out or out.resolve() in name.resolve().parents:
         return cannot_write(exc, out)
     return click.ClickException(f"cannot use {name}: {exc.strerror or exc}")
+
+
+def _files_bytes(paths: tuple[Path, ...]) -> int | None:
+    """The size of the input files (None if one cannot be read: its error comes later)."""
+    try:
+        return sum(p.stat().st_size for p in paths)
+    except OSError:
+        return None
+
+
+def _read_files(paths: tuple[Path, ...]) -> list[bytes]:
+    """The documents of every file, with progress through them."""
+    reading = Progress("read", _files_bytes(paths), "B", say=lambda p: _progress(p.line()))
+    docs: list[bytes] = []
+    for path in paths:
+        docs += file_documents(path)
+        reading.advance(path.stat().st_size)
+    reading.finish(say=False)  # the count of documents follows
+    return docs
 
 
 @command(group=True)
@@ -122,9 +142,11 @@ def prepare(
             tokenizer = None if tokenizer_arg == "bpe" else load_tokenizer(tokenizer_arg)
             if builtin:
                 docs: DocSource = builtin_docs.__iter__
+                total = sum(len(d) for d in builtin_docs)
             else:
                 source = ", ".join(p.name for p in text_files)
                 docs = partial(files_documents, text_files)
+                total = _files_bytes(text_files)
             meta = prepare_tokenized_data_dir(
                 docs,
                 out,
@@ -133,13 +155,14 @@ def prepare(
                 vocab_size or DEFAULT_BPE_VOCAB_SIZE,
                 valid_fraction,
                 echo=_progress,
+                total_bytes=total,
             )
         else:
             if builtin:
                 all_docs = builtin_docs
             else:
                 source = ", ".join(p.name for p in text_files)
-                all_docs = [d for p in text_files for d in file_documents(p)]
+                all_docs = _read_files(text_files)
             if not all_docs:
                 raise DataError(f"no text found in {source}: the input files are empty")
             total = sum(len(d) for d in all_docs)
