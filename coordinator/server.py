@@ -408,6 +408,7 @@ class Listener:
     def __init__(self) -> None:
         self.server: asyncio.Server | None = None
         self.host = ""
+        self.asked_for = ""  # the host asked for, when protected mode serves loopback instead
         self._handler: Handler | None = None
 
     @classmethod
@@ -415,14 +416,7 @@ class Listener:
         listener = cls()
         host = options.host
         if not options.run.token and not is_loopback(host):
-            log.warning(
-                "protected mode: no token, so only this machine may connect",
-                listening_on="127.0.0.1",
-                asked_for=host,
-                hint="to serve the network, give a token with --token-file FILE or "
-                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
-            )
-            host = "127.0.0.1"
+            listener.asked_for, host = host, "127.0.0.1"  # said when serving starts
         listener.host = host
         listener.server = await asyncio.start_server(
             listener._accept,
@@ -441,6 +435,14 @@ class Listener:
 
     async def serve(self, handler: Handler) -> None:
         assert self.server is not None
+        if self.asked_for:  # once the run is open: a run that cannot open says only why
+            log.warning(
+                "protected mode: no token, so only this machine may connect",
+                listening_on=self.host,
+                asked_for=self.asked_for,
+                hint="to serve the network, give a token with --token-file FILE or "
+                "EGGROLL_TOKEN (eggroll-coordinator --new-token makes one)",
+            )
         self._handler = handler
         await self.server.start_serving()
 
