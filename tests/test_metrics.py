@@ -132,3 +132,14 @@ def test_refusals_requeues_and_divergence_are_counted(
     assert value("eggroll_replica_digest_mismatches_total") == 1
     assert value("eggroll_results_dropped_total", {"reason": "diverged"}) == 1
     assert value("eggroll_workers_connected") == 1
+
+
+def test_a_reward_run_sets_its_reward_gauges_not_the_loss(registry: CollectorRegistry) -> None:
+    metrics = Metrics(registry)
+    value = registry.get_sample_value
+    metrics.committed(0.5, math.nan, 4096, reward=0.25)
+    assert value("eggroll_train_reward") == 0.25 and math.isnan(value("eggroll_train_loss_bits"))
+    metrics.validated(Validation(2, 64, 70.0, 4.5, 64, 0, 0.0, 0.0, 0, 8, -0.5))
+    assert value("eggroll_valid_reward") == -0.5
+    metrics.validated(Validation(4, 64, 70.0, 4.5, 64))  # a loss run's: no reward to show
+    assert value("eggroll_valid_reward") == -0.5
