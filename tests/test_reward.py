@@ -473,3 +473,28 @@ def test_a_reward_that_fails_twice_takes_its_worker_out(
     assert "failed: " in logged["text"] and "broken reward" in logged["text"]
     coord.wait_for(lambda e: e.get("event") == "worker error", 30, "worker error")
     assert SaveDir.open(tmp_path / "run").steps == 0  # nothing committed from a failed chunk
+
+
+def test_init_from_over_the_coordinator_matches_one_process(
+    words_data: Path, tmp_path: Path
+) -> None:
+    """eggroll-local passes --init-from to its coordinator; the workers start from the same
+    replica (the config pins its digest) and reach eggroll-train's digest."""
+    start = ReplicaState.initial(reward_config_state(tmp_path))
+    start.params["head"][:] = np.clip(start.params["head"].astype(int) - 5, -127, 127)
+    save_checkpoint(tmp_path / "start.ckpt", start)
+    config = reward_config(tmp_path, reward="builtin:letter_e")
+    common = ("--data-dir", words_data, "--config", config, "--steps", "2")
+    common += ("--init-from", tmp_path / "start.ckpt")
+    one = run_cli("eggroll-train", *common, "--save-dir", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    local = ("--workers", "2", "--metrics-port", "0", "--save-dir", tmp_path / "two")
+    two = run_cli("eggroll-local", *common, *local)
+    assert two.returncode == 0, two.stderr + two.stdout
+    assert (tmp_path / "two" / "init.ckpt").read_bytes() == (tmp_path / "start.ckpt").read_bytes()
+    assert digest_at(tmp_path / "two", 2) == digest_at(tmp_path / "one", 2)
+
+
+def reward_config_state(tmp: Path) -> RunConfig:
+    """The model of `reward_config`'s runs, for a replica they can start from."""
+    return small("egg").replace(es=ESConfig(population=32, chunk_size=8, seq_len=16))
