@@ -172,10 +172,19 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
 
 
 def check_files(cfg: RunConfig, base: Path) -> None:
-    """Raise GoalError naming the first goal file under `base` that is not the run's."""
+    """Raise GoalError naming the first goal file under `base` that is not the run's. A
+    worker checks a config it was sent: its reward and prompts must lie inside `base` (its
+    --goal-dir), so that a coordinator can never point it at other code on the machine,
+    however it pins it."""
     for key, path, pinned, what in _files(cfg):
         if not pinned:
             raise GoalError(f"the run config names {what} {path} but not its digest ({key})")
+        inside = resolve(path, base).resolve()
+        if not inside.is_relative_to(base.resolve()):
+            raise GoalError(
+                f"the run's {what} {path} is outside this worker's goal directory {base}: a "
+                "worker reads goal files only under --goal-dir"
+            )
         mine = file_sha256(resolve(path, base), what)
         if mine != pinned:
             raise GoalError(

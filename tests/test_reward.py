@@ -498,3 +498,19 @@ def test_init_from_over_the_coordinator_matches_one_process(
 def reward_config_state(tmp: Path) -> RunConfig:
     """The model of `reward_config`'s runs, for a replica they can start from."""
     return small("egg").replace(es=ESConfig(population=32, chunk_size=8, seq_len=16))
+
+
+def test_a_worker_reads_goal_files_only_under_its_goal_dir(tmp_path: Path) -> None:
+    """A config comes from the coordinator: however it pins them, a worker never runs or
+    reads goal files outside its --goal-dir (say, a library module's function)."""
+    outside = tmp_path / "lib.py"
+    outside.write_text("def getoutput(text):\n    return 0.0\n")
+    goal = tmp_path / "goal"
+    goal.mkdir()
+    for where in (str(outside), "../lib.py"):
+        cfg = RunConfig(
+            fitness=FitnessConfig(objective="reward", reward=f"{where}:getoutput", prompts="data")
+        )
+        cfg = pin(cfg, goal)  # the sha256 of the very file: pinned correctly
+        with pytest.raises(GoalError, match="outside this worker's goal directory"):
+            check_files(cfg, goal)
