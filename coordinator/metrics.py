@@ -197,6 +197,8 @@ class Metrics:
         # Unknown until measured: NaN, not a misleading 0.
         for gauge in (
             self.train_loss,
+            self.train_reward,
+            self.valid_reward,
             self.valid_bits,
             self.valid_bits_per_byte,
             self.valid_stream_bits,
