@@ -43,7 +43,7 @@ from .config import RunConfig
 from .data import Dataset
 from .fitness import MAX_REWARD, REWARD_UNIT
 from .noise import DOMAIN_PROMPT, combine_array, hash_key
-from .replica import CheckpointError, ReplicaState, load_checkpoint
+from .replica import CheckpointError, ReplicaState, checkpoint_bytes, load_checkpoint
 from .sample import SampleSettings
 from .vocab import VocabError, encode
 
@@ -171,20 +171,31 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
     return cfg
 
 
-def check_files(cfg: RunConfig, base: Path) -> None:
+def check_files(cfg: RunConfig, base: Path | None) -> None:
     """Raise GoalError naming the first goal file under `base` that is not the run's. A
-    worker checks a config it was sent: its reward and prompts must lie inside `base` (its
-    --goal-dir), so that a coordinator can never point it at other code on the machine,
-    however it pins it."""
-    for key, path, pinned, what in _files(cfg):
-        if not pinned:
-            raise GoalError(f"the run config names {what} {path} but not its digest ({key})")
+    worker checks a config it was sent: its goal files (reward, prompts, starting replica)
+    must lie inside `base`, its --goal-dir (None: it was given none, so it reads no goal
+    file), so that a coordinator can never point it at other code or files on the machine,
+    however it pins them."""
+    files = _files(cfg)
+    if cfg.model.init_from:
+        files.append(("model.init_digest", cfg.model.init_from, "", "model.init_from"))
+    if files and base is None:
+        raise GoalError(
+            f"the run reads {files[0][3]} {files[0][1]}: start this worker with --goal-dir "
+            "DIR, the folder that holds the run's goal files"
+        )
+    for key, path, pinned, what in files:
         inside = resolve(path, base).resolve()
         if not inside.is_relative_to(base.resolve()):
             raise GoalError(
                 f"the run's {what} {path} is outside this worker's goal directory {base}: a "
                 "worker reads goal files only under --goal-dir"
             )
+        if key == "model.init_digest":
+            continue  # its replica digest is checked as it loads, below
+        if not pinned:
+            raise GoalError(f"the run config names {what} {path} but not its digest ({key})")
         mine = file_sha256(resolve(path, base), what)
         if mine != pinned:
             raise GoalError(
@@ -192,6 +203,13 @@ def check_files(cfg: RunConfig, base: Path) -> None:
                 f"(sha256 {pinned[:16]}...): use the same file everywhere"
             )
     if cfg.model.init_from:
+        path = resolve(cfg.model.init_from, base)
+        limit = 4 * checkpoint_bytes(cfg) + (1 << 20)  # read whole: bounded first
+        if path.is_file() and path.stat().st_size > limit:
+            raise GoalError(
+                f"model.init_from {path} is {path.stat().st_size:,} bytes, more than a "
+                f"checkpoint of this model can be ({limit:,})"
+            )
         initial_state(cfg, base)
 
 
@@ -286,7 +304,7 @@ def read_prompts(path: Path) -> list[tuple[str, dict[str, Any]]]:
         if line.lstrip().startswith("{"):
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # ValueError: also a 5,000-digit number
                 raise GoalError(f"{path} line {number} is not valid JSON") from None
             prompt = record.pop("prompt", None) if isinstance(record, dict) else None
             if not isinstance(prompt, str):
@@ -307,6 +325,8 @@ def _tokens(text: str, where: str, dataset: Dataset, context: int) -> tuple[int,
         ids = encode(text.encode("utf-8"), dataset.decoding)
     except VocabError as exc:
         raise GoalError(f"{where}: {exc}") from None
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+        raise GoalError(f"{where} is not valid Unicode text") from None
     if len(ids) > context:
         raise GoalError(
             f"{where} is {len(ids)} tokens, longer than the model's context of {context} "

@@ -514,3 +514,28 @@ def test_a_worker_reads_goal_files_only_under_its_goal_dir(tmp_path: Path) -> No
         cfg = pin(cfg, goal)  # the sha256 of the very file: pinned correctly
         with pytest.raises(GoalError, match="outside this worker's goal directory"):
             check_files(cfg, goal)
+    # Nor a starting replica outside it, and without --goal-dir no goal file at all.
+    save_checkpoint(tmp_path / "start.ckpt", ReplicaState.initial(small("egg")))
+    model = dataclasses.replace(small("egg").model, init_from=str(tmp_path / "start.ckpt"))
+    cfg = pin(small("egg").replace(model=model), tmp_path)
+    check_files(cfg, tmp_path)
+    with pytest.raises(GoalError, match="outside this worker's goal directory"):
+        check_files(cfg, goal)
+    with pytest.raises(GoalError, match="start this worker with --goal-dir"):
+        check_files(cfg, None)
+    check_files(small("egg"), None)  # a run without goal files needs none
+
+
+def test_hostile_prompts_files_say_one_line(words_data: Path, tmp_path: Path) -> None:
+    cfg = RunConfig(
+        es=ESConfig(population=8, chunk_size=4, seq_len=16),
+        fitness=FitnessConfig(objective="reward", reward="builtin:letter_e", prompts="p.jsonl"),
+    )
+    dataset = load_data_dir(words_data)
+    for line, message in (
+        ('{"prompt": "a", "n": ' + "9" * 5000 + "}", "line 8 is not valid JSON"),
+        ('{"prompt": "\\ud800"}', "prompt 8 is not valid Unicode text"),
+    ):
+        (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n' * 7 + line + "\n")
+        with pytest.raises(GoalError, match=message):
+            load_prompts(cfg, tmp_path, dataset)

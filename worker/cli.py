@@ -173,8 +173,7 @@ async def _serve(client: WorkerClient) -> None:
 @click.option(
     "--goal-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=Path("."),
-    show_default=True,
+    default=None,
     envvar="EGGROLL_GOAL_DIR",
     show_envvar=True,
     help="Folder of a reward run's files (reward, prompts, --init-from checkpoint), as the "
@@ -195,7 +194,7 @@ def main(
     log_format: str,
     batch_members: int,
     max_retry_s: float,
-    goal_dir: Path,
+    goal_dir: Path | None,
     reward_timeout: float,
     threads: int | None,
 ) -> None:

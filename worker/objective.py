@@ -152,6 +152,6 @@ def make_objective(
     if cfg.fitness.objective != "reward":
         return NextToken()
     prompts = load_prompts(cfg, base, dataset)
-    runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s)
+    runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s, cfg.fitness.reward_sha256)
     runner.start()  # a reward file that does not import fails here, not at the first chunk
     return Reward(cfg, prompts, runner, dataset.decoding)

@@ -33,6 +33,7 @@ from ..shared.replica import CheckpointError, ReplicaState, decode_checkpoint, e
 from ..shared.sample import write_sample
 from .backend import Backend, BackendFactory, ChunkResult, Validation
 from .objective import NextToken, Objective, Reward, make_objective
+from .reward import RewardError
 
 __all__ = ["Replica"]
 
@@ -143,7 +144,9 @@ class Replica:
         """A fresh replica at step 0 of the run, and the run's objective. GoalError when a
         goal file is missing or not the run's."""
         state = await self._call(initial_state, config, self.goal_dir)
-        objective = make_objective(config, self.dataset, self.goal_dir, self.reward_timeout_s)
+        objective = await self._call(  # off the event loop: heartbeats go on meanwhile
+            make_objective, config, self.dataset, self.goal_dir, self.reward_timeout_s
+        )
         backend = await self._call(self.factory.build, self.dataset, state)
         self.objective.close()
         self.objective = objective
@@ -216,7 +219,11 @@ class Replica:
             v = backend.validate()
             if not isinstance(objective, Reward):
                 return v
-            reward = objective.held_out(backend)
+            try:
+                reward = objective.held_out(backend)
+            except RewardError as exc:  # reporting only: the run goes on without it
+                log.warning("held-out reward failed", error=str(exc))
+                reward = None
             prompts = 0 if reward is None else len(held_out(backend.config, objective.prompts))
             return replace(v, reward=reward, reward_prompts=prompts)
 

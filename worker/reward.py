@@ -14,14 +14,17 @@ the completions (`fields["answer"][i]` belongs to completion i).
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
+import hashlib
 import inspect
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,22 +41,29 @@ class RewardError(Exception):
     """The reward failed on a chunk; str() is one line naming the function and the prompt."""
 
 
-def _load(spec: str, base: Path) -> tuple[Callable[..., Any], str]:
-    """The reward function and its name for messages, imported from its file."""
+def _load(spec: str, base: Path, sha256: str) -> tuple[Callable[..., Any], str]:
+    """The reward function and its name for messages, run from the very bytes whose digest
+    is `sha256` (the run's pin; "" where nothing pins it): read once, checked, compiled, so
+    neither a file changed since nor a stale .pyc runs instead. Modules it imports from its
+    folder are not pinned."""
     path, name = reward_target(spec)
     if not path:
         return BUILTIN_REWARDS[name], spec
     file = Path(path) if Path(path).is_absolute() else base / path
     where = f"{file}:{name}"
-    module_spec = importlib.util.spec_from_file_location(f"eggroll_reward_{file.stem}", file)
-    if module_spec is None or module_spec.loader is None:
-        raise GoalError(f"reward file {file} cannot be imported")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, str(file.parent))  # a reward may import its neighbours
     try:
-        module_spec.loader.exec_module(module)
+        source = file.read_bytes()
     except FileNotFoundError:
         raise GoalError(f"reward file {file} does not exist") from None
+    except OSError as exc:
+        raise GoalError(f"reward file {file} cannot be read: {exc.strerror}") from None
+    if sha256 and hashlib.sha256(source).hexdigest() != sha256:
+        raise GoalError(f"reward file {file} changed after the run pinned it")
+    module = types.ModuleType(f"eggroll_reward_{file.stem}")
+    module.__file__ = str(file)
+    sys.path.insert(0, str(file.parent))  # a reward may import its neighbours
+    try:
+        exec(compile(source, str(file), "exec"), module.__dict__)  # the pinned bytes, once
     except Exception as exc:  # the user's module failed to import
         raise GoalError(f"reward file {file} raised {exc!r} on import") from None
     function = getattr(module, name, None)
@@ -131,7 +141,7 @@ def _index(message: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def _child(spec: str, base: str, fd_in: str, fd_out: str) -> None:
+def _child(spec: str, base: str, sha256: str, fd_in: str, fd_out: str) -> None:
     """The child process: answer JSON-line requests read from `fd_in` on `fd_out`."""
     channel_in = os.fdopen(int(fd_in), "r", encoding="utf-8")
     channel_out = os.fdopen(int(fd_out), "w", encoding="utf-8")
@@ -143,7 +153,7 @@ def _child(spec: str, base: str, fd_in: str, fd_out: str) -> None:
         channel_out.flush()
 
     try:
-        function, where = _load(spec, Path(base))
+        function, where = _load(spec, Path(base), sha256)
     except GoalError as exc:
         answer({"error": str(exc)})
         return
@@ -163,8 +173,9 @@ class RewardRunner:
     """The reward function of a run in a child process, started on first use and again after
     a timeout; `score` raises RewardError with one line when the reward fails."""
 
-    def __init__(self, spec: str, base: Path, timeout_s: float = 120.0) -> None:
-        self.spec, self.base, self.timeout_s = spec, base, timeout_s
+    def __init__(self, spec: str, base: Path, timeout_s: float = 120.0, sha256: str = "") -> None:
+        """`sha256`: the reward file's pinned digest, checked on the bytes the child runs."""
+        self.spec, self.base, self.timeout_s, self.sha256 = spec, base, timeout_s, sha256
         self._proc: subprocess.Popen[bytes] | None = None
         self._to_child: Any = None
         self._from_child: Any = None
@@ -179,10 +190,13 @@ class RewardRunner:
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
         code = "import sys; from eggroll_dist.worker.reward import _child; _child(*sys.argv[1:])"
+        args = [self.spec, str(self.base), self.sha256, str(to_r), str(from_w)]
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", code, self.spec, str(self.base), str(to_r), str(from_w)],
+            # -P: the current folder never shadows a module the child imports
+            [sys.executable, "-P", "-c", code, *args],
             stdin=subprocess.DEVNULL,
             pass_fds=(to_r, from_w),
+            start_new_session=True,  # Ctrl-C is the worker's to handle; a kill takes the group
         )
         os.close(to_r)
         os.close(from_w)
@@ -208,7 +222,7 @@ class RewardRunner:
                     )
                 data = os.read(self._from_child, 1 << 20)
                 if not data:
-                    status = self._proc.wait() if self._proc is not None else None
+                    status = self._proc.poll() if self._proc is not None else None
                     self.close()
                     raise RewardError(
                         f"the reward {self.spec} exited (status {status}) while {doing}"
@@ -239,9 +253,12 @@ class RewardRunner:
         return [float(v) for v in answer["rewards"]]
 
     def close(self) -> None:
+        """Stop the child and whatever it started (its process group)."""
         if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(5)
             self._proc = None
         for f in (self._to_child,):
             if f is not None:

@@ -271,7 +271,7 @@ class Identity:
     vocab_size: int
     train_tokens: int
     coordinator: str = "the coordinator"  # host:port, for messages
-    goal_dir: Path = Path(".")  # where a reward run's files are (shared/goal.py)
+    goal_dir: Path | None = None  # where a reward run's files are (None: no --goal-dir)
 
     def __post_init__(self) -> None:
         size = len(self.name.encode("utf-8"))
@@ -288,7 +288,7 @@ class Identity:
         factory: BackendFactory,
         data: Dataset,
         where: str,
-        goal_dir: Path = Path("."),
+        goal_dir: Path | None = None,
     ) -> Identity:
         """A worker's identity from its name, token, backend, data and goal files."""
         return cls(
@@ -444,8 +444,8 @@ class Session:
 
     def evaluation_failed(self, job: Job, error: str) -> list[Command]:
         """The run's reward failed on a chunk: drop it (the coordinator leases it again) and
-        say why in both logs; the same failure twice in a row leaves the run."""
-        if error == self._last_failure:
+        say why in both logs; a failure on the next chunk too leaves the run."""
+        if self._last_failure:  # two chunks in a row, whatever the completions were
             raise WorkerFatal(f"the reward failed twice: {error}", ErrorCode.INTERNAL, tell=True)
         self._last_failure = error
         self.phase = Phase.IDLE
@@ -575,7 +575,7 @@ class Session:
         try:  # the same goal everywhere: reward source, prompts, starting replica
             check_files(config, me.goal_dir)
         except GoalError as exc:
-            raise self._refuse(f"{exc} (--goal-dir {me.goal_dir})") from None
+            raise self._refuse(str(exc)) from None
         return config
 
     def _refuse(self, message: str) -> WorkerFatal:
