@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,14 @@ def test_bad_fitness_and_spec() -> None:
         _spec(rate=0)
     with pytest.raises(hs.HFStateError, match="float64"):
         _spec(pairs=1 << 50)
+
+
+def test_without_the_extra_one_line_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eggroll_dist.worker import hf_model  # imports no torch itself
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # as on a host without PyTorch
+    with pytest.raises(hf_model.HFModelError) as info:
+        hf_model.require_hf()
+    message = str(info.value)
+    assert "pip install 'eggroll-distributed[hf]'" in message and "torch" in message
+    assert "\n" not in message
