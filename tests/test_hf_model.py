@@ -191,3 +191,37 @@ def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
         hm.spec_for(model, rank=1, seed=0, pairs=1, patterns=["*.nothing"])
     with pytest.raises(hs.HFStateError, match="above the size"):
         hm.spec_for(model, rank=1000, seed=0, pairs=1)
+
+
+def _mean_reward(lm: hm.PopulationLM, tokenizer: object, prompts: list[str]) -> float:
+    encoded = [tokenizer.encode(p) for p in prompts]  # type: ignore[attr-defined]
+    tokens = lm.complete(0, None, encoded, 8, temperature=1.0, seed=999)
+    texts = [tokenizer.decode(row) for row in tokens.reshape(-1, 8).tolist()]  # type: ignore[attr-defined]
+    return float(np.mean([letter_e(t) for t in texts]))
+
+
+def test_a_reward_moves_within_a_few_dozen_steps(tmp_path: Path) -> None:
+    tokenizer = _tokenizer()
+    torch.manual_seed(0)
+    config = _config("gpt2", len(tokenizer))
+    config.initializer_range = 0.3  # a random model whose choices the blocks can move
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model = hm.load_causal_lm(tmp_path)
+    spec = hm.spec_for(model, rank=2, seed=5, pairs=16, sigma=3e-3, alpha=1e-3)
+    lm = hm.PopulationLM(model, spec)
+    tokenizer = hm.load_tokenizer(tmp_path)
+    prompts = ["the quick", "a bird", "every good", "worth two"]
+    held = [p + s for p in prompts for s in ("", " in", " the", " is")]
+    before = _mean_reward(lm, tokenizer, held)
+    state = hs.HFState.initial(spec)
+    log = []
+    for step in range(24):
+        result = lm.reward_chunk(step, 0, 32, prompts, tokenizer, letter_e, 8, 1.0, seed=step)
+        log.append(result.fitness)
+        state = hs.apply_step(state, result.fitness)
+        lm.load_state(state)
+    after = _mean_reward(lm, tokenizer, held)
+    assert after > before + 0.1, (before, after)
+    # the state is the fitness log's: a replay reaches the same digest
+    assert hs.replay(hs.HFState.initial(spec), log).digest() == state.digest()
