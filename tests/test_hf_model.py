@@ -191,6 +191,10 @@ def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
         hm.spec_for(model, rank=1, seed=0, pairs=1, patterns=["*.nothing"])
     with pytest.raises(hs.HFStateError, match="above the size"):
         hm.spec_for(model, rank=1000, seed=0, pairs=1)
+    if "gpt2" in model_dir.name:  # its LM head is the token embedding, tied
+        spec = hm.spec_for(model, rank=1, seed=0, pairs=1, patterns=["lm_head"])
+        with pytest.raises(hm.HFModelError, match=r"shares its weight with transformer\.wte"):
+            hm.PopulationLM(model, spec)
 
 
 def _mean_reward(lm: hm.PopulationLM, tokenizer: object, prompts: list[str]) -> float:

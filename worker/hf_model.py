@@ -169,6 +169,21 @@ def spec_for(
     return HFSpec(targets, rank=rank, seed=seed, pairs=pairs, **settings)
 
 
+def _refuse_tied(model: Any, modules: dict[str, Any]) -> None:
+    """HFModelError when a target's weight is also another module's (tied embeddings): the
+    state's weights would move that module too, which its noise never perturbed."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
+    for name, module in modules.items():
+        others = [o for o in owners.get(id(module.weight), []) if o != name]
+        if others:
+            raise HFModelError(
+                f"target {name} shares its weight with {others[0]} (tied weights): "
+                "leave it out of the target patterns"
+            )
+
+
 @dataclass
 class _Active:
     """The members a forward pass evaluates: per target, sign * sigma * A and B."""
@@ -190,6 +205,7 @@ class PopulationLM:
         if missing:
             raise HFModelError(f"the model has no linear layer {missing[0]!r} of the spec")
         self.modules = {t.name: layers[t.name][0] for t in spec.targets}
+        _refuse_tied(model, self.modules)
         self.transposed = {t.name: layers[t.name][1] for t in spec.targets}
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
