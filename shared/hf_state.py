@@ -43,6 +43,7 @@ import hashlib
 import json
 import re
 import struct
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatchcase
@@ -58,6 +59,8 @@ __all__ = [
     "HFStateError",
     "Target",
     "apply_step",
+    "decode_state",
+    "encode_state",
     "member_factors",
     "pair_factors",
     "replay",
@@ -283,3 +286,69 @@ def replay(state: HFState, fitness: Iterable[np.ndarray]) -> HFState:
     for values in fitness:
         state = apply_step(state, values)
     return state
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+#
+# File (integers big-endian): magic b"EGGHFCK\0" | format (u32, 1) | spec length S (u32) |
+# the spec's canonical bytes | step (u64) | target count N (u32) | N times: u16 name length,
+# name (UTF-8), out (u32), in (u32), the accumulator as little-endian int64 (C order) |
+# state digest (u64) | CRC-32 (zlib) of everything before it. The reader is given the run's
+# spec and refuses a file of another.
+
+CKPT_MAGIC = b"EGGHFCK\0"
+CKPT_FORMAT = 1
+
+
+def encode_state(state: HFState) -> bytes:
+    spec_bytes = state.spec.canonical_bytes()
+    parts = [CKPT_MAGIC, struct.pack(">II", CKPT_FORMAT, len(spec_bytes)), spec_bytes]
+    parts.append(struct.pack(">QI", state.step, len(state.spec.targets)))
+    for t in state.spec.targets:
+        name = t.name.encode()
+        parts += [struct.pack(">H", len(name)), name, struct.pack(">II", *t.shape)]
+        parts.append(np.ascontiguousarray(state.acc[t.name], dtype="<i8").tobytes())
+    parts.append(struct.pack(">Q", state.digest()))
+    body = b"".join(parts)
+    return body + struct.pack(">I", zlib.crc32(body))
+
+
+def decode_state(data: bytes, spec: HFSpec) -> HFState:
+    """The state a checkpoint holds, verified (CRC, spec, layout, digest); HFStateError."""
+    if data[: len(CKPT_MAGIC)] != CKPT_MAGIC:
+        raise HFStateError("not a Hugging Face eggroll checkpoint (bad magic)")
+    if len(data) < len(CKPT_MAGIC) + 12 or zlib.crc32(data[:-4]) != _u(">I", data[-4:]):
+        raise HFStateError("checkpoint is truncated or corrupt (CRC mismatch)")
+    pos = len(CKPT_MAGIC)
+    version, spec_len = struct.unpack_from(">II", data, pos)
+    if version != CKPT_FORMAT:
+        raise HFStateError(f"checkpoint format {version} cannot be read here (reads 1)")
+    pos += 8
+    if data[pos : pos + spec_len] != spec.canonical_bytes():
+        raise HFStateError("checkpoint belongs to another run (its spec differs)")
+    pos += spec_len
+    step, count = struct.unpack_from(">QI", data, pos)
+    pos += 12
+    if count != len(spec.targets):
+        raise HFStateError(f"checkpoint has {count} targets, the spec {len(spec.targets)}")
+    acc = {}
+    for t in spec.targets:
+        (name_len,) = struct.unpack_from(">H", data, pos)
+        name = data[pos + 2 : pos + 2 + name_len].decode("utf-8", errors="replace")
+        pos += 2 + name_len
+        shape = struct.unpack_from(">II", data, pos)
+        pos += 8
+        if name != t.name or shape != t.shape:
+            raise HFStateError(f"checkpoint target {name!r} {shape} does not fit the spec")
+        n = shape[0] * shape[1] * 8
+        acc[name] = np.frombuffer(data[pos : pos + n], dtype="<i8").astype(np.int64)
+        acc[name] = acc[name].reshape(shape)
+        pos += n
+    state = HFState(spec, step, acc)
+    if pos + 12 != len(data) or _u(">Q", data[pos : pos + 8]) != state.digest():
+        raise HFStateError("checkpoint digest mismatch: accumulators do not match their digest")
+    return state
+
+
+def _u(fmt: str, raw: bytes) -> int:
+    return int(struct.unpack(fmt, raw)[0])

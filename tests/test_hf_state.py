@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from eggroll_dist.shared import hf_dir as hd
 from eggroll_dist.shared import hf_state as hs
 from eggroll_dist.shared.noise import noise_block
 
@@ -145,3 +147,45 @@ def test_without_the_extra_one_line_names_it(monkeypatch: pytest.MonkeyPatch) ->
     message = str(info.value)
     assert "pip install 'eggroll-distributed[hf]'" in message and "torch" in message
     assert "\n" not in message
+
+
+def test_checkpoint_round_trip_and_refusals() -> None:
+    spec = _spec()
+    state = hs.replay(hs.HFState.initial(spec), _fitness(np.random.default_rng(4), spec.pairs, 2))
+    data = hs.encode_state(state)
+    back = hs.decode_state(data, spec)
+    assert back.step == 2 and back.digest() == state.digest()
+    for t in spec.targets:
+        assert np.array_equal(back.acc[t.name], state.acc[t.name])
+    with pytest.raises(hs.HFStateError, match="CRC"):
+        hs.decode_state(data[:-20] + bytes(20), spec)
+    with pytest.raises(hs.HFStateError, match="CRC"):
+        hs.decode_state(data[:100], spec)
+    with pytest.raises(hs.HFStateError, match="another run"):
+        hs.decode_state(data, _spec(rate=2))
+    with pytest.raises(hs.HFStateError, match="magic"):
+        hs.decode_state(b"EGGCKPT\0" + data[8:], spec)
+
+
+def test_model_dir_digests(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "README.md").write_text("not loaded")
+    pinned = hd.model_dir_digests(tmp_path)
+    assert sorted(pinned) == ["config.json", "model.safetensors", "tokenizer.json"]
+    hd.check_model_dir(tmp_path, pinned)
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(hd.ModelDirError, match=r"model\.safetensors differs") as info:
+        hd.check_model_dir(tmp_path, pinned)
+    assert "\n" not in str(info.value)
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(hd.ModelDirError, match=r"tokenizer\.json is missing"):
+        hd.check_model_dir(tmp_path, pinned)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(hd.ModelDirError, match="safe_serialization"):
+        hd.model_dir_digests(tmp_path)
+    with pytest.raises(hd.ModelDirError, match="no config"):
+        hd.model_dir_digests(tmp_path / "..")
