@@ -229,3 +229,22 @@ def test_a_reward_moves_within_a_few_dozen_steps(tmp_path: Path) -> None:
     assert after > before + 0.1, (before, after)
     # the state is the fitness log's: a replay reaches the same digest
     assert hs.replay(hs.HFState.initial(spec), log).digest() == state.digest()
+
+
+def test_export_loads_in_transformers_and_generates(model_dir: Path, tmp_path: Path) -> None:
+    lm = _population(model_dir, alpha=1e-3)
+    log = [np.array([1, -1, 1], dtype=np.int8), np.array([0, 1, 1], dtype=np.int8)]
+    state = hs.replay(hs.HFState.initial(lm.spec), log)
+    lm.load_state(state)
+    out = hm.export_merged(model_dir, state, tmp_path / "merged")
+    assert (out / "model.safetensors").is_file()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    merged_layers = {name: m for name, m, _, _ in hm.linear_layers(merged)}
+    for t in lm.spec.targets:
+        w = merged_layers[t.name].weight
+        w = w.T if lm.transposed[t.name] else w
+        torch.testing.assert_close(w.float(), lm._weight(t.name).float(), rtol=0, atol=1e-6)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    ids = torch.tensor([tokenizer.encode("the quick")])
+    text = merged.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert text.shape == (1, ids.shape[1] + 4)

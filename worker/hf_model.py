@@ -43,6 +43,7 @@ __all__ = [
     "INSTALL",
     "HFModelError",
     "PopulationLM",
+    "export_merged",
     "linear_layers",
     "load_causal_lm",
     "load_tokenizer",
@@ -399,3 +400,23 @@ class PopulationLM:
 @contextlib.contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def export_merged(model_dir: str | Path, state: HFState, out_dir: str | Path) -> Path:
+    """Write the state's model (base + alpha * acc in every target) to `out_dir` as a
+    directory `AutoModelForCausalLM.from_pretrained` loads: safetensors weights in the base
+    model's dtype, its config and its tokenizer."""
+    torch, _ = require_hf()
+    model = load_causal_lm(model_dir)
+    saved = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    tokenizer = load_tokenizer(model_dir)
+    lm = PopulationLM(model, state.spec, state)
+    lm.close()
+    if isinstance(saved, torch.dtype):
+        model = model.to(saved)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
