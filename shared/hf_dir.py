@@ -10,10 +10,18 @@ be safetensors (pickled `.bin` weights are never loaded).
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["MODEL_FILES", "ModelDirError", "check_model_dir", "model_dir_digests"]
+__all__ = [
+    "MODEL_FILES",
+    "ModelDirError",
+    "check_model_dir",
+    "model_dir_digests",
+    "parameter_count",
+]
 
 MODEL_FILES = (
     "config.json",
@@ -77,3 +85,27 @@ def check_model_dir(path: Path, pinned: dict[str, str]) -> None:
                 f"model file {Path(path) / name} differs from the run's "
                 f"(sha256 {have[name][:12]}..., the run's {pinned[name][:12]}...)"
             )
+
+
+def parameter_count(path: Path) -> int:
+    """How many weights the directory's safetensors files hold, read from their headers
+    only (so a model too big for a device is refused before anything is allocated)."""
+    total = 0
+    for f in _files(Path(path)):
+        if not f.name.endswith(".safetensors"):
+            continue
+        with f.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise ModelDirError(f"{f} is not a safetensors file (too short)")
+            size = int.from_bytes(head, "little")
+            if size > 100 << 20:
+                raise ModelDirError(f"{f} is not a safetensors file (header of {size} bytes)")
+            try:
+                header = json.loads(handle.read(size))
+            except ValueError:
+                raise ModelDirError(f"{f} is not a safetensors file (bad header)") from None
+        for name, entry in header.items():
+            if name != "__metadata__":
+                total += math.prod(entry["shape"])
+    return total

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from eggroll_dist.shared import hf_dir as hd  # noqa: E402
 from eggroll_dist.shared import hf_state as hs  # noqa: E402
 from eggroll_dist.shared.goal import letter_e  # noqa: E402
 from eggroll_dist.worker import hf_model as hm  # noqa: E402
@@ -187,6 +188,12 @@ def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
     with pytest.raises(hm.HFModelError, match="no usable tokenizer"):
         hm.load_tokenizer(bert)
     model = hm.load_causal_lm(model_dir)
+    weights = sum(w.numel() for w in model.state_dict().values())
+    assert hd.parameter_count(model_dir) in (weights, weights - model.lm_head.weight.numel())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hm, "_free_bytes", lambda torch, device: 1000)
+        with pytest.raises(hm.HFModelError, match=r"more than the 0\.00 GiB free on cpu"):
+            hm.load_causal_lm(model_dir)
     with pytest.raises(hs.HFStateError, match="matches no linear layer"):
         hm.spec_for(model, rank=1, seed=0, pairs=1, patterns=["*.nothing"])
     with pytest.raises(hs.HFStateError, match="above the size"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..shared.goal import reward_fitness, reward_units
+from ..shared.hf_dir import ModelDirError, parameter_count
 from ..shared.hf_state import HFSpec, HFState, member_factors, select_targets
 from ..shared.noise import DOMAIN_SAMPLE, combine_array, hash_key
 from .backend import ChunkResult
@@ -92,6 +94,17 @@ def load_causal_lm(model_dir: str | Path, dtype: str = "float32", device: str = 
     if saved:
         raise HFModelError(f"{path} holds a {saved[0]}, which is not a causal LM")
     try:
+        weights = parameter_count(path)
+    except ModelDirError as exc:
+        raise HFModelError(str(exc)) from None
+    need = weights * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    free = _free_bytes(torch, device)
+    if free is not None and need > free:
+        raise HFModelError(
+            f"{path} holds {weights / 1e6:.1f}M weights, {need / 2**30:.2f} GiB in {dtype}: "
+            f"more than the {free / 2**30:.2f} GiB free on {device}"
+        )
+    try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, output_loading_info=True
         )
@@ -111,6 +124,16 @@ def load_causal_lm(model_dir: str | Path, dtype: str = "float32", device: str = 
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _free_bytes(torch: Any, device: str) -> int | None:
+    """Free memory of a device (None: unknown)."""
+    if str(device).startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _causal(architecture: str) -> bool:
