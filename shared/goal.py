@@ -407,8 +407,18 @@ def settings(cfg: RunConfig) -> SampleSettings:
 # --- fitness from rewards -------------------------------------------------------------------
 
 
-def check_rewards(values: Sequence[Any], expected: int, function: str) -> list[float]:
-    """The reward function's answer as floats, or RewardError-worthy one line (GoalError)."""
+def check_rewards(
+    values: Sequence[Any],
+    expected: int,
+    function: str,
+    prompt_of: Callable[[int], str] | None = None,
+) -> list[float]:
+    """The reward function's answer as floats, or one line (GoalError) naming the function
+    and, with `prompt_of`, the prompt of the completion at fault."""
+
+    def at(i: int) -> str:
+        return "" if prompt_of is None else f" (prompt {prompt_of(i)})"
+
     if not isinstance(values, list | tuple):
         raise GoalError(f"{function} returned {type(values).__name__}, not a list of numbers")
     if len(values) != expected:
@@ -416,12 +426,14 @@ def check_rewards(values: Sequence[Any], expected: int, function: str) -> list[f
     out = []
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int | float):
-            raise GoalError(f"{function} returned {type(v).__name__} {v!r} for completion {i}")
+            raise GoalError(
+                f"{function} returned {type(v).__name__} {v!r} for completion {i}{at(i)}"
+            )
         v = float(v)
         if not math.isfinite(v) or abs(v) > MAX_REWARD:
             raise GoalError(
                 f"{function} returned {v!r} for completion {i}: rewards must be finite and "
-                f"within ±{MAX_REWARD:g}"
+                f"within ±{MAX_REWARD:g}{at(i)}"
             )
         out.append(v)
     return out

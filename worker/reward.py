@@ -124,21 +124,7 @@ def _call(
                     f"{where} raised {single!r} on the completion of prompt {_shown(prompts[i])}"
                 ) from None
         raise GoalError(f"{where} raised {exc!r} on a batch of {len(completions)}") from None
-    try:
-        return check_rewards(values, len(completions), where)
-    except GoalError as exc:
-        index = _index(str(exc))
-        if index is not None and index < len(prompts):
-            raise GoalError(f"{exc} (prompt {_shown(prompts[index])})") from None
-        raise
-
-
-def _index(message: str) -> int | None:
-    marker = "for completion "
-    if marker not in message:
-        return None
-    digits = message.split(marker, 1)[1].split(":")[0].split()[0]
-    return int(digits) if digits.isdigit() else None
+    return check_rewards(values, len(completions), where, lambda i: _shown(prompts[i]))
 
 
 def _child(spec: str, base: str, sha256: str, fd_in: str, fd_out: str) -> None:
