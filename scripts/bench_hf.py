@@ -2,17 +2,31 @@
 EGGROLL members (worker/hf_model.py, low-rank hooks) against the same model's plain batched
 inference on the same rows.
 
-Three runs over the same prompts, rows and completion length (greedy, so every run writes
-the same number of tokens):
+Three variants over the same prompts, rows (population x prompts) and completion length
+(greedy, no stop at end-of-text, so every variant writes rows x tokens member-tokens):
+  generate     transformers' `model.generate` on the same left-padded rows: plain inference,
+               the reference
+  unperturbed  `PopulationLM.complete`'s own generation loop with the hooks idle (what the
+               loop costs against generate's)
   population   `PopulationLM.complete` with members [0, population): base matmuls shared,
-               each member's rank-r correction added by the hooks
-  unperturbed  the same generation loop with the hooks idle (what the corrections cost)
-  generate     transformers' `model.generate` on the same left-padded rows (plain inference)
-Peak memory is CUDA's max_memory_allocated per run on a GPU; on a CPU, the process's peak
-resident size after each run (monotonic: it shows growth only).
+               each member's rank-r correction added by the hooks, its factors generated
+               at the start of the call (timed, and also shown on their own)
+
+Speed: one untimed warm-up of each variant, then `--repeats` rounds that run the three one
+after the other (so a busy machine slows all of them alike); the best round of each counts,
+the median is shown beside it. Ratios are to generate measured in the same run.
+
+Peak memory: each variant runs once more in a child process of its own, which loads the
+model, builds what the variant needs, warms up with 2 tokens, then measures one full run:
+on CUDA, max_memory_allocated minus memory_allocated before the run; on a CPU, the peak
+resident size (VmHWM, reset through /proc/self/clear_refs) minus the resident size before
+the run. CPU children run with glibc's mmap threshold fixed at 64 KiB so that freed tensors
+go back to the system rather than stay resident. The analytic sizes of the population's
+extra tensors, and of per-member weight copies, are printed beside them.
 
     python scripts/bench_hf.py MODEL_DIR [--population 64] [--rank 8] [--prompts 4]
-        [--tokens 32] [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 2]
+        [--tokens 32] [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 3]
+        [--no-memory]
     python scripts/bench_hf.py --tiny gpt2|llama [--hidden 256] [--layers 4] ...
         (a model built from a config with random weights in a temporary directory)
 """
@@ -20,14 +34,17 @@ resident size after each run (monotonic: it shows growth only).
 from __future__ import annotations
 
 import argparse
-import resource
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from eggroll_dist.worker import hf_model as hm
 
@@ -41,6 +58,8 @@ PROMPTS = [
     "My favourite recipe uses",
     "The three laws of motion",
 ]
+VARIANTS = ("generate", "unperturbed", "population")
+MiB = 2**20
 
 
 def tiny_model(family: str, hidden: int, layers: int, where: Path) -> Path:
@@ -88,24 +107,184 @@ def tiny_model(family: str, hidden: int, layers: int, where: Path) -> Path:
     return where
 
 
-def measure(run: Callable[[], Any], device: str, repeats: int) -> tuple[float, float]:
-    """(best seconds, peak MiB) of `run`."""
-    torch, _ = hm.require_hf()
-    best = float("inf")
+class Bench:
+    """The model, its population wrapper (None for generate alone) and the three variants
+    as functions of the number of new tokens."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, population: bool) -> None:
+        torch, _ = hm.require_hf()
+        self.torch, self.args = torch, args
+        self.model = hm.load_causal_lm(model_dir, args.dtype, args.device)
+        tokenizer = hm.load_tokenizer(model_dir)
+        self.prompts = [tokenizer.encode(t) for t in (PROMPTS * 8)[: args.prompts]]
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.rows = args.population * args.prompts
+        self.width = max(len(q) for q in self.prompts)
+        with torch.no_grad():  # read every weight: safetensors may map them in lazily
+            for w in self.model.parameters():
+                w.sum().item()
+        gc.collect()
+        self.loaded = current_bytes(torch, args.device)
+        self.spec = hm.spec_for(
+            self.model, args.rank, seed=1, pairs=args.population // 2, sigma=1e-4
+        )
+        self.lm = hm.PopulationLM(self.model, self.spec) if population else None
+        gc.collect()
+        self.setup = current_bytes(torch, args.device) - self.loaded
+        ids = torch.full((self.rows, self.width), self.pad, dtype=torch.long)
+        mask = torch.zeros((self.rows, self.width), dtype=torch.long)
+        for i, q in enumerate(self.prompts * args.population):
+            ids[i, self.width - len(q) :] = torch.tensor(q)
+            mask[i, self.width - len(q) :] = 1
+        self.ids, self.mask = ids.to(args.device), mask.to(args.device)
+
+    def run(self, variant: str, tokens: int) -> None:
+        args, lm = self.args, self.lm
+        if variant == "generate":
+            with self.torch.no_grad():
+                self.model.generate(
+                    input_ids=self.ids,
+                    attention_mask=self.mask,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    pad_token_id=self.pad,
+                )
+        elif variant == "unperturbed":
+            assert lm is not None
+            prompts = self.prompts * args.population
+            lm.complete(0, None, prompts, tokens, pad_id=self.pad)
+        else:
+            assert lm is not None
+            lm.complete(0, (0, args.population), self.prompts, tokens, pad_id=self.pad)
+        sync(self.torch, args.device)
+
+    def factors(self) -> None:
+        """Only the population's factors: what `complete` generates before its loop."""
+        assert self.lm is not None
+        with self.lm.members(0, 0, self.args.population):
+            sync(self.torch, self.args.device)
+
+
+def sync(torch: Any, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status size in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def current_bytes(torch: Any, device: str) -> int:
+    """Memory in use now: CUDA's allocated bytes, or the host's resident size."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        return int(torch.cuda.memory_allocated())
+    return _status("VmRSS")
+
+
+def reset_peak(torch: Any, device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        return
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: 5 resets VmHWM to VmRSS
+        f.write("5")
+    if _status("VmHWM") > _status("VmRSS") + 4 * MiB:
+        raise OSError("the peak resident size did not reset through /proc/self/clear_refs")
+
+
+def peak_bytes(torch: Any, device: str) -> int:
     if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return best, peak
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+    return _status("VmHWM")
+
+
+def timed(run: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+def memory_child(args: argparse.Namespace) -> None:
+    """One variant's memory, in a process of its own; prints one JSON line."""
+    variant = args.memory_child
+    bench = Bench(args, args.model_dir, population=variant != "generate")
+    torch, device = bench.torch, args.device
+    bench.run(variant, 2)  # warm-up on the same rows
+    gc.collect()
+    reset_peak(torch, device)
+    before = current_bytes(torch, device)
+    bench.run(variant, args.tokens)
+    peak = peak_bytes(torch, device)
+    print(json.dumps({"setup": bench.setup, "before": before, "extra": peak - before}))
+
+
+def measure_memory(args: argparse.Namespace, model_dir: Path, variant: str) -> dict[str, int]:
+    command = [sys.executable, os.path.abspath(__file__), str(model_dir)]
+    for name in ("population", "rank", "prompts", "tokens", "device", "dtype"):
+        command += [f"--{name}", str(getattr(args, name))]
+    command += ["--memory-child", variant]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"the {variant} memory run failed:\n{done.stderr.strip()}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def analytic(bench: Bench) -> list[tuple[str, int]]:
+    """(what, bytes) of the population's extra tensors and their alternatives."""
+    args, spec, model = bench.args, bench.spec, bench.model
+    size = bench.torch.empty((), dtype=getattr(bench.torch, args.dtype)).element_size()
+    members, rank, rows, width = args.population, args.rank, bench.rows, bench.width
+    sides = sum(t.shape[0] + t.shape[1] for t in spec.targets)
+    weights = sum(t.shape[0] * t.shape[1] for t in spec.targets)
+    widest = max(t.shape[0] for t in spec.targets)
+    out = [
+        (
+            f"factors A, B: {members} members x {sides} (out + in, summed over "
+            f"{len(spec.targets)} targets) x r {rank}",
+            members * sides * rank * size,
+        ),
+        (
+            f"per-member weight copies instead: {members} members x {weights} target weights",
+            members * weights * size,
+        ),
+        (
+            f"x @ B at prefill, per target: {rows} rows x {width} positions x r {rank}",
+            rows * width * rank * size,
+        ),
+        (
+            f"correction and output + correction at prefill, widest target: 2 x {rows} x "
+            f"{width} x {widest}",
+            2 * rows * width * widest * size,
+        ),
+        ("float32 host copy of the targets' base weights (PopulationLM, fixed)", weights * 4),
+    ]
+    config = model.config
+    vocab = model.get_output_embeddings().weight.shape[0]
+    out.append(
+        (
+            f"for scale, prefill logits: complete's loop {rows} x {width} x {vocab} "
+            "(generate keeps only the last position)",
+            rows * width * vocab * size,
+        )
+    )
+    try:
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        length = width + args.tokens
+        kv = 2 * config.num_hidden_layers * rows * length * heads * head * size
+        out.append((f"for scale, the key-value cache after {length} positions", kv))
+    except AttributeError:
+        pass
+    return out
 
 
 def main() -> None:
@@ -120,70 +299,76 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    p.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
-    torch, _ = hm.require_hf()
+    if args.memory_child:
+        memory_child(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             model_dir = tiny_model(args.tiny, args.hidden, args.layers, Path(tmp))
+            name = f"tiny {args.tiny} (width {args.hidden}, {args.layers} layers, random)"
         elif args.model_dir is None:
             p.error("give MODEL_DIR or --tiny")
         else:
-            model_dir = args.model_dir
-        model = hm.load_causal_lm(model_dir, args.dtype, args.device)
-        tokenizer = hm.load_tokenizer(model_dir)
-        spec = hm.spec_for(model, args.rank, seed=1, pairs=args.population // 2, sigma=1e-4)
-        lm = hm.PopulationLM(model, spec)
-        prompts = [tokenizer.encode(t) for t in (PROMPTS * 8)[: args.prompts]]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        rows = args.population * args.prompts
-        tokens = rows * args.tokens
-        params = sum(w.numel() for w in model.parameters())
-        targets = sum(t.shape[0] * t.shape[1] for t in spec.targets)
+            model_dir, name = args.model_dir, args.model_dir.name
+        bench = Bench(args, model_dir, population=True)
+        torch = bench.torch
+        tokens = bench.rows * args.tokens
+        params = sum(w.numel() for w in bench.model.parameters())
+        targets = sum(t.shape[0] * t.shape[1] for t in bench.spec.targets)
+        threads = f", {torch.get_num_threads()} threads" if args.device == "cpu" else ""
         print(
-            f"{model_dir.name}: {params / 1e6:.1f}M parameters, {len(spec.targets)} targets "
-            f"({targets / 1e6:.1f}M), population {args.population}, rank {args.rank}, "
-            f"{args.prompts} prompts x {args.tokens} tokens, {args.device} {args.dtype}"
+            f"{name}: {params / 1e6:.2f}M parameters, {len(bench.spec.targets)} targets "
+            f"({targets / 1e6:.2f}M weights), population {args.population}, rank {args.rank}, "
+            f"{args.prompts} prompts (width {bench.width}) x {args.tokens} new tokens = "
+            f"{bench.rows} rows, {tokens} member-tokens a run; {args.device} {args.dtype}"
+            f"{threads}"
+        )
+        for variant in VARIANTS:  # warm-up
+            bench.run(variant, args.tokens)
+        seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for _ in range(args.repeats):
+            for variant in VARIANTS:
+                seconds[variant].append(timed(lambda v=variant: bench.run(v, args.tokens)))
+        factors = [timed(bench.factors) for _ in range(args.repeats)]
+
+        print(f"\nspeed: best of {args.repeats} interleaved rounds (median beside it)")
+        print(f"{'':12s} {'s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ generate':>11s}")
+        best = {v: min(s) for v, s in seconds.items()}
+        for variant in VARIANTS:
+            print(
+                f"{variant:12s} {best[variant]:8.3f} {statistics.median(seconds[variant]):9.3f} "
+                f"{tokens / best[variant]:13.0f} {best['generate'] / best[variant]:11.2f}"
+            )
+        print(
+            f"population / unperturbed: {best['unperturbed'] / best['population']:.2f}; "
+            f"the population's factors alone: {min(factors):.3f} s of its "
+            f"{best['population']:.3f} s"
         )
 
-        def population() -> None:
-            lm.complete(0, (0, args.population), prompts, args.tokens, pad_id=pad)
-
-        def unperturbed() -> None:
-            lm.complete(0, None, prompts * args.population, args.tokens, pad_id=pad)
-
-        width = max(len(q) for q in prompts)
-        ids = torch.full((rows, width), pad, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for i, q in enumerate(prompts * args.population):
-            ids[i, width - len(q) :] = torch.tensor(q)
-            mask[i, width - len(q) :] = 1
-        ids, mask = ids.to(args.device), mask.to(args.device)
-
-        def generate() -> None:
-            with torch.no_grad():
-                model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=args.tokens,
-                    min_new_tokens=args.tokens,
-                    do_sample=False,
-                    pad_token_id=pad,
+        if not args.no_memory:
+            how = (
+                "max_memory_allocated over the run"
+                if args.device.startswith("cuda")
+                else "peak resident size over the run"
+            )
+            print(f"\npeak memory: one child process per variant, {how} minus before it")
+            print(f"{'':12s} {'MiB':>8s} {'/ generate':>11s} {'setup MiB':>10s}")
+            mem = {v: measure_memory(args, model_dir, v) for v in VARIANTS}
+            for variant in VARIANTS:
+                m = mem[variant]
+                ratio = m["extra"] / max(mem["generate"]["extra"], 1)
+                print(
+                    f"{variant:12s} {m['extra'] / MiB:8.1f} {ratio:11.2f} {m['setup'] / MiB:10.1f}"
                 )
+            print("(setup: what building PopulationLM added to the loaded model, before any run)")
 
-        results = {}
-        for name, run in (
-            ("generate", generate),
-            ("unperturbed", unperturbed),
-            ("population", population),
-        ):
-            seconds, peak = measure(run, args.device, args.repeats)
-            results[name] = tokens / seconds
-            print(f"{name:12s} {tokens / seconds:12.0f} member-tokens/s  peak {peak:9.1f} MiB")
-        ratio = results["population"] / results["generate"]
-        print(f"population / generate: {ratio:.2f}")
-        print(f"population / unperturbed: {results['population'] / results['unperturbed']:.2f}")
-        print(f"(factors per member: {np.mean([sum(t.shape) for t in spec.targets]):.0f} x r)")
+        print(f"\nanalytic sizes ({args.dtype})")
+        for what, size in analytic(bench):
+            print(f"{size / MiB:10.2f} MiB  {what}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ a TOML file whose tables mirror the dataclasses below:
 
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300
-    [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed, head_bias, init_from
+    [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed, head_bias, init_from,
+             path, targets, rank (arch "hf": shared/hf.py)
     [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed, adaptive_noise,
-             token_noise_rows
+             token_noise_rows, sigma (arch "hf")
     [fitness] chunk_mean_filter, adaptive_threshold,
              objective, reward, prompts, prompts_per_step, completion_tokens, temperature,
              min_p, held_out_prompts (the reward objective: shared/goal.py)
@@ -23,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import hf
 from .model import ARCHS
 from .rules import RULES
 
@@ -41,7 +44,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = "egg"  # a name in shared/model.py ARCHS: "egg" (nano-egg's minGRU), "former"
+    # a name in shared/model.py ARCHS: "egg" (nano-egg's minGRU), "former" (d-eggs'
+    # transformer), "hf" (a Hugging Face causal LM)
+    arch: str = "egg"
     vocab_size: int = 256
     n_layer: int = 1
     d_model: int = 64
@@ -56,6 +61,16 @@ class ModelConfig:
     # digest; only its weights are taken (shared/goal.py)
     init_from: str = ""
     init_digest: str = ""  # 16 hex digits, filled in when the config is loaded
+    # arch "hf" (shared/hf.py): a Hugging Face causal LM directory (relative to the config
+    # file, or a worker's --goal-dir), the module-name globs of the matrices that learn
+    # (none: every linear layer of the blocks) and the rank of their noise. Filled in when
+    # the config is loaded: the directory's files ("sha256 name") and the chosen matrices
+    # ("name out in").
+    path: str = ""
+    targets: tuple[str, ...] = ()
+    rank: int = 1
+    files: tuple[str, ...] = ()
+    matrices: tuple[str, ...] = ()
 
     @property
     def heads(self) -> int:
@@ -78,6 +93,9 @@ class ESConfig:
     # commonest tokens when ids are ranked by frequency, as `eggroll-data prepare
     # --tokenizer bpe` ranks them; 0 = every row (see shared/perturb.py)
     token_noise_rows: int = 0
+    # model.arch "hf": the standard deviation of a member's perturbation of each target
+    # weight (a float the evaluation reads; shared/hf.py)
+    sigma: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,8 @@ LATER_SETTINGS = (
     ("model", "head_bias"),
     ("model", "init_from"),
     ("model", "init_digest"),
+    *(("model", key) for key in ("path", "targets", "rank", "files", "matrices")),
+    ("es", "sigma"),
     *(
         ("fitness", key)
         for key in (
@@ -229,6 +249,18 @@ def validate(cfg: RunConfig) -> None:
     )
     problem = ARCHS[m.arch].check(m)  # the architecture's own settings
     _check(problem is None, problem or "")
+    if m.arch == "hf":
+        _check_hf(cfg)
+    else:
+        for key in ("path", "targets", "rank", "files", "matrices"):
+            _check(
+                getattr(m, key) == getattr(ModelConfig(), key),
+                f"model.{key} is a setting of model.arch='hf', not of {m.arch!r}",
+            )
+        _check(
+            es.sigma == 0,
+            "es.sigma is a setting of model.arch='hf': int8 models use es.sigma_shift",
+        )
     _check(
         es.population >= 2 and es.population % 2 == 0,
         f"es.population={es.population} must be even and >= 2 (members come in ± pairs)",
@@ -288,6 +320,34 @@ def validate(cfg: RunConfig) -> None:
         _check(0 <= seed <= MAX_SEED, f"{name}={seed} must be in 0..2**64-1")
 
 
+def _check_hf(cfg: RunConfig) -> None:
+    """The settings a Hugging Face run reads, and those it cannot have."""
+    es, f = cfg.es, cfg.fitness
+    _check(
+        0 < es.sigma <= 1 and math.isfinite(es.sigma),
+        f"es.sigma={es.sigma} must be in (0, 1]: the perturbation's standard deviation per "
+        "weight of a Hugging Face model (e.g. 0.01)",
+    )
+    for on, name in (
+        (es.adaptive_noise, "es.adaptive_noise"),
+        (es.token_noise_rows, "es.token_noise_rows"),
+        (f.chunk_mean_filter, "fitness.chunk_mean_filter"),
+        (f.adaptive_threshold, "fitness.adaptive_threshold"),
+        (cfg.update.rule != "ztest", "update.rule"),
+        (cfg.model.init_from, "model.init_from"),
+    ):
+        _check(not on, f"{name} is not available for model.arch='hf'")
+    _check(
+        f.prompts != "data",
+        "fitness.prompts='data' is not available for model.arch='hf': give a prompts file",
+    )
+    # Z is summed as float64: every partial sum must stay an exact integer (shared/hf.py).
+    _check(
+        hf.z_bound(cfg.pairs, cfg.model.rank, es.noise) < hf.F64_EXACT,
+        "es.population * model.rank is too large for an exact update",
+    )
+
+
 def _is_hex(text: str, digits: int) -> bool:
     return len(text) == digits and all(c in "0123456789abcdef" for c in text)
 
@@ -336,6 +396,10 @@ def _typed(section: str, cls: type, values: dict[str, Any]) -> Any:
         if key not in known:
             raise ConfigError(f"unknown key '{section}.{key}' (known: {', '.join(known)})")
         want = type(getattr(cls(), key))
+        if want is tuple and isinstance(value, list):
+            if not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"'{section}.{key}' must be a list of strings")
+            values[key] = value = tuple(value)
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             values[key] = float(value)
         elif not isinstance(value, want) or (want is int and isinstance(value, bool)):

@@ -14,10 +14,12 @@ the ternary fitness does, as with the loss.
 
 A goal's files are pinned by the run config: the reward's source (`fitness.reward =
 "score.py:function"`, or "builtin:NAME" for the functions in `BUILTIN_REWARDS`), the prompts
-(`fitness.prompts`, a file, or "data" for the beginnings of the data's documents) and the
-replica a run starts from (`model.init_from`). `pin` records their digests when a config is
-loaded, so the config digest covers them; a worker reads its own copies (relative to its
---goal-dir) and `check_files` refuses a copy that differs, naming the file.
+(`fitness.prompts`, a file, or "data" for the beginnings of the data's documents), the
+replica a run starts from (`model.init_from`) and a Hugging Face model's directory
+(`model.path`: its files' digests and chosen matrices, shared/hf_dir.py). `pin` records
+their digests when a config is loaded, so the config digest covers them; a worker reads its
+own copies (relative to its --goal-dir) and `check_files` refuses a copy that differs,
+naming the file.
 
 Prompts file: one prompt per line (`\\n` escapes a newline, `\\\\` a backslash), or JSON lines
 `{"prompt": "...", "answer": 42, ...}` whose other fields the batched reward receives. Every
@@ -42,10 +44,11 @@ import numpy as np
 from .config import RunConfig
 from .data import Dataset
 from .fitness import MAX_REWARD, REWARD_UNIT
+from .hf_dir import ModelDirError, check_model_dir, pinned_files, pinned_matrices
 from .noise import DOMAIN_PROMPT, combine_array, hash_key
 from .replica import CheckpointError, ReplicaState, checkpoint_bytes, load_checkpoint
 from .sample import SampleSettings
-from .vocab import VocabError, encode
+from .vocab import VocabError, decode, encode
 
 BUILTIN = "builtin:"
 DATA_PROMPTS = "data"
@@ -168,7 +171,31 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
         start = _read_init(resolve(cfg.model.init_from, base))
         _check_start(cfg, start, cfg.model.init_from)
         cfg = cfg.replace(model=replace(cfg.model, init_digest=start.digest_hex()))
+    if cfg.model.arch == "hf":
+        m, path = cfg.model, resolve(cfg.model.path, base)
+        try:
+            files, matrices = pinned_files(path), pinned_matrices(path, m.targets, m.rank)
+        except ModelDirError as exc:
+            raise GoalError(str(exc)) from None
+        cfg = cfg.replace(model=replace(m, files=files, matrices=matrices))
     return cfg
+
+
+def model_dir(cfg: RunConfig, base: Path | None) -> Path:
+    """Where a worker's copy of an hf run's model directory is: `model.path` under its
+    --goal-dir (`base`); GoalError when it has none, or the path leads outside it."""
+    if base is None:
+        raise GoalError(
+            f"the run fine-tunes the model in {cfg.model.path}: start this worker with "
+            "--goal-dir DIR, the folder that holds the run's model directory"
+        )
+    path = resolve(cfg.model.path, base)
+    if not path.resolve().is_relative_to(base.resolve()):
+        raise GoalError(
+            f"the run's model directory {cfg.model.path} is outside this worker's goal "
+            f"directory {base}: a worker reads goal files only under --goal-dir"
+        )
+    return path
 
 
 def check_files(cfg: RunConfig, base: Path | None) -> None:
@@ -180,6 +207,11 @@ def check_files(cfg: RunConfig, base: Path | None) -> None:
     files = _files(cfg)
     if cfg.model.init_from:
         files.append(("model.init_digest", cfg.model.init_from, "", "model.init_from"))
+    if cfg.model.arch == "hf":
+        try:
+            check_model_dir(model_dir(cfg, base), cfg.model.files)
+        except ModelDirError as exc:
+            raise GoalError(str(exc)) from None
     if files and base is None:
         raise GoalError(
             f"the run reads {files[0][3]} {files[0][1]}: start this worker with --goal-dir "
@@ -320,19 +352,41 @@ def read_prompts(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _tokens(text: str, where: str, dataset: Dataset, context: int) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class TextCodec:
+    """A model's own tokenizer (a Hugging Face model's; the data's vocabulary otherwise):
+    prompts are encoded with it, completions decoded, and a prompt longer than `context`
+    tokens is refused."""
+
+    encode: Callable[[str], Sequence[int]]
+    decode: Callable[[Sequence[int]], str]
+    context: int
+    what: str = "es.seq_len"  # the setting that limits the context, for the error line
+
+
+def data_codec(cfg: RunConfig, dataset: Dataset) -> TextCodec:
+    """The data's vocabulary as a codec (the int8 models')."""
+    pieces = dataset.decoding
+    return TextCodec(
+        lambda text: encode(text.encode("utf-8"), pieces),
+        lambda tokens: decode(tokens, pieces),
+        cfg.es.seq_len,
+    )
+
+
+def _tokens(text: str, where: str, codec: TextCodec) -> tuple[int, ...]:
     try:
-        ids = encode(text.encode("utf-8"), dataset.decoding)
+        ids = codec.encode(text)
     except VocabError as exc:
         raise GoalError(f"{where}: {exc}") from None
     except UnicodeEncodeError:  # a lone surrogate from a JSON escape
         raise GoalError(f"{where} is not valid Unicode text") from None
-    if len(ids) > context:
+    if len(ids) > codec.context:
         raise GoalError(
-            f"{where} is {len(ids)} tokens, longer than the model's context of {context} "
-            "(es.seq_len): shorten it"
+            f"{where} is {len(ids)} tokens, longer than the model's context of "
+            f"{codec.context} ({codec.what}): shorten it"
         )
-    return tuple(ids)
+    return tuple(int(t) for t in ids)
 
 
 def _document_starts(tokens: np.ndarray, limit: int) -> list[tuple[int, ...]]:
@@ -349,12 +403,14 @@ def _document_starts(tokens: np.ndarray, limit: int) -> list[tuple[int, ...]]:
     return out
 
 
-def load_prompts(cfg: RunConfig, base: Path, dataset: Dataset) -> Prompts:
-    """The run's prompts, tokenized with the data's vocabulary (a prompt longer than the
-    model's context is refused, naming it)."""
-    context = cfg.es.seq_len
+def load_prompts(
+    cfg: RunConfig, base: Path, dataset: Dataset, codec: TextCodec | None = None
+) -> Prompts:
+    """The run's prompts, tokenized with `codec` (default: the data's vocabulary); a prompt
+    longer than the model's context is refused, naming it."""
+    codec = codec or data_codec(cfg, dataset)
     if cfg.fitness.prompts == DATA_PROMPTS:
-        limit = min(DATA_PROMPT_TOKENS, context)
+        limit = min(DATA_PROMPT_TOKENS, codec.context)
         pieces = dataset.decoding
         made = []
         for split, tokens in ((0, dataset.train), (1, dataset.valid)):
@@ -374,7 +430,7 @@ def load_prompts(cfg: RunConfig, base: Path, dataset: Dataset) -> Prompts:
     path = resolve(cfg.fitness.prompts, base)
     train, held = [], []
     for i, (text, fields) in enumerate(read_prompts(path)):
-        prompt = Prompt(i, text, _tokens(text, f"{path} prompt {i + 1}", dataset, context), fields)
+        prompt = Prompt(i, text, _tokens(text, f"{path} prompt {i + 1}", codec), fields)
         (held if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).append(prompt)
     return Prompts(train, held)
 

@@ -5,7 +5,10 @@ An architecture is one module in this folder (shared/egg.py, shared/former.py) w
     check(m)                None, or one line saying which of its settings is invalid
     MODEL(cfg, params)      the forward pass of a batch of population members (`Model`)
     GENERATOR(cfg, params)  the unperturbed model one token at a time (`Generator`)
-and one line in `ARCHS`. Every architecture perturbs its weights through shared/perturb.py
+and one line in `ARCHS`. The `hf` family (shared/hf.py) is the exception that proves the
+seam: its tensors are int64 accumulators of a Hugging Face model's updates, it brings its
+own `apply_update`, and PyTorch evaluates it (worker/backend/torch_backend.py). Every int8
+architecture perturbs its weights through shared/perturb.py
 and scores with shared/loss.py, so the update rules, the replicas and the backends never
 ask which architecture they hold.
 """
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from . import egg, former
+from . import egg, former, hf
 from .loss import zipf_bias
 from .noise import init_values
 from .perturb import MemberNoise, ParamSpec
@@ -90,9 +93,11 @@ class Architecture(Protocol):
 
     MODEL: Callable[[RunConfig, dict[str, np.ndarray]], Model]
     GENERATOR: Callable[[RunConfig, dict[str, np.ndarray]], Generator]
+    # Optional: `apply_update(cfg, step, params, fitness) -> (params, changed)` replaces the
+    # update rules for an architecture whose tensors are not int8 weights (shared/hf.py).
 
 
-ARCHS: dict[str, Architecture] = {"egg": egg, "former": former}
+ARCHS: dict[str, Architecture] = {"egg": egg, "former": former, "hf": hf}
 
 
 def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
@@ -113,7 +118,7 @@ def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
             values = zipf_bias(m.vocab_size)
         else:
             values = np.full(size, 16 if spec.init == "sixteen" else 0, dtype=np.int8)
-        params[spec.name] = np.clip(values, -127, 127).astype(np.int8).reshape(spec.shape)
+        params[spec.name] = np.clip(values, -127, 127).astype(spec.dtype).reshape(spec.shape)
     return params
 
 

@@ -74,6 +74,8 @@ class ParamSpec:
     # (1.0 in fixed point), "zero", "zipf" (`shared.loss.zipf_bias`)
     init: str
     tensor_id: int  # the noise stream of this tensor
+    # the replica's integer type: int8 weights; int64 for the hf family's accumulators
+    dtype: type = np.int8
 
 
 Specs = Sequence[ParamSpec]  # an architecture's tensors, in noise-stream order

@@ -5,7 +5,8 @@ The state at step s is a pure function of (run config, fitness of steps 0..s-1):
 says so in code, and the digest proves two replicas agree. It is BLAKE2b-64 of
 
     b"eggroll-replica/1" | config digest (32 B) | step (u64 BE) |
-    for each tensor in param_specs order: its int8 bytes (C order) |
+    for each tensor in param_specs order: its bytes (C order, little-endian: int8 weights,
+        or the hf family's int64 accumulators) |
     for each optimizer-state tensor in state_specs order: its little-endian bytes (C order)
 
 (a stateless rule such as `ztest` adds nothing, so its digests are those of format 1).
@@ -58,8 +59,8 @@ class CheckpointError(ValueError):
 
 @dataclass
 class ReplicaState:
-    """int8 weights after `step` committed updates, and the update rule's state (none for
-    `ztest`; `update.state_specs` says what)."""
+    """Weights after `step` committed updates (int8; the hf family's int64 accumulators),
+    and the update rule's state (none for `ztest`; `update.state_specs` says what)."""
 
     config: RunConfig
     step: int
@@ -94,7 +95,7 @@ def _digest(state: ReplicaState, config_digest: bytes) -> int:
     h.update(config_digest)
     h.update(struct.pack(">Q", state.step))
     for spec in param_specs(state.config.model):
-        h.update(np.ascontiguousarray(state.params[spec.name]).tobytes())
+        h.update(np.ascontiguousarray(state.params[spec.name], dtype=_le(spec.dtype)).tobytes())
     for spec in state_specs(state.config):
         h.update(np.ascontiguousarray(state.opt[spec.name], dtype=_le(spec.dtype)).tobytes())
     return int.from_bytes(h.digest(), "big")
@@ -140,7 +141,7 @@ def checkpoint_bytes(config: RunConfig) -> int:
     """The exact size of every checkpoint of this run: what a peer may send or ask us to
     hold for a snapshot, and not a byte more."""
     size = len(MAGIC) + 8 + len(config.canonical_bytes()) + 12
-    specs = [(s.name, s.shape, np.int8) for s in param_specs(config.model)]
+    specs = [(s.name, s.shape, s.dtype) for s in param_specs(config.model)]
     specs += [(s.name, s.shape, s.dtype) for s in state_specs(config)]
     for name, shape, dtype in specs:
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -205,7 +206,7 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint holds an invalid config: {exc}") from None
     step, count = r.unpack(">QI")
-    specs = {s.name: (s.shape, np.dtype(np.int8)) for s in param_specs(config.model)}
+    specs = {s.name: (s.shape, _le(s.dtype)) for s in param_specs(config.model)}
     specs |= {s.name: (s.shape, _le(s.dtype)) for s in state_specs(config)}
     if count != len(specs):
         raise CheckpointError(f"checkpoint has {count} tensors, the config needs {len(specs)}")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .matmul import exact_matmul
-from .model import param_specs
+from .model import ARCHS, param_specs
 from .noise import max_abs
 from .perturb import (
     NoiseScales,
@@ -104,5 +104,9 @@ def apply_update(
     """The parameters and optimizer state after step `step`'s update."""
     if fitness.shape != (cfg.pairs,):
         raise ValueError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
+    own = getattr(ARCHS[cfg.model.arch], "apply_update", None)
+    if own is not None:  # an architecture with its own update (shared/hf.py's accumulators)
+        new, changed = own(cfg, step, params, fitness)
+        return Updated(new, opt, changed)
     z = accumulate_z(cfg, step, fitness, noise_scales(cfg, param_specs(cfg.model), opt))
     return update_from_z(cfg, step, params, opt, z)

@@ -86,7 +86,7 @@ def test_toml_overrides_a_preset(tmp_path: Path) -> None:
         ("[es]\npopsize = 4", "unknown key 'es.popsize'"),
         ("[es]\nseq_len = 'long'", "'es.seq_len' must be int"),
         ("[update]\nalpha = 2.5", "must be an integer"),
-        ("[model]\narch = 'rnn'", "must be 'egg' or 'former'"),
+        ("[model]\narch = 'rnn'", "must be 'egg', 'former' or 'hf'"),
         ("[model]\narch = 'former'\nhead_bias = 'unigram'", "must be 'none', 'zero' or 'zipf'"),
         ("[model]\nhead_bias = 'zipf'", "model.head_bias='zipf' needs model.arch='former'"),
         ("colour = 3", "unknown config key 'colour'"),

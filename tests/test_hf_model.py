@@ -12,89 +12,46 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import CORPUS, save_model  # noqa: E402
+
+from eggroll_dist.shared import hf  # noqa: E402
 from eggroll_dist.shared import hf_dir as hd  # noqa: E402
-from eggroll_dist.shared import hf_state as hs  # noqa: E402
-from eggroll_dist.shared.goal import letter_e  # noqa: E402
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig  # noqa: E402
+from eggroll_dist.shared.goal import GoalError, pin  # noqa: E402
+from eggroll_dist.shared.replica import ReplicaState, replay  # noqa: E402
 from eggroll_dist.worker import hf_model as hm  # noqa: E402
-
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "a bird in the hand is worth two in the bush",
-    "every good boy deserves fudge, and eggs are evolved",
-] * 20
-
-
-def _tokenizer() -> object:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<unk>", "<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
-    )
-
-
-def _config(family: str, vocab: int) -> object:
-    if family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=vocab,
-            n_positions=64,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            bos_token_id=2,
-            eos_token_id=2,
-        )
-    return transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=2,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp(request.param)
-    tokenizer = _tokenizer()
-    torch.manual_seed(0)
-    config = _config(request.param, len(tokenizer))
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def _population(
+def hf_config(
     model_dir: Path,
     pairs: int = 3,
     rank: int = 2,
-    sigma_: float = 0.02,
-    dtype: str = "float32",
-    **kw: object,
-) -> hm.PopulationLM:
-    model = hm.load_causal_lm(model_dir, dtype)
-    spec = hm.spec_for(model, rank=rank, seed=11, pairs=pairs, sigma=sigma_, **kw)
-    return hm.PopulationLM(model, spec)
+    sigma: float = 0.02,
+    lr: float = 1.0,
+    targets: tuple[str, ...] = (),
+) -> RunConfig:
+    """A pinned hf run config of the model in `model_dir`."""
+    cfg = RunConfig(
+        model=ModelConfig(arch="hf", path=str(model_dir), rank=rank, targets=targets),
+        es=ESConfig(population=2 * pairs, chunk_size=2 * pairs, sigma=sigma, run_seed=11),
+        update=UpdateConfig(lr=lr),
+    )
+    return pin(cfg, Path("."))
+
+
+def _population(model_dir: Path, dtype: str = "float32", **kw: object) -> hm.PopulationLM:
+    return hm.PopulationLM(hm.load_causal_lm(model_dir, dtype), hf_config(model_dir, **kw))
 
 
 def test_targets_are_the_blocks_linear_layers(model_dir: Path) -> None:
-    model = hm.load_causal_lm(model_dir)
-    spec = hm.spec_for(model, rank=2, seed=0, pairs=1)
-    names = [t.name for t in spec.targets]
+    cfg = hf_config(model_dir)
+    targets = hf.targets(cfg.model)
+    names = [t.name for t in targets]
     assert "lm_head" not in names
     if "gpt2" in model_dir.name:  # Conv1D layers, (in, out) weights
         assert names[:4] == [
@@ -103,10 +60,12 @@ def test_targets_are_the_blocks_linear_layers(model_dir: Path) -> None:
             "transformer.h.0.mlp.c_fc",
             "transformer.h.0.mlp.c_proj",
         ]
-        assert spec.targets[0].shape == (96, 32)
+        assert targets[0].shape == (96, 32)
     else:
         assert len(names) == 2 * 7  # q, k, v, o, gate, up, down per layer
-        assert spec.targets[1].shape == (16, 32)  # k_proj of two kv heads
+        assert targets[1].shape == (16, 32)  # k_proj of two kv heads
+    # the pinned files are the directory's
+    assert cfg.model.files[0].endswith(" config.json")
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("float64", 1e-10)])
@@ -130,47 +89,52 @@ def test_hooked_members_equal_materialised_weights(model_dir: Path, dtype: str, 
         torch.testing.assert_close(batched[i], explicit, rtol=tol, atol=tol)
         assert not torch.allclose(batched[i], base, atol=1e-4)  # the noise matters
     # with small noise, a pair's members move the logits in opposite directions
-    small = _population(model_dir, sigma_=1e-6, dtype=dtype)  # noise entries are ~100
+    small = _population(model_dir, sigma=1e-5, dtype=dtype)
     near = small.logits(step, first, count, ids)
     d_plus, d_minus = near[1] - base, near[2] - base  # members 2 and 3: pair 1
     assert torch.nn.functional.cosine_similarity(d_plus.ravel(), -d_minus.ravel(), dim=0) > 0.9
 
 
 def test_state_weights_and_replay(model_dir: Path) -> None:
-    lm = _population(model_dir, alpha=1e-4)
+    lm = _population(model_dir, lr=4.0)
     rng = np.random.default_rng(0)
-    log = [rng.integers(-1, 2, size=lm.spec.pairs).astype(np.int8) for _ in range(3)]
-    state = hs.replay(hs.HFState.initial(lm.spec), log)
+    log = [rng.integers(-1, 2, size=lm.cfg.pairs).astype(np.int8) for _ in range(3)]
+    state = replay(ReplicaState.initial(lm.cfg), log)
     lm.load_state(state)
-    t = lm.spec.targets[0]
-    want = lm._base[t.name].double() + 1e-4 * torch.from_numpy(state.acc[t.name]).double()
-    torch.testing.assert_close(lm._weight(t.name).detach().double(), want, rtol=0, atol=1e-6)
-    assert hs.replay(hs.HFState.initial(lm.spec), log).digest() == state.digest()
+    alpha = hf.weight_scale(lm.cfg)
+    for name in lm.modules:
+        want = lm._base[name].double() + alpha * torch.from_numpy(state.params[name]).double()
+        torch.testing.assert_close(lm._weight(name).detach().double(), want, rtol=0, atol=1e-6)
+    assert replay(ReplicaState.initial(lm.cfg), log).digest() == state.digest()
 
 
-def test_reward_chunk_and_completions(model_dir: Path) -> None:
+def test_completions_and_losses(model_dir: Path) -> None:
     lm = _population(model_dir, pairs=2)
     tokenizer = hm.load_tokenizer(model_dir)
-    prompts = ["the quick", "a bird in the hand is"]
-    greedy = lm.complete(0, (0, 4), [tokenizer.encode(p) for p in prompts], 5)
+    prompts = [tokenizer.encode(p) for p in ["the quick", "a bird in the hand is"]]
+    greedy = lm.complete(0, (0, 4), prompts, 5)
     assert greedy.shape == (4, 2, 5)
     # left padding does not change a prompt's continuation
-    alone = lm.complete(0, (0, 4), [tokenizer.encode(prompts[0])], 5)
+    alone = lm.complete(0, (0, 4), prompts[:1], 5)
     assert np.array_equal(alone[:, 0], greedy[:, 0])
-    sampled = lm.complete(0, (0, 4), [tokenizer.encode(p) for p in prompts], 5, 1.0, seed=3)
-    again = lm.complete(0, (0, 4), [tokenizer.encode(p) for p in prompts], 5, 1.0, seed=3)
-    assert np.array_equal(sampled, again)
-    result = lm.reward_chunk(0, 0, 4, prompts, tokenizer, letter_e, 6, temperature=1.0, seed=3)
-    assert result.fitness.shape == (2,) and result.fitness.dtype == np.int8
-    assert set(result.fitness.tolist()) <= {-1, 0, 1}
-    nll = lm.member_nll(0, 0, 4, torch.tensor([tokenizer.encode(CORPUS[0])]))
-    assert nll.shape == (4,) and np.all(np.isfinite(nll))
+    sampled = lm.complete(0, (0, 4), prompts, 5, 1.0, seed=3, samples=[7, 9])
+    assert np.array_equal(sampled, lm.complete(0, (0, 4), prompts, 5, 1.0, seed=3, samples=[7, 9]))
+    # a prompt's randomness is its sample number's, wherever it stands in the request
+    swapped = lm.complete(0, (0, 4), prompts[::-1], 5, 1.0, seed=3, samples=[9, 7])
+    assert np.array_equal(swapped[:, ::-1], sampled)
+    # min_p = 1 keeps only the likeliest token: greedy
+    assert np.array_equal(lm.complete(0, (0, 4), prompts, 5, 1.0, seed=3, min_p=1.0), greedy)
+    rows = torch.tensor([tokenizer.encode(CORPUS[0])])
+    nll = lm.nll((0, 4), 0, rows.expand(4, 1, -1))
+    assert nll.shape == (4, 1, rows.shape[1] - 1) and np.all(np.isfinite(nll))
+    base = lm.nll(None, 0, rows[None])
+    assert base.shape == (1, 1, rows.shape[1] - 1)
 
 
 def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
-    with pytest.raises(hm.HFModelError, match=r"no config\.json"):
+    with pytest.raises(hd.ModelDirError, match=r"no config\.json"):
         hm.load_causal_lm(tmp_path)
-    with pytest.raises(hm.HFModelError, match="not a directory"):
+    with pytest.raises(hd.ModelDirError, match="not a directory"):
         hm.load_causal_lm(tmp_path / "missing")
     bert = tmp_path / "bert"
     transformers.BertModel(
@@ -182,7 +146,7 @@ def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
             intermediate_size=32,
         )
     ).save_pretrained(bert)
-    with pytest.raises(hm.HFModelError, match="not a causal LM") as info:
+    with pytest.raises(hd.ModelDirError, match="not a causal LM") as info:
         hm.load_causal_lm(bert)
     assert "\n" not in str(info.value)
     with pytest.raises(hm.HFModelError, match="no usable tokenizer"):
@@ -194,63 +158,31 @@ def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
         mp.setattr(hm, "_free_bytes", lambda torch, device: 1000)
         with pytest.raises(hm.HFModelError, match=r"more than the 0\.00 GiB free on cpu"):
             hm.load_causal_lm(model_dir)
-    with pytest.raises(hs.HFStateError, match="matches no linear layer"):
-        hm.spec_for(model, rank=1, seed=0, pairs=1, patterns=["*.nothing"])
-    with pytest.raises(hs.HFStateError, match="above the size"):
-        hm.spec_for(model, rank=1000, seed=0, pairs=1)
+    with pytest.raises(GoalError, match="matches no linear layer"):
+        hf_config(model_dir, targets=("*.nothing",))
+    with pytest.raises(GoalError, match="above the size"):
+        hf_config(model_dir, rank=1000)
+    with pytest.raises(GoalError, match="not a causal LM"):
+        hf_config(bert)
     if "gpt2" in model_dir.name:  # its LM head is the token embedding, tied
-        spec = hm.spec_for(model, rank=1, seed=0, pairs=1, patterns=["lm_head"])
-        with pytest.raises(hm.HFModelError, match=r"shares its weight with transformer\.wte"):
-            hm.PopulationLM(model, spec)
-
-
-def _mean_reward(lm: hm.PopulationLM, tokenizer: object, prompts: list[str]) -> float:
-    encoded = [tokenizer.encode(p) for p in prompts]  # type: ignore[attr-defined]
-    tokens = lm.complete(0, None, encoded, 8, temperature=1.0, seed=999)
-    texts = [tokenizer.decode(row) for row in tokens.reshape(-1, 8).tolist()]  # type: ignore[attr-defined]
-    return float(np.mean([letter_e(t) for t in texts]))
-
-
-def test_a_reward_moves_within_a_few_dozen_steps(tmp_path: Path) -> None:
-    tokenizer = _tokenizer()
-    torch.manual_seed(0)
-    config = _config("gpt2", len(tokenizer))
-    config.initializer_range = 0.3  # a random model whose choices the blocks can move
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    model = hm.load_causal_lm(tmp_path)
-    spec = hm.spec_for(model, rank=2, seed=5, pairs=16, sigma=3e-3, alpha=1e-3)
-    lm = hm.PopulationLM(model, spec)
-    tokenizer = hm.load_tokenizer(tmp_path)
-    prompts = ["the quick", "a bird", "every good", "worth two"]
-    held = [p + s for p in prompts for s in ("", " in", " the", " is")]
-    before = _mean_reward(lm, tokenizer, held)
-    state = hs.HFState.initial(spec)
-    log = []
-    for step in range(24):
-        result = lm.reward_chunk(step, 0, 32, prompts, tokenizer, letter_e, 8, 1.0, seed=step)
-        log.append(result.fitness)
-        state = hs.apply_step(state, result.fitness)
-        lm.load_state(state)
-    after = _mean_reward(lm, tokenizer, held)
-    assert after > before + 0.1, (before, after)
-    # the state is the fitness log's: a replay reaches the same digest
-    assert hs.replay(hs.HFState.initial(spec), log).digest() == state.digest()
+        with pytest.raises(GoalError, match=r"shares its weight with transformer\.wte"):
+            hf_config(model_dir, targets=("lm_head",))
 
 
 def test_export_loads_in_transformers_and_generates(model_dir: Path, tmp_path: Path) -> None:
-    lm = _population(model_dir, alpha=1e-3)
+    lm = _population(model_dir, lr=8.0)
     log = [np.array([1, -1, 1], dtype=np.int8), np.array([0, 1, 1], dtype=np.int8)]
-    state = hs.replay(hs.HFState.initial(lm.spec), log)
+    state = replay(ReplicaState.initial(lm.cfg), log)
     lm.load_state(state)
     out = hm.export_merged(model_dir, state, tmp_path / "merged")
     assert (out / "model.safetensors").is_file()
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
-    merged_layers = {name: m for name, m, _, _ in hm.linear_layers(merged)}
-    for t in lm.spec.targets:
-        w = merged_layers[t.name].weight
-        w = w.T if lm.transposed[t.name] else w
-        torch.testing.assert_close(w.float(), lm._weight(t.name).float(), rtol=0, atol=1e-6)
+    merged_layers = {name: m for name, m, _, _ in hd.linear_layers(merged)}
+    for name in lm.modules:
+        w = merged_layers[name].weight
+        w = w.T if lm.transposed[name] else w
+        torch.testing.assert_close(w.float(), lm._weight(name).float(), rtol=0, atol=1e-6)
+        assert not torch.equal(w.float(), lm._base[name])  # the state moved it
     tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = torch.tensor([tokenizer.encode("the quick")])
     text = merged.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)

@@ -30,7 +30,7 @@ def _fitness(cfg: RunConfig, steps: int) -> list[np.ndarray]:
 
 
 def test_unknown_names_are_refused_with_the_registered_ones() -> None:
-    with pytest.raises(ConfigError, match="'egg' or 'former'"):
+    with pytest.raises(ConfigError, match="'egg', 'former' or 'hf'"):
         _config(arch="mamba")
     with pytest.raises(ConfigError, match="'ztest', 'momentum' or 'adamw'"):
         _config(rule="lion")

@@ -1,23 +1,23 @@
 """A Hugging Face causal LM evaluated for a population of EGGROLL members, on PyTorch.
 
-The replica state is integer and lives in `shared.hf_state` (accumulators per target
-matrix); this module only evaluates members in floating point. `PopulationLM` holds one
+The replica state is integer (shared/hf.py: an int64 accumulator per target matrix); this
+module only evaluates members in floating point. `PopulationLM` holds one
 model loaded from a local directory and
 
 - writes the state's weights `base + alpha * acc` into the target modules (`load_state`);
 - evaluates a chunk of members in one batch: rows are member-major (member i owns rows
   [i * R, (i + 1) * R)), every target module computes the shared base product, and a
   forward hook adds each member's low-rank correction
-      y_m += sign_m * sigma * (x_m @ B_k) @ A_k^T
+      y_m += sign_m * scale * (x_m @ B_k) @ A_k^T      (scale: `shared.hf.member_scale`)
   with two small batched matmuls. No member's weight matrix is ever formed; the extra memory
   is the factors (members x (out + in) x r per target) and the (rows, r) intermediates;
-- continues prompts (greedy, or sampled with one counter-based uniform per prompt and
-  position shared by every member, so a pair's members differ by their noise only) and
-  computes a chunk's reward fitness with `shared.goal`'s exact ternary rule.
+- scores rows of tokens (the members' next-token losses) and continues prompts (greedy, or
+  sampled with one counter-based uniform per prompt and position shared by every member,
+  so a pair's members differ by their noise only).
 
 Floating point may differ between devices: that changes which fitness a worker proposes,
-never the replica state. torch and transformers are imported here only; hosts without them
-get one line naming `pip install 'eggroll-distributed[hf]'`.
+never the replica state. torch and transformers are imported only by the hf family's
+modules; hosts without them get one line naming `pip install 'eggroll-distributed[hf]'`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..shared.goal import reward_fitness, reward_units
-from ..shared.hf_dir import ModelDirError, parameter_count
-from ..shared.hf_state import HFSpec, HFState, member_factors, select_targets
+from ..shared import hf
+from ..shared.config import RunConfig
+from ..shared.hf_dir import (
+    INSTALL,
+    ModelDirError,
+    first_line,
+    linear_layers,
+    parameter_count,
+    read_config,
+    refuse_tied,
+    require_hf,
+)
 from ..shared.noise import DOMAIN_SAMPLE, combine_array, hash_key
-from .backend import ChunkResult
+from ..shared.replica import ReplicaState
 
 if TYPE_CHECKING:
     import torch
@@ -46,31 +55,16 @@ __all__ = [
     "HFModelError",
     "PopulationLM",
     "export_merged",
-    "linear_layers",
     "load_causal_lm",
     "load_tokenizer",
-    "require_hf",
 ]
 
-INSTALL = "pip install 'eggroll-distributed[hf]'"
 # the files one of which a saved tokenizer has
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class HFModelError(ValueError):
+class HFModelError(ModelDirError):
     """A model directory, tokenizer or setting that cannot be used; one line."""
-
-
-def require_hf() -> tuple[Any, Any]:
-    """(torch, transformers), or HFModelError naming the extra to install."""
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        raise HFModelError(
-            f"Hugging Face models need PyTorch and transformers ({exc.name} is missing): {INSTALL}"
-        ) from None
-    return torch, transformers
 
 
 def _model_dir(model_dir: str | Path) -> Path:
@@ -83,20 +77,12 @@ def _model_dir(model_dir: str | Path) -> Path:
 
 
 def load_causal_lm(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
-    """The model of a local directory (never downloaded), in eval mode without gradients."""
+    """The model of a local directory (never downloaded), in eval mode without gradients;
+    refused before loading when its weights do not fit the device's free memory."""
     torch, transformers = require_hf()
     path = _model_dir(model_dir)
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise HFModelError(f"{path}/config.json does not read: {_first_line(exc)}") from None
-    saved = [a for a in getattr(config, "architectures", None) or [] if not _causal(a)]
-    if saved:
-        raise HFModelError(f"{path} holds a {saved[0]}, which is not a causal LM")
-    try:
-        weights = parameter_count(path)
-    except ModelDirError as exc:
-        raise HFModelError(str(exc)) from None
+    config = read_config(path)
+    weights = parameter_count(path)
     need = weights * torch.empty((), dtype=getattr(torch, dtype)).element_size()
     free = _free_bytes(torch, device)
     if free is not None and need > free:
@@ -106,15 +92,15 @@ def load_causal_lm(model_dir: str | Path, dtype: str = "float32", device: str = 
         )
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, output_loading_info=True
+            path, local_files_only=True, output_loading_info=True, dtype=getattr(torch, dtype)
         )
     except ValueError as exc:
         kind = getattr(config, "model_type", "?")
         raise HFModelError(
-            f"{path} holds a {kind!r} model, which is not a causal LM: {_first_line(exc)}"
+            f"{path} holds a {kind!r} model, which is not a causal LM: {first_line(exc)}"
         ) from None
     except OSError as exc:
-        raise HFModelError(f"{path} has no loadable weights: {_first_line(exc)}") from None
+        raise HFModelError(f"{path} has no loadable weights: {first_line(exc)}") from None
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # transformers would start them from random values
         raise HFModelError(
@@ -136,11 +122,6 @@ def _free_bytes(torch: Any, device: str) -> int | None:
         return None
 
 
-def _causal(architecture: str) -> bool:
-    """Whether a config's `architectures` entry names a causal LM class."""
-    return architecture.endswith(("ForCausalLM", "LMHeadModel"))
-
-
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The tokenizer saved beside the model (HFModelError when there is none)."""
     _, transformers = require_hf()
@@ -153,64 +134,15 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        raise HFModelError(f"{path} has no usable tokenizer: {_first_line(exc)}") from None
+        raise HFModelError(f"{path} has no usable tokenizer: {first_line(exc)}") from None
     if len(tokenizer) == 0:
         raise HFModelError(f"{path} has no usable tokenizer: its vocabulary is empty")
     return tokenizer
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def linear_layers(model: Any) -> list[tuple[str, Any, tuple[int, int], bool]]:
-    """(name, module, (out, in), transposed) of every linear layer, in module order:
-    nn.Linear, and GPT-2's Conv1D whose weight is stored (in, out) (`transposed`)."""
-    torch, _ = require_hf()
-    from transformers.pytorch_utils import Conv1D
-
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            out.append((name, module, (module.out_features, module.in_features), False))
-        elif isinstance(module, Conv1D):
-            rows, cols = module.weight.shape[1], module.weight.shape[0]
-            out.append((name, module, (int(rows), int(cols)), True))
-    return out
-
-
-def spec_for(
-    model: Any,
-    rank: int,
-    seed: int,
-    pairs: int,
-    patterns: Sequence[str] = (),
-    **settings: Any,
-) -> HFSpec:
-    """An `HFSpec` whose targets are the model's linear layers chosen by `patterns`."""
-    candidates = [(name, shape) for name, _, shape, _ in linear_layers(model)]
-    targets = select_targets(candidates, patterns, rank)
-    return HFSpec(targets, rank=rank, seed=seed, pairs=pairs, **settings)
-
-
-def _refuse_tied(model: Any, modules: dict[str, Any]) -> None:
-    """HFModelError when a target's weight is also another module's (tied embeddings): the
-    state's weights would move that module too, which its noise never perturbed."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
-    for name, module in modules.items():
-        others = [o for o in owners.get(id(module.weight), []) if o != name]
-        if others:
-            raise HFModelError(
-                f"target {name} shares its weight with {others[0]} (tied weights): "
-                "leave it out of the target patterns"
-            )
-
-
 @dataclass
 class _Active:
-    """The members a forward pass evaluates: per target, sign * sigma * A and B."""
+    """The members a forward pass evaluates: per target, sign * scale * A and B."""
 
     a: dict[str, torch.Tensor]  # (members, out, r)
     b: dict[str, torch.Tensor]  # (members, in, r)
@@ -218,21 +150,23 @@ class _Active:
 
 
 class PopulationLM:
-    """One model, the weights of an `HFState`, and batched evaluation of its members."""
+    """One model, the weights of a replica state, and batched evaluation of its members."""
 
-    def __init__(self, model: Any, spec: HFSpec, state: HFState | None = None) -> None:
+    def __init__(self, model: Any, cfg: RunConfig, state: ReplicaState | None = None) -> None:
         torch, _ = require_hf()
         self.torch = torch
-        self.model, self.spec = model, spec
+        self.model, self.cfg = model, cfg
+        self.targets = {t.name: t for t in hf.targets(cfg.model)}
         layers = {name: (module, t) for name, module, _, t in linear_layers(model)}
-        missing = [t.name for t in spec.targets if t.name not in layers]
+        missing = [name for name in self.targets if name not in layers]
         if missing:
-            raise HFModelError(f"the model has no linear layer {missing[0]!r} of the spec")
-        self.modules = {t.name: layers[t.name][0] for t in spec.targets}
-        _refuse_tied(model, self.modules)
-        self.transposed = {t.name: layers[t.name][1] for t in spec.targets}
+            raise HFModelError(f"the model has no linear layer {missing[0]!r} of the run")
+        self.modules = {name: layers[name][0] for name in self.targets}
+        refuse_tied(model, self.modules)
+        self.transposed = {name: layers[name][1] for name in self.targets}
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.scale, self.alpha = hf.member_scale(cfg), hf.weight_scale(cfg)
         # The base weights in float32 on the host, (out, in): `load_state` rebuilds each
         # target from them, so the evaluated weights depend on the state only, not its path.
         self._base = {name: self._weight(name).float().cpu().clone() for name in self.modules}
@@ -243,7 +177,7 @@ class PopulationLM:
         self._hooks = [
             m.register_forward_hook(self._hook(name)) for name, m in self.modules.items()
         ]
-        self.state = state if state is not None else HFState.initial(spec)
+        self.state = state if state is not None else ReplicaState.initial(cfg)
         if state is not None:
             self.load_state(state)
 
@@ -254,27 +188,24 @@ class PopulationLM:
         w = self.modules[name].weight
         return w.T if self.transposed[name] else w
 
-    def load_state(self, state: HFState) -> None:
+    def load_state(self, state: ReplicaState) -> None:
         """Write base + alpha * acc into every target (float64 sum, then the model dtype)."""
-        if state.spec != self.spec:
-            raise HFModelError("the state belongs to another spec")
+        if state.config.digest() != self.cfg.digest():
+            raise HFModelError("the state belongs to another run config")
         torch = self.torch
         with torch.no_grad():
             for name in self.modules:
-                acc = torch.from_numpy(state.acc[name]).double()
-                w = self._base[name].double() + self.spec.alpha * acc
+                acc = torch.from_numpy(state.params[name]).double()
+                w = self._base[name].double() + self.alpha * acc
                 self._weight(name).copy_(w.to(device=self.device, dtype=self.dtype))
         self.state = state
 
     def member_weight(self, name: str, step: int, member: int) -> torch.Tensor:
         """The (out, in) weight member `member` of `step` sees, materialised (for tests)."""
-        a, b = member_factors(self.spec, step, self._target(name), member, 1)
-        delta = self.spec.sigma * (a[0].astype(np.float64) @ b[0].astype(np.float64).T)
+        a, b = hf.member_factors(self.cfg, step, self.targets[name], member, 1)
+        delta = self.scale * (a[0].astype(np.float64) @ b[0].astype(np.float64).T)
         w = self._weight(name).detach().double().cpu() + self.torch.from_numpy(delta)
         return w.to(device=self.device, dtype=self.dtype)
-
-    def _target(self, name: str) -> Any:
-        return next(t for t in self.spec.targets if t.name == name)
 
     # --- the population batch ------------------------------------------------------------
 
@@ -296,10 +227,10 @@ class PopulationLM:
         """Forward passes inside see members [first, first + count) of `step`, member-major."""
         torch = self.torch
         a_all, b_all = {}, {}
-        for t in self.spec.targets:
-            a, b = member_factors(self.spec, step, t, first, count)
-            a_all[t.name] = (torch.from_numpy(a).to(self.device, self.dtype)) * self.spec.sigma
-            b_all[t.name] = torch.from_numpy(b).to(self.device, self.dtype)
+        for name, t in self.targets.items():
+            a, b = hf.member_factors(self.cfg, step, t, first, count)
+            a_all[name] = torch.from_numpy(a).to(self.device, self.dtype) * self.scale
+            b_all[name] = torch.from_numpy(b).to(self.device, self.dtype)
         self._active = _Active(a_all, b_all, count)
         try:
             yield
@@ -314,16 +245,20 @@ class PopulationLM:
             out = self.model(input_ids=batch, use_cache=False).logits
         return out.reshape(count, rows, *out.shape[1:])
 
-    def member_nll(self, step: int, first: int, count: int, tokens: torch.Tensor) -> np.ndarray:
-        """Summed next-token negative log-likelihood (nats, float64) per member over rows
-        tokens (R, T + 1): the perplexity objective's member losses."""
+    def nll(self, members: tuple[int, int] | None, step: int, tokens: torch.Tensor) -> np.ndarray:
+        """Next-token negative log-likelihood (nats, float64) of each member's rows tokens
+        (count, R, T + 1), per position: (count, R, T). Members None: the state's model,
+        count 1."""
         torch = self.torch
-        tokens = tokens.to(self.device)
-        logits = self.logits(step, first, count, tokens[:, :-1]).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        target = tokens[:, 1:].expand(count, *tokens[:, 1:].shape)
-        nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        return nll.double().sum(dim=(1, 2)).cpu().numpy()
+        count, rows = tokens.shape[:2]
+        flat = tokens.reshape(count * rows, -1).to(self.device)  # member-major rows
+        context = self.members(step, *members) if members is not None else _nothing()
+        with torch.no_grad(), context:
+            logits = self.model(input_ids=flat[:, :-1], use_cache=False).logits
+        nll = torch.nn.functional.cross_entropy(
+            logits.float().transpose(1, 2), flat[:, 1:], reduction="none"
+        )
+        return nll.reshape(count, rows, -1).double().cpu().numpy()
 
     # --- completions ---------------------------------------------------------------------
 
@@ -336,16 +271,20 @@ class PopulationLM:
         temperature: float = 0.0,
         seed: int = 0,
         pad_id: int = 0,
+        samples: Sequence[int] | None = None,
+        min_p: float = 0.0,
     ) -> np.ndarray:
         """Tokens (count, P, new_tokens) that members [first, first + count) of `step` write
         after each prompt (members None: the model of the state, count 1).
 
         temperature 0 is greedy; otherwise token t of prompt p is drawn by inverse CDF from
-        the uniform of key(SAMPLE, seed, p, t), the same for every member."""
+        the uniform of key(SAMPLE, seed, samples[p], t), the same for every member, among
+        the tokens at least min_p times as likely as the likeliest."""
         torch = self.torch
         first, count = members if members is not None else (0, 1)
         if not prompts or min(len(p) for p in prompts) == 0:
             raise HFModelError("every prompt needs at least one token")
+        samples = list(range(len(prompts))) if samples is None else list(samples)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -367,7 +306,8 @@ class PopulationLM:
                     **{self._cache_arg: past},
                 )
                 past = getattr(result, self._cache_arg, None)
-                chosen = self._choose(result.logits[:, -1, :], temperature, seed, len(prompts), t)
+                logits = result.logits[:, -1, :]
+                chosen = self._choose(logits, temperature, min_p, seed, samples, t)
                 out[:, :, t] = chosen.reshape(count, len(prompts)).cpu().numpy()
                 ids = chosen.reshape(-1, 1)
                 mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
@@ -375,43 +315,28 @@ class PopulationLM:
         return out
 
     def _choose(
-        self, logits: torch.Tensor, temperature: float, seed: int, prompts: int, t: int
+        self,
+        logits: torch.Tensor,
+        temperature: float,
+        min_p: float,
+        seed: int,
+        samples: Sequence[int],
+        t: int,
     ) -> torch.Tensor:
         torch = self.torch
         if temperature <= 0:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits.double() / temperature, dim=-1)
+        if min_p > 0:
+            floor = min_p * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
         cdf = probs.cumsum(dim=-1)
-        keys = combine_array(hash_key(DOMAIN_SAMPLE, seed), np.arange(prompts, dtype=np.uint64))
-        keys = combine_array(keys, np.full(prompts, t, dtype=np.uint64))
+        keys = combine_array(hash_key(DOMAIN_SAMPLE, seed), np.array(samples, dtype=np.uint64))
+        keys = combine_array(keys, np.full(len(samples), t, dtype=np.uint64))
         u = torch.from_numpy((keys >> np.uint64(11)).astype(np.float64) * 2.0**-53)
-        u = u.to(self.device).repeat(logits.shape[0] // prompts) * cdf[:, -1]
+        u = u.to(self.device).repeat(logits.shape[0] // len(samples)) * cdf[:, -1]
         chosen = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1)
         return chosen.clamp(max=logits.shape[-1] - 1)
-
-    def reward_chunk(
-        self,
-        step: int,
-        first: int,
-        count: int,
-        prompts: Sequence[str],
-        tokenizer: Any,
-        reward: Callable[[str], float],
-        new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-    ) -> ChunkResult:
-        """A chunk's fitness from a reward of its members' completions (`shared.goal`'s
-        ternary rule: the sign of each pair's difference of exactly summed rewards)."""
-        if first % 2 or count % 2:
-            raise HFModelError("a chunk holds whole pairs: even first member and count")
-        encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        tokens = self.complete(step, (first, count), encoded, new_tokens, temperature, seed, pad)
-        rows = tokens.reshape(-1, new_tokens).tolist()
-        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
-        rewards = np.array([reward(t) for t in texts], dtype=np.float64).reshape(count, -1)
-        return ChunkResult(reward_fitness(rewards), reward_units(rewards))
 
     def close(self) -> None:
         """Remove the hooks (the model then runs as the state's plain weights)."""
@@ -425,7 +350,7 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def export_merged(model_dir: str | Path, state: HFState, out_dir: str | Path) -> Path:
+def export_merged(model_dir: str | Path, state: ReplicaState, out_dir: str | Path) -> Path:
     """Write the state's model (base + alpha * acc in every target) to `out_dir` as a
     directory `AutoModelForCausalLM.from_pretrained` loads: safetensors weights in the base
     model's dtype, its config and its tokenizer."""
@@ -435,7 +360,7 @@ def export_merged(model_dir: str | Path, state: HFState, out_dir: str | Path) ->
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
     tokenizer = load_tokenizer(model_dir)
-    lm = PopulationLM(model, state.spec, state)
+    lm = PopulationLM(model, state.config, state)
     lm.close()
     if isinstance(saved, torch.dtype):
         model = model.to(saved)

@@ -38,6 +38,7 @@ from ..protocol import (
 )
 from ..shared.config import RunConfig
 from ..shared.goal import GoalError
+from ..shared.hf_dir import ModelDirError
 from ..shared.replica import ReplicaState
 from . import session as flow
 from .backend import BackendUnavailable, ChunkResult, Validation
@@ -114,7 +115,7 @@ class Executor:
                             ErrorCode.CONFIG_MISMATCH,
                             tell=True,
                         ) from None
-                    except (GoalError, RewardError) as exc:  # e.g. a prompt too long
+                    except (GoalError, RewardError, ModelDirError) as exc:  # a prompt too long
                         raise WorkerFatal(str(exc), ErrorCode.CONFIG_MISMATCH, tell=True) from None
                 case flow.DecodeSnapshot(blob=blob, step=step):
                     state, error = await replica.decode(blob)

@@ -21,6 +21,8 @@ from ..shared.data import Dataset
 from ..shared.goal import (
     Prompt,
     Prompts,
+    TextCodec,
+    data_codec,
     generation_seed,
     held_out,
     load_prompts,
@@ -30,7 +32,6 @@ from ..shared.goal import (
     step_prompts,
 )
 from ..shared.sample import Completions
-from ..shared.vocab import decode
 from .backend import Backend, ChunkResult
 from .reward import RewardRunner
 
@@ -77,9 +78,9 @@ class Reward:
     """Members continue the step's prompts, the run's reward scores the completions."""
 
     def __init__(
-        self, cfg: RunConfig, prompts: Prompts, runner: RewardRunner, pieces: list[bytes]
+        self, cfg: RunConfig, prompts: Prompts, runner: RewardRunner, codec: TextCodec
     ) -> None:
-        self.cfg, self.prompts, self.runner, self.pieces = cfg, prompts, runner, pieces
+        self.cfg, self.prompts, self.runner, self.codec = cfg, prompts, runner, codec
         self.reward_seconds = 0.0  # inside the reward function, for throughput reports
         self.generate_seconds = 0.0
         self.completions = 0
@@ -97,7 +98,7 @@ class Reward:
     def _rewards(self, chosen: list[Prompt], tokens: np.ndarray) -> np.ndarray:
         """Rewards (members, prompts) of completions (members, prompts, N)."""
         members = tokens.shape[0]
-        texts = [decode(row, self.pieces) for member in tokens.tolist() for row in member]
+        texts = [self.codec.decode(row) for member in tokens.tolist() for row in member]
         prompts = [p.text for _ in range(members) for p in chosen]
         keys = sorted({k for p in chosen for k in p.fields})
         fields: dict[str, list[Any]] = {
@@ -137,21 +138,27 @@ class Reward:
         """The unperturbed model's completion of the first held-out prompt (prompt, text)."""
         chosen = held_out(self.cfg, self.prompts)[:1] or self.prompts.train[:1]
         tokens = backend.complete(backend.step, None, self._request(chosen, backend.step))
-        return chosen[0].text, decode(tokens[0, 0].tolist(), self.pieces)
+        return chosen[0].text, self.codec.decode(tokens[0, 0].tolist())
 
     def close(self) -> None:
         self.runner.close()
 
 
 def make_objective(
-    cfg: RunConfig, dataset: Dataset, base: Path, reward_timeout_s: float = 120.0
+    cfg: RunConfig,
+    dataset: Dataset,
+    base: Path,
+    reward_timeout_s: float = 120.0,
+    codec: TextCodec | None = None,
 ) -> Objective:
     """The run's objective; goal files are read under `base` (GoalError if one is missing
     or not the run's: check them with `shared.goal.check_files` first; RewardError if the
-    reward does not import)."""
+    reward does not import). Text is the model's own (`codec`: a Hugging Face tokenizer),
+    else the data's vocabulary."""
     if cfg.fitness.objective != "reward":
         return NextToken()
-    prompts = load_prompts(cfg, base, dataset)
+    codec = codec or data_codec(cfg, dataset)
+    prompts = load_prompts(cfg, base, dataset, codec)
     runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s, cfg.fitness.reward_sha256)
     runner.start()  # a reward file that does not import fails here, not at the first chunk
-    return Reward(cfg, prompts, runner, dataset.decoding)
+    return Reward(cfg, prompts, runner, codec)

@@ -32,6 +32,7 @@ from ..shared.goal import held_out, initial_state
 from ..shared.replica import CheckpointError, ReplicaState, decode_checkpoint, encode_checkpoint
 from ..shared.sample import write_sample
 from .backend import Backend, BackendFactory, ChunkResult, Validation
+from .backend.torch_backend import TorchBackend
 from .objective import NextToken, Objective, Reward, make_objective
 from .reward import RewardError
 
@@ -144,10 +145,15 @@ class Replica:
         """A fresh replica at step 0 of the run, and the run's objective. GoalError when a
         goal file is missing or not the run's."""
         state = await self._call(initial_state, config, self.goal_dir)
-        objective = await self._call(  # off the event loop: heartbeats go on meanwhile
-            make_objective, config, self.dataset, self.goal_dir, self.reward_timeout_s
-        )
         backend = await self._call(self.factory.build, self.dataset, state)
+        objective = await self._call(  # off the event loop: heartbeats go on meanwhile
+            make_objective,
+            config,
+            self.dataset,
+            self.goal_dir,
+            self.reward_timeout_s,
+            backend.codec,
+        )
         self.objective.close()
         self.objective = objective
         self.backend = backend
@@ -234,5 +240,15 @@ class Replica:
         on the backend thread: in order with the chunks, never during an update. Prompt and
         continuation are each cut to what SAMPLE_TEXT carries."""
         backend = self._backend()
-        prompt, text = await self._call(lambda: write_sample(backend.state, self.dataset, request))
+
+        def write() -> tuple[bytes, bytes]:
+            if isinstance(backend, TorchBackend):  # a Hugging Face model's own tokens
+                r = request
+                texts = backend.write_sample(
+                    r.seed, r.prompt_index, r.prompt_tokens, r.new_tokens, r.temperature, r.min_p
+                )
+                return texts[0].encode(), texts[1].encode()
+            return write_sample(backend.state, self.dataset, request)
+
+        prompt, text = await self._call(write)
         return prompt[:MAX_SAMPLE_TEXT_BYTES], text[:MAX_SAMPLE_TEXT_BYTES]

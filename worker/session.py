@@ -272,6 +272,7 @@ class Identity:
     train_tokens: int
     coordinator: str = "the coordinator"  # host:port, for messages
     goal_dir: Path | None = None  # where a reward run's files are (None: no --goal-dir)
+    hf: bool = False  # its backend evaluates Hugging Face models
 
     def __post_init__(self) -> None:
         size = len(self.name.encode("utf-8"))
@@ -301,6 +302,7 @@ class Identity:
             train_tokens=len(data.train),
             coordinator=where,
             goal_dir=goal_dir,
+            hf=factory.hf,
         )
 
 
@@ -562,12 +564,17 @@ class Session:
                 f"WELCOME says {msg.pairs_per_step} pairs per step, the run config has "
                 f"{config.pairs}"
             )
-        if me.vocab_size != config.model.vocab_size:
+        if config.model.arch == "hf" and not me.hf:
+            raise self._refuse(
+                f"the run fine-tunes a Hugging Face model, which the {me.backend} backend "
+                "cannot evaluate: start this worker with --backend torch (or auto)"
+            )
+        if config.model.arch != "hf" and me.vocab_size != config.model.vocab_size:
             raise self._refuse(
                 f"the run's model has a vocabulary of {config.model.vocab_size}, this "
                 f"worker's data has {me.vocab_size}: point --data-dir at the run's data"
             )
-        if me.train_tokens <= config.es.seq_len:
+        if config.model.arch != "hf" and me.train_tokens <= config.es.seq_len:
             raise self._refuse(
                 f"this worker's input.bin has {me.train_tokens} tokens, the run's "
                 f"es.seq_len={config.es.seq_len} needs more: point --data-dir at the run's data"

@@ -41,6 +41,7 @@ from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness import mean_score, member_tokens
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.goal import GoalError, initial_state
+from ..shared.hf_dir import ModelDirError
 from ..shared.logs import (
     SAMPLE,
     STEP,
@@ -52,7 +53,7 @@ from ..shared.logs import (
     os_error_text,
 )
 from ..shared.replica import ReplicaState, save_checkpoint
-from ..shared.sample import TrainingSamples
+from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, TrainingSamples
 from ..shared.save_dir import (
     RUN_FILE,
     HistoryLog,
@@ -75,6 +76,7 @@ from ..shared.tracking import (
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
 from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
+from .backend.torch_backend import TorchBackend
 from .data.build import vocabulary_mismatch
 from .objective import NextToken, Objective, Reward, make_objective
 from .reward import RewardError
@@ -135,6 +137,11 @@ def _sample(
     # A reward run shows what the reward scores: a held-out prompt's completion.
     if isinstance(objective, Reward):
         prompt, text = objective.sample(backend)
+    elif isinstance(backend, TorchBackend):  # a Hugging Face model writes its own tokens
+        s = samples.settings
+        prompt, text = backend.write_sample(
+            state.step, 0, PROMPT_TOKENS, NEW_TOKENS, s.temperature, s.min_p
+        )
     else:
         prompt, text = samples.write(state)
     result.samples.append({"step": state.step, "prompt": prompt, "text": text})
@@ -321,16 +328,51 @@ def main(
     try:
         cfg, base = run_config(preset_name, config_path, init_from)
         dataset = load_data_dir(data_dir)
-        factory = get_backend("numpy", threads=threads)
+        hf = cfg.model.arch == "hf"
+        factory = get_backend("torch" if hf else "numpy", threads=threads, goal_dir=base)
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
-    mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
-    if mismatch is not None:
-        raise click.ClickException(mismatch)
-    short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
-    if short is not None:
-        raise click.ClickException(f"data in {data_dir}: {short}")
-    steps = steps or cfg.steps
+    if not hf:  # a Hugging Face model reads the data's text with its own tokenizer
+        mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
+        if mismatch is not None:
+            raise click.ClickException(mismatch)
+        short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
+        if short is not None:
+            raise click.ClickException(f"data in {data_dir}: {short}")
+    run_training(
+        cfg,
+        base,
+        dataset,
+        factory,
+        steps or cfg.steps,
+        save_dir,
+        summary_json,
+        max_minutes,
+        sample_every,
+        (tensorboard, wandb_project),
+        reward_timeout,
+        preset_name,
+        config_path,
+    )
+
+
+def run_training(
+    cfg: RunConfig,
+    base: Path,
+    dataset: Dataset,
+    factory: BackendFactory,
+    steps: int,
+    save_dir: Path | None,
+    summary_json: Path | None,
+    max_minutes: float | None,
+    sample_every: int,
+    tracking: tuple[Path | None, str | None],
+    reward_timeout: float,
+    preset_name: str | None = None,
+    config_path: str | None = None,
+) -> None:
+    """The run of a command (eggroll-train, eggroll-tune) in this process, up to `steps` in
+    all; every failure is one line (click.ClickException)."""
     layout = None if save_dir is None else Layout(save_dir)
     resume = layout is not None and layout.run_file.exists()
     if layout is not None and not resume and layout.root.exists() and any(layout.root.iterdir()):
@@ -352,11 +394,11 @@ def main(
             summary_json,
             max_seconds,
             sample_every,
-            (tensorboard, wandb_project),
+            tracking,
             base,
             reward_timeout,
         )
-    except (SaveDirError, GoalError, RewardError) as exc:
+    except (SaveDirError, GoalError, RewardError, ModelDirError) as exc:
         raise click.ClickException(str(exc)) from None
     except TrackingError as exc:  # before the run wrote anything
         raise OneLineError(str(exc)) from None
@@ -400,9 +442,9 @@ def _run(
     (`tracking`: --tensorboard, --wandb-project) TrackingError before anything is written,
     a goal that fails GoalError or RewardError."""
     fitness_log = None
+    objective: Objective = NextToken()
     base = base or Path(".")
     state = initial_state(cfg, base)
-    objective = make_objective(cfg, dataset, base, reward_timeout)
     resume = layout is not None and layout.run_file.exists()
     run = new_run(cfg, dataset.digest)  # eggroll-sample checks the data digest
     if layout is not None and resume:
@@ -428,19 +470,28 @@ def _run(
                 fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
         if layout is not None:
             curve(baselines_record(*baselines))  # for eggroll-inspect --plot
+        m = cfg.model
+        model = (
+            {"model": m.path, "targets": len(m.matrices), "rank": m.rank}
+            if m.arch == "hf"
+            else {
+                "preset": preset_name or ("tiny" if not config_path else None),
+                "layers": m.n_layer,
+                "width": m.d_model,
+            }
+        )
         log.info(
             "start",
-            preset=preset_name or ("tiny" if not config_path else None),
+            **model,
             population=cfg.es.population,
             chunks=cfg.chunks,
             seq_len=cfg.es.seq_len,
-            layers=cfg.model.n_layer,
-            width=cfg.model.d_model,
             steps=steps,
             threads=factory.threads,
             config_digest=cfg.digest().hex()[:16],
         )
         backend = factory.build(dataset, state)
+        objective = make_objective(cfg, dataset, base, reward_timeout, backend.codec)
         samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
         result = train(
             cfg,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
+from ...shared.goal import TextCodec
 from ...shared.logs import held_out_fields
 from ...shared.replica import ReplicaState
 from ...shared.sample import Completions
@@ -96,6 +98,9 @@ class Backend(Protocol):
 
     name: str
     device: str
+    # The model's own tokenizer (a Hugging Face model's), which a reward run's prompts and
+    # completions use; None: the data's vocabulary
+    codec: TextCodec | None
 
     @property
     def state(self) -> ReplicaState:
@@ -155,6 +160,22 @@ class BackendFactory:
     device: str
     build: Callable[[Dataset, ReplicaState], Backend]
     threads: int | None = None
+    hf: bool = False  # serves the hf family (Hugging Face models)
+
+
+def _by_family(int8: BackendFactory, hf: Callable[[], BackendFactory]) -> BackendFactory:
+    """`--backend auto`: the int8 models on `int8`, Hugging Face models on the PyTorch
+    backend (made on the first hf run, so hosts without torch never import it)."""
+    made: list[BackendFactory] = []
+
+    def build(dataset: Dataset, state: ReplicaState) -> Backend:
+        if state.config.model.arch != "hf":
+            return int8.build(dataset, state)
+        if not made:
+            made.append(hf())
+        return made[0].build(dataset, state)
+
+    return BackendFactory(int8.name, int8.device, build, int8.threads, hf=True)
 
 
 # name -> "module:function(batch_members, threads)" returning a BackendFactory; imported
@@ -162,6 +183,7 @@ class BackendFactory:
 _REGISTRY = {
     "numpy": "numpy_backend:factory",
     "cupy": "cupy_backend:factory",
+    "torch": "torch_backend:factory",
 }
 
 
@@ -175,19 +197,31 @@ def cuda_usable() -> bool:
         return False
 
 
-def get_backend(kind: str, batch_members: int = 1024, threads: int | None = None) -> BackendFactory:
-    """`auto`, `numpy` or `cupy`; BackendUnavailable when the choice cannot run here.
+def get_backend(
+    kind: str,
+    batch_members: int = 1024,
+    threads: int | None = None,
+    goal_dir: Path | None = None,
+) -> BackendFactory:
+    """`auto`, `numpy`, `cupy` or `torch`; BackendUnavailable when the choice cannot run here.
 
     `threads`: CPU threads of the backend's compute (None: its own default, which shares
-    the usable cores among EGGROLL_WORKERS_PER_HOST workers)."""
+    the usable cores among EGGROLL_WORKERS_PER_HOST workers). `goal_dir`: where an hf run's
+    model directory is (the PyTorch backend's). `auto` is cupy when CuPy sees a GPU, else
+    numpy, and the PyTorch backend for Hugging Face models."""
     if kind == "auto":
-        kind = "cupy" if "cupy" in _REGISTRY and cuda_usable() else "numpy"
-    if kind == "cupy" and "cupy" not in _REGISTRY:
-        raise BackendUnavailable(
-            "the CuPy backend is not available in this version: use --backend numpy"
-        )
+        int8 = get_backend("cupy" if cuda_usable() else "numpy", batch_members, threads)
+        return _by_family(int8, lambda: _load("torch")(min(batch_members, 64), threads, goal_dir))
     if kind not in _REGISTRY:
-        raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy or cupy")
+        raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy, cupy or torch")
+    if kind == "torch":
+        try:
+            return _load("torch")(min(batch_members, 64), threads, goal_dir)
+        except ValueError as exc:  # no torch here: one line naming the extra
+            raise BackendUnavailable(str(exc)) from None
+    return _load(kind)(batch_members, threads)
+
+
+def _load(kind: str) -> Callable[..., BackendFactory]:
     module, function = _REGISTRY[kind].split(":")
-    build = getattr(importlib.import_module(f"{__name__}.{module}"), function)
-    return build(batch_members, threads)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), function)

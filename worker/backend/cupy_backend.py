@@ -173,6 +173,7 @@ class CupyBackend:
     """One replica on one device; see the module docstring for the seams."""
 
     name = "cupy"
+    codec = None  # text is the data's vocabulary
 
     def __init__(
         self,

@@ -92,6 +92,7 @@ class NumpyBackend:
     """Holds one replica (weights) and the data, evaluates chunks, applies steps."""
 
     name = "numpy"
+    codec = None  # text is the data's vocabulary
     device = "cpu"
 
     def __init__(

@@ -1,0 +1,304 @@
+"""The `hf` model family: a Hugging Face causal LM fine-tuned by EGGROLL (torch-free side).
+
+A Hugging Face model's weights are floats, and floats differ between a CPU and a GPU. The
+replica state is therefore not the weights but, for each target matrix, an integer
+accumulator of the exact updates; the base weights are the model directory's, pinned by
+their digests (`shared.hf_dir`). Everything here is NumPy on integers, so every replica
+computes the same bytes from the same fitness log, whatever device evaluates the members;
+the accumulators are the family's `ParamSpec`s (int64), so checkpoints, snapshots, digests
+and replay are `shared.replica`'s, as for the int8 models.
+
+**Targets.** The matrices that learn are chosen among the model's linear layers (nn.Linear,
+and GPT-2's Conv1D) by module-name globs (`model.targets`, fnmatch, case-sensitive, against
+the full dotted name). With no pattern: every linear layer inside a block, i.e. whose name
+has a numeric component (`transformer.h.3.mlp.c_fc`, `model.layers.0.self_attn.q_proj`),
+which leaves out the LM head. The config pins the chosen ones as `model.matrices`, each
+"name out in" in nn.Linear's (out, in) convention (Conv1D's weight is its transpose). A
+target's noise stream (`tensor_id`) is a hash of its name, so its noise does not depend on
+which other targets a run selects.
+
+**Noise.** Pair k at step s perturbs a target with rank-r factors A_k (out, r) and
+B_k (in, r) from `shared.noise.noise_block(run_seed, s, [k], tensor_id, ...)`: indices
+[0, out*r) of the stream are A in C order, [out*r, out*r + in*r) are B in C order. With m2
+the noise's E[v^2], eps_k = A_k B_k^T / (m2 sqrt(r)) has entries of unit variance, and
+member m (pair k = m >> 1) sees, for every target,
+
+    W_m = base + alpha * acc + sign_m * es.sigma * eps_k,   sign_m = +1 (m even), -1 (odd)
+    alpha = update.lr * es.sigma / (pairs * m2 * sqrt(r))
+
+so that one step moves W by lr * sigma * mean_k(F_k eps_k). `alpha` and `sigma` are floats
+that only the evaluation reads.
+
+**Update.** After step s with committed fitness F (int8 in {-1, 0, 1}, one per pair):
+
+    Z   = sum_k F_k A_k B_k^T           exact integers, int64
+    acc = acc + Z
+
+Z is computed as one float64 GEMM (F * A_all) @ B_all^T over the pairs' concatenated
+factors: every product and every partial sum is an integer below 2**53 (the config checks
+pairs * rank * max|v|^2), so float64 arithmetic is exact in any summation order and the
+result equals the pair-by-pair integer sum bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .noise import max_abs, noise_block, second_moment
+from .perturb import ParamSpec
+
+if TYPE_CHECKING:
+    from .config import ModelConfig, RunConfig
+
+__all__ = [
+    "F64_EXACT",
+    "HFError",
+    "Target",
+    "apply_update",
+    "check",
+    "matrices_of",
+    "member_factors",
+    "member_scale",
+    "pair_factors",
+    "select_targets",
+    "specs",
+    "target_id",
+    "targets",
+    "weight_scale",
+    "z_bound",
+    "z_by_pairs",
+    "z_matrix",
+]
+
+F64_EXACT = 1 << 53  # every integer of magnitude up to this is a float64
+_BLOCK = re.compile(r"(^|\.)\d+\.")  # a numeric component: a block of a ModuleList
+PAIR_BLOCK = 1024  # pairs whose factors are held at once while accumulating Z
+
+
+class HFError(ValueError):
+    """Targets that cannot describe a run (patterns matching nothing, a bad rank...); one
+    line."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target matrix: its module name, (out, in) shape and noise stream."""
+
+    name: str
+    shape: tuple[int, int]
+    tensor_id: int
+
+
+def target_id(name: str) -> int:
+    """A target's noise stream: the first 8 bytes of BLAKE2b of its name, as u64."""
+    digest = hashlib.blake2b(b"eggroll-hf-target/1|" + name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def select_targets(
+    candidates: Sequence[tuple[str, tuple[int, int]]],
+    patterns: Sequence[str] = (),
+    rank: int = 1,
+) -> tuple[Target, ...]:
+    """The targets among a model's linear layers (name, (out, in)), in the model's order.
+
+    `patterns`: fnmatch globs on the full module name (empty: every linear layer in a
+    block). HFError when nothing matches, a pattern matches nothing, or `rank` does not fit
+    a target."""
+    if rank < 1:
+        raise HFError(f"rank {rank} must be at least 1")
+    chosen = []
+    for name, shape in candidates:
+        if patterns:
+            hit = any(fnmatchcase(name, p) for p in patterns)
+        else:
+            hit = _BLOCK.search(name) is not None
+        if hit:
+            chosen.append((name, shape))
+    for p in patterns:
+        if not any(fnmatchcase(name, p) for name, _ in candidates):
+            sample = ", ".join(name for name, _ in candidates[:3])
+            raise HFError(
+                f"target pattern {p!r} matches no linear layer of the model (they are named "
+                f"like {sample or 'nothing: the model has none'})"
+            )
+    if not chosen:
+        raise HFError("no linear layer of the model is inside a block: name the targets")
+    out = []
+    for name, (rows, cols) in chosen:
+        if rank > min(rows, cols):
+            raise HFError(
+                f"rank {rank} is above the size of target {name} ({rows} x {cols}): "
+                f"use at most {min(rows, cols)}"
+            )
+        out.append(Target(name, (int(rows), int(cols)), target_id(name)))
+    return tuple(out)
+
+
+def matrices_of(chosen: Sequence[Target]) -> tuple[str, ...]:
+    """The config's pinned `model.matrices`: "name out in" per target."""
+    return tuple(f"{t.name} {t.shape[0]} {t.shape[1]}" for t in chosen)
+
+
+@cache
+def targets(m: ModelConfig) -> tuple[Target, ...]:
+    """The targets a config pins (`model.matrices`), in order."""
+    out = []
+    for entry in m.matrices:
+        name, rows, cols = entry.split(" ")
+        out.append(Target(name, (int(rows), int(cols)), target_id(name)))
+    return tuple(out)
+
+
+# --- the architecture seam (shared/model.py) -------------------------------------------------
+
+
+def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
+    """One int64 accumulator per target, zero at the start."""
+    return tuple(
+        ParamSpec(t.name, t.shape, "matrix", "zero", t.tensor_id, np.int64) for t in targets(m)
+    )
+
+
+def check(m: ModelConfig) -> str | None:
+    """None, or one line naming the first invalid hf setting of `m`."""
+    if not m.path:
+        return "model.arch='hf' needs model.path, the Hugging Face model directory"
+    if not 1 <= m.rank <= 4096:
+        return f"model.rank={m.rank} must be 1..4096"
+    seen = set()
+    for entry in m.matrices:
+        parts = entry.split(" ")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]) or not parts[0]:
+            return f"model.matrices entry {entry!r} must be 'name out in'"
+        rows, cols = int(parts[1]), int(parts[2])
+        if not (1 <= rows <= 1 << 20 and 1 <= cols <= 1 << 20):
+            return f"model.matrices entry {entry!r}: out and in must be 1..2**20"
+        if m.rank > min(rows, cols):
+            return (
+                f"model.rank={m.rank} is above the size of target {parts[0]} ({rows} x {cols}): "
+                f"use at most {min(rows, cols)}"
+            )
+        if parts[0] in seen:
+            return f"model.matrices names {parts[0]} twice"
+        seen.add(parts[0])
+    for entry in m.files:
+        digest, _, name = entry.partition(" ")
+        if len(digest) != 64 or not name or "/" in name or name.startswith("."):
+            return f"model.files entry {entry!r} must be 'sha256 name' (a file of the folder)"
+    return None
+
+
+def _numpy_refused(cfg: RunConfig, params: object) -> None:
+    raise ValueError(
+        "model.arch='hf' is evaluated on PyTorch: run the worker with --backend torch "
+        "(pip install 'eggroll-distributed[hf]')"
+    )
+
+
+MODEL = GENERATOR = _numpy_refused
+
+
+# --- noise, scales and the update -----------------------------------------------------------
+
+
+def z_bound(pairs: int, rank: int, noise: str) -> int:
+    """The largest |Z| entry a step can produce: pairs * rank * max|v|^2."""
+    v = max_abs(noise)
+    return pairs * rank * v * v
+
+
+def member_scale(cfg: RunConfig) -> float:
+    """Weight per unit of a member's A B^T: sigma / (m2 sqrt(r)) (evaluation only)."""
+    return cfg.es.sigma / (float(second_moment(cfg.es.noise)) * math.sqrt(cfg.model.rank))
+
+
+def weight_scale(cfg: RunConfig) -> float:
+    """`alpha`, the weight per accumulator unit (evaluation only)."""
+    return cfg.update.lr * member_scale(cfg) / cfg.pairs
+
+
+def pair_factors(
+    cfg: RunConfig, step: int, target: Target, pairs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """int8 A (P, out, r) and B (P, in, r) of the given pairs for one target (+ member)."""
+    pairs = np.asarray(pairs, dtype=np.int64)
+    rows, cols = target.shape
+    r = cfg.model.rank
+    v = noise_block(
+        cfg.es.run_seed, step, pairs, target.tensor_id, 0, (rows + cols) * r, cfg.es.noise
+    )
+    a = v[:, : rows * r].reshape(len(pairs), rows, r)
+    b = v[:, rows * r :].reshape(len(pairs), cols, r)
+    return a, b
+
+
+def member_factors(
+    cfg: RunConfig, step: int, target: Target, first: int, count: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A (count, out, r) with each member's sign folded in, and B (count, in, r), int8, for
+    members [first, first + count)."""
+    if count < 1 or first < 0 or first + count > cfg.es.population:
+        raise HFError(f"members [{first}, {first + count}) outside the population")
+    members = np.arange(first, first + count, dtype=np.int64)
+    pairs, where = np.unique(members >> 1, return_inverse=True)
+    a, b = pair_factors(cfg, step, target, pairs)
+    sign = np.where(members % 2 == 0, 1, -1).astype(np.int8)
+    return a[where] * sign[:, None, None], b[where]
+
+
+def z_matrix(cfg: RunConfig, step: int, target: Target, fitness: np.ndarray) -> np.ndarray:
+    """Z = sum_k F_k A_k B_k^T (int64, (out, in)) as float64 GEMMs, exact (module docstring)."""
+    fitness = _check_fitness(cfg, fitness)
+    rows, cols = target.shape
+    z = np.zeros((rows, cols), dtype=np.float64)
+    active = np.flatnonzero(fitness)
+    for lo in range(0, len(active), PAIR_BLOCK):
+        pairs = active[lo : lo + PAIR_BLOCK]
+        a, b = pair_factors(cfg, step, target, pairs)
+        fa = a.astype(np.float64) * fitness[pairs].astype(np.float64)[:, None, None]
+        # (out, P*r) @ (P*r, in): the pairs' rank-r factors side by side
+        fa = fa.transpose(1, 0, 2).reshape(rows, -1)
+        bt = b.astype(np.float64).transpose(1, 0, 2).reshape(cols, -1).T
+        z += fa @ bt  # partial sums stay below 2**53: exact in any order
+    return z.astype(np.int64)
+
+
+def z_by_pairs(cfg: RunConfig, step: int, target: Target, fitness: np.ndarray) -> np.ndarray:
+    """The same Z pair by pair in int64 (the reference `z_matrix` must equal)."""
+    fitness = _check_fitness(cfg, fitness)
+    z = np.zeros(target.shape, dtype=np.int64)
+    for k in np.flatnonzero(fitness):
+        a, b = pair_factors(cfg, step, target, np.array([k]))
+        z += int(fitness[k]) * (a[0].astype(np.int64) @ b[0].astype(np.int64).T)
+    return z
+
+
+def _check_fitness(cfg: RunConfig, fitness: np.ndarray) -> np.ndarray:
+    fitness = np.asarray(fitness)
+    if fitness.shape != (cfg.pairs,):
+        raise HFError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
+    if fitness.dtype != np.int8 or np.any(np.abs(fitness) > 1):
+        raise HFError("fitness must be int8 values in {-1, 0, 1}")
+    return fitness
+
+
+def apply_update(
+    cfg: RunConfig, step: int, params: dict[str, np.ndarray], fitness: np.ndarray
+) -> tuple[dict[str, np.ndarray], int]:
+    """The accumulators after step `step`'s committed fitness, and how many entries moved."""
+    new, changed = {}, 0
+    for t in targets(cfg.model):
+        z = z_matrix(cfg, step, t, fitness)
+        new[t.name] = params[t.name] + z
+        changed += int(np.count_nonzero(z))
+    return new, changed

@@ -1,0 +1,254 @@
+"""The PyTorch backend: a Hugging Face causal LM's population (the `hf` family), on a CUDA GPU
+or the CPU.
+
+The replica is `shared.hf`'s integer accumulators, applied exactly with NumPy; the model only
+evaluates members in floating point (worker/hf_model.py: bfloat16 on a GPU, float32 on a
+CPU), which changes which fitness this worker proposes, never the state.
+
+Text is the model's own: the objective's prompts are encoded and its completions decoded
+with the tokenizer saved beside the model (`codec`), and the next-token objective scores the
+data directory's documents re-tokenized with it (their text, each followed by the end-of-text
+token), a pure function of the data and the pinned tokenizer files. Pair k's two members
+score the same window of es.seq_len + 1 tokens (`shared.window.pair_windows`); a member's
+integer loss is its summed negative log-likelihood in 1/16 bit, rounded, so the pair fitness
+is `shared.fitness.pair_fitness` of the int8 models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ...shared.config import RunConfig
+from ...shared.data import Dataset
+from ...shared.fitness import pair_fitness
+from ...shared.goal import TextCodec, model_dir
+from ...shared.replica import ReplicaState
+from ...shared.sample import Completions
+from ...shared.update import apply_update
+from ...shared.window import pair_windows, validation_windows
+from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
+from . import BackendFactory, ChunkResult, HeldOut, Validation
+
+log = structlog.get_logger("eggroll.worker")
+
+LOSS_UNITS = 16 / math.log(2)  # nats -> 1/16 bit, the int8 models' loss unit
+
+
+def retokenize(tokens: np.ndarray, pieces: Sequence[bytes], tokenizer: Any) -> np.ndarray:
+    """A data split's documents (token 0 separates them) as the model's tokens, each followed
+    by its end-of-text token (int64)."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    text = b"".join(pieces[t] for t in tokens.tolist())
+    zero = pieces[0] if len(pieces[0]) else b"\x00"
+    for document in text.split(zero):
+        if document:
+            ids += tokenizer.encode(document.decode("utf-8", "replace"), add_special_tokens=False)
+            if eos is not None:
+                ids.append(eos)
+    return np.array(ids, dtype=np.int64)
+
+
+class TorchBackend:
+    """Holds one hf replica (accumulators), its model on a device, and the data's text."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        state: ReplicaState,
+        path: Path,
+        device: str,
+        dtype: str,
+        batch_members: int = 64,
+    ) -> None:
+        self.dataset, self.path, self.device = dataset, path, device
+        self.batch_members = max(2, batch_members - batch_members % 2)
+        self.tokenizer = load_tokenizer(path)
+        self.lm = PopulationLM(load_causal_lm(path, dtype, device), state.config, state)
+        self.state = state
+        limit = getattr(self.lm.model.config, "max_position_embeddings", None) or 1 << 16
+        tok = self.tokenizer
+        self.codec = TextCodec(
+            lambda text: tok.encode(text, add_special_tokens=False),
+            lambda ids: tok.decode(ids, skip_special_tokens=True),
+            max(1, limit - state.config.fitness.completion_tokens),
+            "the model's max_position_embeddings less fitness.completion_tokens",
+        )
+        self._splits: dict[str, np.ndarray] = {}
+
+    @property
+    def config(self) -> RunConfig:
+        return self.state.config
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def parallel_chunks(self) -> int:
+        return 1
+
+    def load_state(self, state: ReplicaState) -> None:
+        self.lm.load_state(state)
+        self.state = state
+
+    def digest(self) -> int:
+        return self.state.digest()
+
+    def apply_step(self, fitness: np.ndarray) -> int:
+        state, cfg = self.state, self.config
+        updated = apply_update(cfg, state.step, state.params, state.opt, np.asarray(fitness))
+        self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
+        return updated.changed
+
+    # --- the next-token objective ----------------------------------------------------------
+
+    def split(self, name: str) -> np.ndarray:
+        """The train or valid split in the model's tokens (made once, on first use)."""
+        if name not in self._splits:
+            tokens = self.dataset.train if name == "train" else self.dataset.valid
+            ids = retokenize(tokens, self.dataset.decoding, self.tokenizer)
+            if len(ids) <= self.config.es.seq_len + 1:
+                raise HFModelError(
+                    f"the data's {name} split is {len(ids)} tokens of this model, too few for "
+                    f"windows of es.seq_len {self.config.es.seq_len}: prepare more text"
+                )
+            self._splits[name] = ids
+        return self._splits[name]
+
+    def _check_range(self, step: int, first: int, count: int) -> None:
+        if step != self.step:
+            raise ValueError(f"replica is at step {self.step}, chunk is for step {step}")
+        if first % 2 or count % 2 or not 0 <= first < first + count <= self.config.es.population:
+            raise ValueError(f"bad member range [{first}, {first + count})")
+
+    def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
+        """Members [first, first + count): each pair scores its own window of the train split."""
+        self._check_range(step, first_member, count)
+        torch = self.lm.torch
+        train = self.split("train")
+        losses = []
+        for lo in range(first_member, first_member + count, self.batch_members):
+            n = min(self.batch_members, first_member + count - lo)
+            pairs = np.arange(lo // 2, (lo + n) // 2, dtype=np.int64)
+            windows = pair_windows(self.config, train, step, pairs)  # (P, T + 1)
+            rows = torch.from_numpy(np.repeat(windows, 2, axis=0))  # member-major
+            nll = self.lm.nll((lo, n), step, rows[:, None, :])  # (n, 1, T)
+            losses.append(np.rint(nll.sum(axis=(1, 2)) * LOSS_UNITS).astype(np.int64))
+        loss = np.concatenate(losses)
+        return ChunkResult(pair_fitness(loss, self.config.fitness), int(loss.sum()))
+
+    def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
+        return [self.evaluate_chunk(step, first, count) for first, count in chunks]
+
+    def validate(self, rows_per_batch: int = 64) -> Validation:
+        """The unperturbed model's bits per token (and per byte of their text) on the
+        held-out windows of the valid split in the model's tokens."""
+        torch = self.lm.torch
+        windows = validation_windows(self.config, self.split("valid"))
+        nats = []
+        for lo in range(0, len(windows), rows_per_batch):
+            rows = torch.from_numpy(windows[lo : lo + rows_per_batch])
+            nats.append(self.lm.nll(None, self.step, rows[None]).reshape(-1))
+        values = np.concatenate(nats)
+        n = len(values)
+        text = self.tokenizer.decode(windows[:, 1:].reshape(-1).tolist())
+        bits = math.fsum(values) / math.log(2) / n
+        return Validation(HeldOut(n, len(text.encode("utf-8")), bits * 16, bits), None)
+
+    # --- the reward objective ------------------------------------------------------------
+
+    def complete(
+        self, step: int, members: tuple[int, int] | None, request: Completions
+    ) -> np.ndarray:
+        """Tokens (count, P, N) that members write after the request's prompts."""
+        s = request.settings
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        args = (
+            request.prompts,
+            request.new_tokens,
+            s.temperature / 1000,
+            request.seed,
+            pad,
+            request.samples,
+            s.min_p / 1000,
+        )
+        if members is None:
+            return self.lm.complete(step, None, *args)
+        first, count = members
+        parts = []
+        for lo in range(first, first + count, self.batch_members):
+            n = min(self.batch_members, first + count - lo)
+            parts.append(self.lm.complete(step, (lo, n), *args))
+        return np.concatenate(parts)
+
+    def write_sample(
+        self,
+        seed: int,
+        document: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        temperature: int,
+        min_p: int,
+    ) -> tuple[str, str]:
+        """The unperturbed model continues the first `prompt_tokens` tokens of held-out
+        document `document` (modulo their number; temperature and min_p in thousandths, as
+        eggroll-sample gives them; the int8 models' penalties do not apply)."""
+        valid, eos = self.split("valid"), self.tokenizer.eos_token_id
+        starts = np.concatenate([[0], np.flatnonzero(valid == eos) + 1])
+        starts = starts[starts < len(valid)]
+        first = int(starts[document % len(starts)])
+        window = valid[first : first + max(1, min(prompt_tokens, self.codec.context))]
+        cut = np.flatnonzero(window == eos)
+        prompt = window[: cut[0]] if len(cut) and cut[0] > 0 else window
+        out = self.lm.complete(
+            self.step,
+            None,
+            [prompt.tolist()],
+            new_tokens,
+            temperature / 1000,
+            seed,
+            0,
+            [document],
+            min_p / 1000,
+        )
+        return self.codec.decode(prompt.tolist()), self.codec.decode(out[0, 0].tolist())
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def factory(
+    batch_members: int = 64, threads: int | None = None, goal_dir: Path | None = None
+) -> BackendFactory:
+    """The PyTorch backend for hf runs: CUDA when torch sees a GPU (bfloat16), else the CPU
+    (float32, `threads` intra-op threads); the model directory is the run's `model.path`
+    under `goal_dir` (a worker's --goal-dir)."""
+    from ...shared.hf_dir import require_hf
+
+    torch, _ = require_hf()
+    device = _device()
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+
+    def build(dataset: Dataset, state: ReplicaState) -> TorchBackend:
+        path = model_dir(state.config, goal_dir)
+        log.info("loading model", path=str(path), device=device, dtype=dtype)
+        return TorchBackend(dataset, state, path, device, dtype, batch_members)
+
+    return BackendFactory(
+        TorchBackend.name, device, build, threads if device == "cpu" else None, hf=True
+    )

@@ -1,0 +1,301 @@
+"""`eggroll-tune MODEL_DIR`: fine-tune a Hugging Face causal LM with EGGROLL in one process.
+
+The flags make the run config of the `hf` family (shared/hf.py): the model directory, the
+objective (a reward over completions of prompts, or the data's perplexity), the population,
+the noise's rank and scale. The run then goes exactly as eggroll-train's (worker/train.py,
+the same save directory, resume and summary) on the PyTorch backend. `--print-config` writes
+the same run as a TOML config instead, for `eggroll-coordinator --config` and workers started
+with `--backend torch`, whose replicas reach the same digests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..shared.cli import (
+    OneLineError,
+    command,
+    log_format_option,
+    reward_timeout_option,
+    threads_option,
+    tracking_options,
+)
+from ..shared.config import (
+    ConfigError,
+    DataConfig,
+    ESConfig,
+    FitnessConfig,
+    ModelConfig,
+    RunConfig,
+    UpdateConfig,
+    ValidationConfig,
+)
+from ..shared.data import DataError, load_data_dir
+from ..shared.goal import GoalError, pin
+from ..shared.logs import configure_logging
+from ..shared.tracking import TrackingError, check_available
+from .backend import BackendUnavailable, get_backend
+from .train import run_training
+
+PERPLEXITY = "perplexity"
+
+
+def tune_config(
+    model_dir: Path,
+    reward: str,
+    prompts: Path | None,
+    population: int,
+    chunk_size: int | None,
+    rank: int,
+    sigma: float,
+    lr: float,
+    targets: tuple[str, ...],
+    steps: int,
+    seed: int,
+    seq_len: int,
+    prompts_per_step: int,
+    completion_tokens: int,
+    temperature: float,
+    valid_tokens: int,
+    validate_every: int,
+) -> RunConfig:
+    """The run config of the flags (not yet pinned); ConfigError with one line."""
+    perplexity = reward == PERPLEXITY
+    if not perplexity and prompts is None:
+        raise ConfigError("--reward FILE.py:FUNCTION needs --prompts FILE (one prompt a line)")
+    if perplexity and prompts is not None:
+        raise ConfigError("--reward perplexity scores the data (--data-dir): drop --prompts")
+    fitness = (
+        FitnessConfig()
+        if perplexity
+        else FitnessConfig(
+            objective="reward",
+            reward=reward,
+            prompts=str(prompts),
+            prompts_per_step=prompts_per_step,
+            completion_tokens=completion_tokens,
+            temperature=round(temperature * 1000),
+        )
+    )
+    return RunConfig(
+        model=ModelConfig(arch="hf", path=str(model_dir), targets=targets, rank=rank),
+        es=ESConfig(
+            population=population,
+            chunk_size=chunk_size or population,
+            seq_len=seq_len,
+            sigma=sigma,
+            run_seed=seed,
+        ),
+        fitness=fitness,
+        update=UpdateConfig(lr=lr),
+        data=DataConfig(data_seed=seed),
+        validation=ValidationConfig(every_steps=validate_every, max_tokens=valid_tokens),
+        steps=steps,
+    )
+
+
+def config_toml(cfg: RunConfig) -> str:
+    """The settings of an hf run config as TOML (the pinned digests are left out: whoever
+    loads it pins them again from its own files)."""
+    pinned = {("model", "files"), ("model", "matrices")}
+    lines = [f"steps = {cfg.steps}"]
+    for section, values in cfg.to_dict().items():
+        if not isinstance(values, dict):
+            continue
+        default = RunConfig().to_dict()[section]
+        changed = {
+            k: v
+            for k, v in values.items()
+            if (section, k) not in pinned and (v != default.get(k) or k == "arch")
+        }
+        if changed:
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in changed.items()]
+    return "\n".join(lines) + "\n"
+
+
+@command()
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--reward",
+    required=True,
+    help="What to maximise: FILE.py:FUNCTION (score(text) or reward(prompts, completions, "
+    "...)), builtin:letter_e or builtin:brackets with --prompts; or 'perplexity': the "
+    "data's next-token loss, with --data-dir.",
+)
+@click.option(
+    "--prompts",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help='Prompts file (one per line, or JSON lines with a "prompt" key); every 8th is held out.',
+)
+@click.option(
+    "--population", type=click.IntRange(min=2), default=32, show_default=True, help="Members."
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Members per chunk, a worker's unit of work [default: the population].",
+)
+@click.option(
+    "--rank", type=click.IntRange(min=1), default=8, show_default=True, help="Rank of the noise."
+)
+@click.option(
+    "--sigma",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=0.01,
+    show_default=True,
+    help="Standard deviation of a member's perturbation of each target weight.",
+)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=2**-16, max=16),
+    default=1.0,
+    show_default=True,
+    help="Step size: one step moves the weights by lr * sigma * the mean of the pairs' "
+    "fitness-signed noise.",
+)
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    metavar="GLOB",
+    help="Module names of the matrices that learn (repeatable; fnmatch globs such as "
+    "'*.mlp.*') [default: every linear layer of the blocks].",
+)
+@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--save-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the fitness log and snapshots here; the same command run again continues.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("data"),
+    show_default=True,
+    help="Data directory (eggroll-data prepare) whose text the perplexity objective and "
+    "the held-out score read, tokenized with the model's tokenizer.",
+)
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Tokens each pair scores per step (perplexity).",
+)
+@click.option("--prompts-per-step", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--completion-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0, max=100),
+    default=1.0,
+    show_default=True,
+    help="Sampling temperature of the completions (0: greedy).",
+)
+@click.option(
+    "--valid-tokens",
+    type=click.IntRange(min=0),
+    default=4096,
+    show_default=True,
+    help="Held-out tokens scored at each validation.",
+)
+@click.option("--validate-every", type=click.IntRange(min=0), default=25, show_default=True)
+@click.option("--summary-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--max-minutes",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop after the step during which this much wall time has passed.",
+)
+@click.option(
+    "--print-config",
+    is_flag=True,
+    help="Print the run as a TOML config (for eggroll-coordinator --config) and exit.",
+)
+@reward_timeout_option
+@tracking_options
+@log_format_option
+@threads_option
+def main(
+    model_dir: Path,
+    reward: str,
+    prompts: Path | None,
+    population: int,
+    chunk_size: int | None,
+    rank: int,
+    sigma: float,
+    lr: float,
+    targets: tuple[str, ...],
+    steps: int,
+    seed: int,
+    save_dir: Path | None,
+    data_dir: Path,
+    seq_len: int,
+    prompts_per_step: int,
+    completion_tokens: int,
+    temperature: float,
+    valid_tokens: int,
+    validate_every: int,
+    summary_json: Path | None,
+    max_minutes: float | None,
+    print_config: bool,
+    reward_timeout: float,
+    tensorboard: Path | None,
+    wandb_project: str | None,
+    log_format: str,
+    threads: int | None,
+) -> None:
+    """Fine-tune the Hugging Face causal LM in MODEL_DIR with EGGROLL, in one process."""
+    configure_logging(log_format)
+    try:
+        cfg = tune_config(
+            model_dir,
+            reward,
+            prompts,
+            population,
+            chunk_size,
+            rank,
+            sigma,
+            lr,
+            targets,
+            steps,
+            seed,
+            seq_len,
+            prompts_per_step,
+            completion_tokens,
+            temperature,
+            valid_tokens,
+            validate_every,
+        )
+        if print_config:
+            click.echo(config_toml(cfg), nl=False)
+            return
+        check_available(tensorboard is not None, wandb_project is not None)
+        base = Path.cwd()
+        cfg = pin(cfg, base)
+        dataset = load_data_dir(data_dir)
+        factory = get_backend("torch", threads=threads, goal_dir=base)
+    except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
+        raise click.ClickException(str(exc)) from None
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
+    run_training(
+        cfg,
+        base,
+        dataset,
+        factory,
+        cfg.steps,
+        save_dir,
+        summary_json,
+        max_minutes,
+        0,
+        (tensorboard, wandb_project),
+        reward_timeout,
+    )
