@@ -13,8 +13,11 @@ Three variants over the same prompts, rows (population x prompts) and completion
                at the start of the call (timed, and also shown on their own)
 
 Speed: one untimed warm-up of each variant, then `--repeats` rounds that run the three one
-after the other (so a busy machine slows all of them alike); the best round of each counts,
-the median is shown beside it. Ratios are to generate measured in the same run.
+after the other (so a busy machine slows all of them alike). Each variant's best wall time
+gives its member-tokens/s and its ratio to generate, and the median wall time is shown
+beside it. On a CPU the same ratio is also taken from the process's CPU seconds (best of
+the rounds): with `--threads 1` that is the figure other processes on a shared machine
+disturb least. Ratios are to generate measured in the same run.
 
 Peak memory: each variant runs once more in a child process of its own, which loads the
 model, builds what the variant needs, warms up with 2 tokens, then measures one full run:
@@ -26,7 +29,7 @@ extra tensors, and of per-member weight copies, are printed beside them.
 
     python scripts/bench_hf.py MODEL_DIR [--population 64] [--rank 8] [--prompts 4]
         [--tokens 32] [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 3]
-        [--no-memory]
+        [--threads N] [--no-memory]
     python scripts/bench_hf.py --tiny gpt2|llama [--hidden 256] [--layers 4] ...
         (a model built from a config with random weights in a temporary directory)
 """
@@ -206,10 +209,11 @@ def peak_bytes(torch: Any, device: str) -> int:
     return _status("VmHWM")
 
 
-def timed(run: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
+def timed(run: Callable[[], Any]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of `run`."""
+    t0, c0 = time.perf_counter(), time.process_time()
     run()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def memory_child(args: argparse.Namespace) -> None:
@@ -228,7 +232,9 @@ def memory_child(args: argparse.Namespace) -> None:
 
 def measure_memory(args: argparse.Namespace, model_dir: Path, variant: str) -> dict[str, int]:
     command = [sys.executable, os.path.abspath(__file__), str(model_dir)]
-    for name in ("population", "rank", "prompts", "tokens", "device", "dtype"):
+    for name in ("population", "rank", "prompts", "tokens", "device", "dtype", "threads"):
+        if getattr(args, name) is None:
+            continue
         command += [f"--{name}", str(getattr(args, name))]
     command += ["--memory-child", variant]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
@@ -300,9 +306,13 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory children")
     p.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:
+        torch, _ = hm.require_hf()
+        torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args)
         return
@@ -329,24 +339,39 @@ def main() -> None:
         )
         for variant in VARIANTS:  # warm-up
             bench.run(variant, args.tokens)
-        seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for _ in range(args.repeats):
             for variant in VARIANTS:
-                seconds[variant].append(timed(lambda v=variant: bench.run(v, args.tokens)))
-        factors = [timed(bench.factors) for _ in range(args.repeats)]
+                w, c = timed(lambda v=variant: bench.run(v, args.tokens))
+                wall[variant].append(w)
+                cpu[variant].append(c)
+        factors = min(timed(bench.factors)[0] for _ in range(args.repeats))
 
-        print(f"\nspeed: best of {args.repeats} interleaved rounds (median beside it)")
-        print(f"{'':12s} {'s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ generate':>11s}")
-        best = {v: min(s) for v, s in seconds.items()}
+        on_cpu = args.device == "cpu"
+        print(
+            f"\nspeed: best of {args.repeats} interleaved rounds; member-tok/s and / generate "
+            "from the best wall times"
+            + ("; by CPU: the same ratio from this process's CPU seconds" if on_cpu else "")
+        )
+        print(
+            f"{'':12s} {'best s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ generate':>11s}"
+            + (f" {'CPU s':>8s} {'by CPU':>7s}" if on_cpu else "")
+        )
+        best = {v: min(s) for v, s in wall.items()}
+        best_cpu = {v: min(s) for v, s in cpu.items()}
         for variant in VARIANTS:
-            print(
-                f"{variant:12s} {best[variant]:8.3f} {statistics.median(seconds[variant]):9.3f} "
+            line = (
+                f"{variant:12s} {best[variant]:8.3f} {statistics.median(wall[variant]):9.3f} "
                 f"{tokens / best[variant]:13.0f} {best['generate'] / best[variant]:11.2f}"
             )
+            if on_cpu:
+                ratio = best_cpu["generate"] / best_cpu[variant]
+                line += f" {best_cpu[variant]:8.3f} {ratio:7.2f}"
+            print(line)
         print(
             f"population / unperturbed: {best['unperturbed'] / best['population']:.2f}; "
-            f"the population's factors alone: {min(factors):.3f} s of its "
-            f"{best['population']:.3f} s"
+            f"the population's factors alone: {factors:.3f} s of its {best['population']:.3f} s"
         )
 
         if not args.no_memory:

@@ -174,7 +174,7 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
     if cfg.model.arch == "hf":
         m, path = cfg.model, resolve(cfg.model.path, base)
         try:
-            files, matrices = pinned_files(path), pinned_matrices(path, m.targets, m.rank)
+            matrices, files = pinned_matrices(path, m.targets, m.rank), pinned_files(path)
         except ModelDirError as exc:
             raise GoalError(str(exc)) from None
         cfg = cfg.replace(model=replace(m, files=files, matrices=matrices))

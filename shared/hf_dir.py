@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 INSTALL = "pip install 'eggroll-distributed[hf]'"
+# the files one of which a saved tokenizer has
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 MODEL_FILES = (
     "config.json",
@@ -88,8 +90,15 @@ def model_dir_digests(path: Path) -> dict[str, str]:
 
 
 def pinned_files(path: Path) -> tuple[str, ...]:
-    """The config's `model.files`: "sha256 name" per file loading reads, sorted by name."""
-    return tuple(f"{digest} {name}" for name, digest in model_dir_digests(path).items())
+    """The config's `model.files`: "sha256 name" per file loading reads, sorted by name
+    (ModelDirError for a directory without a tokenizer)."""
+    digests = model_dir_digests(path)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelDirError(
+            f"{path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there "
+            "(save it beside the model with tokenizer.save_pretrained)"
+        )
+    return tuple(f"{digest} {name}" for name, digest in digests.items())
 
 
 def check_model_dir(path: Path, files: Sequence[str]) -> None:

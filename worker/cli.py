@@ -106,12 +106,13 @@ async def _serve(client: WorkerClient) -> None:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["auto", "numpy", "cupy"]),
+    type=click.Choice(["auto", "numpy", "cupy", "torch"]),
     default="auto",
     show_default=True,
     envvar="EGGROLL_BACKEND",
     show_envvar=True,
-    help="Compute backend; auto is cupy when CuPy sees a CUDA GPU, else numpy.",
+    help="Compute backend; auto is cupy when CuPy sees a CUDA GPU, else numpy, and torch "
+    "(PyTorch, the hf extra) for a Hugging Face model.",
 )
 @click.option(
     "--name",
@@ -159,7 +160,8 @@ async def _serve(client: WorkerClient) -> None:
     show_default=True,
     envvar="EGGROLL_BATCH_MEMBERS",
     show_envvar=True,
-    help="Members per forward sub-batch: lower it if memory runs short.",
+    help="Members per forward sub-batch: lower it if memory runs short (at most 64 on the "
+    "torch backend).",
 )
 @click.option(
     "--max-retry-s",
@@ -176,8 +178,8 @@ async def _serve(client: WorkerClient) -> None:
     default=None,
     envvar="EGGROLL_GOAL_DIR",
     show_envvar=True,
-    help="Folder of a reward run's files (reward, prompts, --init-from checkpoint), as the "
-    "run config names them relative to its own folder.",
+    help="Folder of a run's goal files (reward, prompts, --init-from checkpoint, a Hugging "
+    "Face model directory), as the run config names them relative to its own folder.",
 )
 @reward_timeout_option
 @threads_option
@@ -224,7 +226,7 @@ def main(
     except (TokenError, OSError, ValueError) as exc:
         raise OneLineError(str(exc)) from None
     try:
-        factory = get_backend(backend, batch_members, threads)
+        factory = get_backend(backend, batch_members, threads, goal_dir)
         dataset = load_data_dir(data_dir)
     except (BackendUnavailable, DataError) as exc:
         error = click.ClickException(str(exc))

@@ -9,6 +9,7 @@ import click
 
 from ..shared.cli import cannot_write, command
 from ..shared.data import BYTE_VOCAB_SIZE, TOKENIZER_FILE, DataError, read_meta
+from ..shared.hf_dir import ModelDirError, check_model_dir
 from ..shared.logs import echo
 from ..shared.replica import ReplicaState
 from .export_format import write_export
@@ -36,6 +37,23 @@ def _tokenizer(data_dir: Path, state: ReplicaState, data_digest: str | None) -> 
     return path
 
 
+def _export_hf(state: ReplicaState, model_dir: Path | None, out: Path, origin: str) -> None:
+    """The merged model (base + the accumulators' updates) of a Hugging Face run, from its
+    base model directory, which must be the run's (its pinned file digests)."""
+    from .hf_model import export_merged  # torch and transformers: the hf extra
+
+    path = model_dir or Path(state.config.model.path)
+    check_model_dir(path, state.config.model.files)
+    try:
+        export_merged(path, state, out)
+    except OSError as exc:
+        raise cannot_write(exc, out) from None
+    click.echo(
+        f"wrote {out}: step {state.step} ({origin}), replica {state.digest_hex()}; a "
+        "Hugging Face model directory (AutoModelForCausalLM.from_pretrained)"
+    )
+
+
 @command()
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option(
@@ -52,8 +70,15 @@ def _tokenizer(data_dir: Path, state: ReplicaState, data_digest: str | None) -> 
     type=click.Path(file_okay=False, path_type=Path),
     help="The run's data directory: its tokenizer.json, for a BPE vocabulary.",
 )
-def main(source: Path, out: Path, step: int | None, data_dir: Path) -> None:
-    """Export the replica in SOURCE (a save directory or a checkpoint file) as safetensors."""
+@click.option(
+    "--model-dir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A Hugging Face run's base model directory [default: the run's model.path].",
+)
+def main(source: Path, out: Path, step: int | None, data_dir: Path, model_dir: Path | None) -> None:
+    """Export the replica in SOURCE (a save directory or a checkpoint file) as safetensors;
+    a Hugging Face run's as the merged model, a directory transformers loads."""
     if out.resolve() == source.resolve():
         raise click.ClickException("--out must be a directory of its own, not the source")
     try:
@@ -64,8 +89,11 @@ def main(source: Path, out: Path, step: int | None, data_dir: Path) -> None:
             on_replay=lambda n: echo(f"replaying {n} steps of the fitness log", err=True),
             warn=lambda text: echo(f"warning: {text}", err=True),
         )
+        if found.state.config.model.arch == "hf":
+            _export_hf(found.state, model_dir, out, found.origin)
+            return
         tokenizer = _tokenizer(data_dir, found.state, found.data_digest)
-    except (SourceError, DataError) as exc:
+    except (SourceError, DataError, ModelDirError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
         files = write_export(out, found.state, found.data_digest, tokenizer)

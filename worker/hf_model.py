@@ -36,6 +36,7 @@ from ..shared import hf
 from ..shared.config import RunConfig
 from ..shared.hf_dir import (
     INSTALL,
+    TOKENIZER_FILES,
     ModelDirError,
     first_line,
     linear_layers,
@@ -58,9 +59,6 @@ __all__ = [
     "load_causal_lm",
     "load_tokenizer",
 ]
-
-# the files one of which a saved tokenizer has
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class HFModelError(ModelDirError):

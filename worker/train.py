@@ -244,6 +244,7 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         "baselines": meta.baselines,
         "baselines_per_byte": meta.baselines_per_byte,
         "train_loss_bits": result.train_loss[-1] if result.train_loss else None,
+        **({"train_losses": result.train_loss} if result.train_loss else {}),
         **(
             {"train_reward": result.train_reward[-1], "train_rewards": result.train_reward}
             if result.train_reward

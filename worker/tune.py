@@ -141,9 +141,7 @@ def config_toml(cfg: RunConfig) -> str:
     default=None,
     help="Members per chunk, a worker's unit of work [default: the population].",
 )
-@click.option(
-    "--rank", type=click.IntRange(min=1), default=8, show_default=True, help="Rank of the noise."
-)
+@click.option("--rank", type=int, default=8, show_default=True, help="Rank of the noise.")
 @click.option(
     "--sigma",
     type=click.FloatRange(min=0, max=1, min_open=True),

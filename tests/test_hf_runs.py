@@ -1,0 +1,209 @@
+"""Hugging Face runs end to end, in real processes on tiny GPT-2 and Llama models built here:
+eggroll-tune moves a reward and a loss, the fitness log replays to the same accumulators,
+a coordinator with two PyTorch workers (killed and restarted midway) reaches eggroll-tune's
+digest, eggroll-export writes a model transformers loads, and bad inputs are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from helpers import command, digest_at, start_coordinator, start_worker  # noqa: E402
+from hf_models import save_model  # noqa: E402
+
+from eggroll_dist.protocol.ternary import unpack_ternary  # noqa: E402
+from eggroll_dist.shared.hf_dir import linear_layers  # noqa: E402
+from eggroll_dist.shared.replica import load_checkpoint  # noqa: E402
+from eggroll_dist.shared.save_dir import SaveDir  # noqa: E402
+from eggroll_dist.worker.hf_model import PopulationLM, load_causal_lm  # noqa: E402
+
+PROMPTS = "the quick\na bird\nevery good\nthe lazy\nfox\nhand\ntwo in\neggs are\nbush\nworth\n"
+# A run that moves letter_e's reward on the tiny GPT-2 within a few dozen steps (one CPU core
+# takes about a second a step).
+REWARD_RUN = (
+    "--reward", "builtin:letter_e", "--prompts", "prompts.txt", "--population", "32",
+    "--rank", "2", "--sigma", "0.05", "--lr", "2", "--completion-tokens", "8",
+    "--prompts-per-step", "4", "--valid-tokens", "256", "--threads", "1",
+)  # fmt: skip
+
+
+def run_cli(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [command(str(args[0])), *map(str, args[1:])],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory: pytest.TempPathFactory, words_data: Path) -> Path:
+    """A folder with a tiny GPT-2 (`model`), prompts, and a 30-step reward run (`run`)."""
+    root = tmp_path_factory.mktemp("hf")
+    save_model(root / "model", "gpt2", initializer_range=0.3)
+    (root / "prompts.txt").write_text(PROMPTS)
+    done = run_cli(
+        "eggroll-tune", "model", *REWARD_RUN, "--steps", "30", "--validate-every", "10",
+        "--data-dir", words_data, "--save-dir", "run", "--summary-json", "summary.json",
+        cwd=root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def test_a_reward_moves_within_a_few_dozen_steps(gpt2_run: Path) -> None:
+    summary = json.loads((gpt2_run / "summary.json").read_text())
+    rewards = summary["train_rewards"]
+    assert len(rewards) == 30
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    assert last > first + 0.05, rewards
+    held = [point["held_out_reward"] for point in summary["curve"]]
+    assert held[-1] > held[0], held  # the unperturbed model, on prompts never trained on
+
+
+def test_the_fitness_log_replays_to_the_same_accumulators(gpt2_run: Path) -> None:
+    run = SaveDir.open(gpt2_run / "run")
+    snapshot = load_checkpoint(run.layout.snapshot(30))
+    replayed = run.state_at(30, unpack_ternary, snapshots=False)
+    assert replayed.digest() == snapshot.digest()
+    assert replayed.params.keys() == snapshot.params.keys()
+    for name, acc in snapshot.params.items():
+        assert acc.dtype == np.int64 and np.array_equal(replayed.params[name], acc)
+    assert any(np.any(acc) for acc in snapshot.params.values())
+    summary = json.loads((gpt2_run / "summary.json").read_text())
+    assert f"{replayed.digest():016x}" == summary["replica_digest"]
+
+
+def test_export_loads_in_transformers_and_generates(gpt2_run: Path) -> None:
+    out = gpt2_run / "merged"
+    done = run_cli("eggroll-export", "run", "--out", out, cwd=gpt2_run)
+    assert done.returncode == 0, done.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    # its weights are the replica's at the last step
+    state = load_checkpoint(SaveDir.open(gpt2_run / "run").layout.snapshot(30))
+    lm = PopulationLM(load_causal_lm(gpt2_run / "model"), state.config, state)
+    layers = {name: m for name, m, _, _ in linear_layers(merged)}
+    for name in lm.modules:
+        w = layers[name].weight
+        w = w.T if lm.transposed[name] else w
+        torch.testing.assert_close(w.float(), lm._weight(name).float(), rtol=0, atol=1e-6)
+    ids = torch.tensor([tokenizer.encode("the quick")])
+    text = merged.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert text.shape == (1, ids.shape[1] + 4)
+
+
+def test_perplexity_falls_on_a_llama(tmp_path: Path, words_data: Path) -> None:
+    save_model(tmp_path / "model", "llama", initializer_range=0.3)
+    done = run_cli(
+        "eggroll-tune", "model", "--reward", "perplexity", "--data-dir", words_data,
+        "--population", "32", "--rank", "2", "--sigma", "0.05", "--lr", "2", "--steps", "30",
+        "--seq-len", "16", "--valid-tokens", "512", "--validate-every", "0", "--threads", "1",
+        "--summary-json", "summary.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = json.loads((tmp_path / "summary.json").read_text())["train_losses"]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.1, losses
+
+
+def test_two_torch_workers_reach_tunes_digest_through_a_coordinator_kill(
+    spawn: Callable[..., Any], gpt2_run: Path, words_data: Path, tmp_path: Path
+) -> None:
+    """The same run as eggroll-tune's, written by --print-config, over a coordinator and two
+    PyTorch workers; the coordinator is killed after step 2 and restarted: the replica digest
+    at the end is eggroll-tune's."""
+    for name in ("model", "prompts.txt"):
+        src = gpt2_run / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    steps, flags = 5, (*REWARD_RUN, "--population", "16", "--chunk-size", "8")
+    printed = run_cli(
+        "eggroll-tune", "model", *flags, "--steps", steps, "--print-config", cwd=tmp_path
+    )
+    assert printed.returncode == 0, printed.stderr
+    (tmp_path / "run.toml").write_text(printed.stdout)
+    alone = run_cli(
+        "eggroll-tune", "model", *flags, "--steps", steps, "--data-dir", words_data,
+        "--save-dir", "alone", cwd=tmp_path,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+
+    save_dir, config = tmp_path / "run", tmp_path / "run.toml"
+    coord, port = start_coordinator(spawn, save_dir, config, "--max-steps", str(steps))
+    goal = ("--backend", "torch", "--goal-dir", str(tmp_path), "--threads", "1")
+    workers = [start_worker(spawn, port, words_data, f"w{i}", *goal) for i in range(2)]
+    coord.wait_for(lambda e: e.get("event") == "step" and e.get("step", 0) >= 2, 240, "step 2")
+    coord.kill()
+    again, _ = start_coordinator(spawn, save_dir, config, "--max-steps", str(steps), port=port)
+    assert again.wait(300) == 0
+    for w in workers:
+        assert w.wait(60) == 0
+    run, tuned = SaveDir.open(save_dir), SaveDir.open(tmp_path / "alone")
+    assert run.config.digest() == tuned.config.digest()
+    assert digest_at(save_dir, steps) == digest_at(tmp_path / "alone", steps)
+
+
+def test_a_worker_with_another_model_copy_is_refused(
+    spawn: Callable[..., Any], gpt2_run: Path, words_data: Path, tmp_path: Path
+) -> None:
+    printed = run_cli("eggroll-tune", "model", *REWARD_RUN, "--print-config", cwd=gpt2_run)
+    (tmp_path / "run.toml").write_text(printed.stdout)
+    for name in ("model", "prompts.txt"):
+        src = gpt2_run / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    coord, port = start_coordinator(spawn, tmp_path / "run", tmp_path / "run.toml")
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path, other, ignore=shutil.ignore_patterns("run", "other"))
+    config = json.loads((other / "model" / "config.json").read_text())
+    (other / "model" / "config.json").write_text(json.dumps({**config, "n_positions": 32}))
+    worker = start_worker(
+        spawn, port, words_data, "w", "--backend", "torch", "--goal-dir", str(other)
+    )
+    assert worker.wait(90) == 2
+    assert "config.json differs from the run's" in worker.lines[-1]
+    coord.wait_for(lambda e: e.get("event") == "worker error", 30, "worker error")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("missing",), "missing is not a directory"),
+        (("empty",), "it has no config.json"),
+        (("bert",), "which is not a causal LM"),
+        (("notok",), "has no tokenizer"),
+        (("model", "--target", "*.q_proj"), "target pattern '*.q_proj' matches no linear layer"),
+        (("model", "--rank", "0"), "model.rank=0 must be 1..4096"),
+        (("model", "--rank", "33"), "rank 33 is above the size of target"),
+    ],
+)
+def test_bad_inputs_say_one_line(
+    gpt2_run: Path, tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    (tmp_path / "empty").mkdir()
+    transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32,
+        )
+    ).save_pretrained(tmp_path / "bert")  # fmt: skip
+    shutil.copytree(gpt2_run / "model", tmp_path / "model")
+    shutil.copytree(gpt2_run / "model", tmp_path / "notok")
+    for f in (tmp_path / "notok").glob("tokenizer*"):
+        f.unlink()
+    shutil.copy(gpt2_run / "prompts.txt", tmp_path)
+    done = run_cli(
+        "eggroll-tune", args[0], *REWARD_RUN, *args[1:], "--steps", "1", cwd=tmp_path, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
