@@ -59,7 +59,7 @@ def toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, datetime.date):
         return value.isoformat()
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{toml_value(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
@@ -79,6 +79,8 @@ def key_values(default: Any) -> st.SearchStrategy[Any]:
         typed = st.integers(-2, 2 * default + 2) | st.sampled_from([2, 4, 16, 64, 256])
     elif isinstance(default, float):
         typed = st.floats(-1, 40) | st.integers(-1, 40).map(float)
+    elif isinstance(default, tuple):  # the hf family's lists of names
+        typed = st.lists(TEXT, max_size=3)
     else:
         typed = st.sampled_from(
             ["egg", "former", "ztest", "uniform", "gaussian", "none", "zero", "zipf", ""]
