@@ -174,6 +174,11 @@ def main(
             warn=lambda text: echo(f"warning: {text}", err=True),
         )
         state, origin = found.state, found.origin
+        if state.config.model.arch == "hf":
+            raise SampleError(
+                f"{source} is a Hugging Face model's run: write it out with `eggroll-export "
+                f"{source} --out DIR` and generate with transformers"
+            )
         vocab = load_vocabulary(data_dir, state.config.model.vocab_size, found.data_digest)
         if prompt is not None:
             prompt_ids = encode(prompt.encode("utf-8", errors="surrogateescape"), vocab.pieces)
