@@ -181,21 +181,39 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
     return cfg
 
 
-def model_dir(cfg: RunConfig, base: Path | None) -> Path:
-    """Where a worker's copy of an hf run's model directory is: `model.path` under its
-    --goal-dir (`base`); GoalError when it has none, or the path leads outside it."""
+def model_dir(cfg: RunConfig, base: Path | None, confined: bool = True) -> Path:
+    """Where an hf run's model directory is: `model.path` under `base` (the config's folder,
+    or a worker's --goal-dir). A worker's is `confined`: GoalError when it has no --goal-dir,
+    or the path is absolute or climbs out of it (`..`; links inside it are followed)."""
     if base is None:
         raise GoalError(
             f"the run fine-tunes the model in {cfg.model.path}: start this worker with "
             "--goal-dir DIR, the folder that holds the run's model directory"
         )
-    path = resolve(cfg.model.path, base)
-    if not path.resolve().is_relative_to(base.resolve()):
+    given = Path(cfg.model.path)
+    if confined and (given.is_absolute() or ".." in given.parts):
         raise GoalError(
-            f"the run's model directory {cfg.model.path} is outside this worker's goal "
-            f"directory {base}: a worker reads goal files only under --goal-dir"
+            f"the run's model directory {cfg.model.path} is not inside this worker's goal "
+            f"directory {base}: a worker reads goal files only under --goal-dir (give the "
+            "run a model path relative to its config's folder)"
         )
-    return path
+    return resolve(cfg.model.path, base)
+
+
+def check_model(cfg: RunConfig, path: Path) -> None:
+    """GoalError unless the model directory at `path` is the run's: every file's sha256,
+    and the target matrices its model has (listed on the meta device, nothing allocated)."""
+    m = cfg.model
+    try:
+        check_model_dir(path, m.files)
+        mine = pinned_matrices(path, m.targets, m.rank)
+    except ModelDirError as exc:
+        raise GoalError(str(exc)) from None
+    if mine != m.matrices:
+        raise GoalError(
+            f"the model in {path} has other target matrices than the run's ({len(mine)} "
+            f"against {len(m.matrices)}; a different transformers release?)"
+        )
 
 
 def check_files(cfg: RunConfig, base: Path | None) -> None:
@@ -208,10 +226,7 @@ def check_files(cfg: RunConfig, base: Path | None) -> None:
     if cfg.model.init_from:
         files.append(("model.init_digest", cfg.model.init_from, "", "model.init_from"))
     if cfg.model.arch == "hf":
-        try:
-            check_model_dir(model_dir(cfg, base), cfg.model.files)
-        except ModelDirError as exc:
-            raise GoalError(str(exc)) from None
+        model_dir(cfg, base)  # where; its files are hashed off the event loop (`check_model`)
     if files and base is None:
         raise GoalError(
             f"the run reads {files[0][3]} {files[0][1]}: start this worker with --goal-dir "

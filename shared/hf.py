@@ -82,6 +82,12 @@ __all__ = [
 F64_EXACT = 1 << 53  # every integer of magnitude up to this is a float64
 _BLOCK = re.compile(r"(^|\.)\d+\.")  # a numeric component: a block of a ModuleList
 PAIR_BLOCK = 1024  # pairs whose factors are held at once while accumulating Z
+# The accumulators of the targets of a 70B-class model fit; a config naming more is not one
+# a coordinator made from a real model, and a worker refuses it before allocating anything.
+MAX_TARGET_WEIGHTS = 1 << 37
+_DIGITS = re.compile("[0-9]{1,7}")
+# Mixture-of-experts layers see only some tokens of a batch, so rows are not member-major.
+_EXPERTS = re.compile(r"(^|\.)experts?\.")
 
 
 class HFError(ValueError):
@@ -133,6 +139,12 @@ def select_targets(
             )
     if not chosen:
         raise HFError("no linear layer of the model is inside a block: name the targets")
+    experts = [name for name, _ in chosen if _EXPERTS.search(name)]
+    if experts:
+        raise HFError(
+            f"target {experts[0]} is a mixture-of-experts layer, which sees only some tokens: "
+            "name targets that leave the experts out (e.g. '*.self_attn.*')"
+        )
     out = []
     for name, (rows, cols) in chosen:
         if rank > min(rows, cols):
@@ -175,14 +187,17 @@ def check(m: ModelConfig) -> str | None:
         return "model.arch='hf' needs model.path, the Hugging Face model directory"
     if not 1 <= m.rank <= 4096:
         return f"model.rank={m.rank} must be 1..4096"
-    seen = set()
+    seen, total = set(), 0
     for entry in m.matrices:
         parts = entry.split(" ")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]) or not parts[0]:
+        if len(parts) != 3 or not parts[0] or not all(_DIGITS.fullmatch(p) for p in parts[1:]):
             return f"model.matrices entry {entry!r} must be 'name out in'"
         rows, cols = int(parts[1]), int(parts[2])
         if not (1 <= rows <= 1 << 20 and 1 <= cols <= 1 << 20):
             return f"model.matrices entry {entry!r}: out and in must be 1..2**20"
+        total += rows * cols
+        if total > MAX_TARGET_WEIGHTS:
+            return f"model.matrices hold more than {MAX_TARGET_WEIGHTS:,} weights in all"
         if m.rank > min(rows, cols):
             return (
                 f"model.rank={m.rank} is above the size of target {parts[0]} ({rows} x {cols}): "

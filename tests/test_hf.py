@@ -151,6 +151,12 @@ def test_bad_fitness_and_configs() -> None:
         (replace(m, path=""), cfg.es, "needs model.path"),
         (replace(m, rank=40), cfg.es, "above the size of target"),
         (replace(m, matrices=("x 3",)), cfg.es, "must be 'name out in'"),
+        (replace(m, matrices=("x 8 ²",)), cfg.es, "must be 'name out in'"),
+        (
+            replace(m, matrices=tuple(f"x{i} 1048576 1048576" for i in range(200))),
+            cfg.es,
+            "more than 137,438,953,472 weights in all",
+        ),
         (replace(m, files=("abc config.json",)), cfg.es, "must be 'sha256 name'"),
         (m, replace(cfg.es, sigma=0.0), "es.sigma=0.0 must be in"),
         (m, replace(cfg.es, adaptive_noise=True), "es.adaptive_noise is not available"),
@@ -220,3 +226,24 @@ def test_model_dir_digests(tmp_path: Path) -> None:
         hd.pinned_files(tmp_path)
     with pytest.raises(hd.ModelDirError, match="no config"):
         hd.model_dir_digests(tmp_path / "..")
+
+
+def test_expert_layers_are_refused() -> None:
+    layers = [("model.layers.0.mlp.experts.3.gate_proj", (32, 16)), ("model.layers.0.q", (8, 8))]
+    with pytest.raises(hs.HFError, match="mixture-of-experts"):
+        hs.select_targets(layers)
+    assert [t.name for t in hs.select_targets(layers, ["*.q"])] == ["model.layers.0.q"]
+
+
+def test_a_workers_model_path_stays_inside_its_goal_dir(tmp_path: Path) -> None:
+    from eggroll_dist.shared.goal import GoalError, model_dir
+
+    cfg = _cfg()
+    assert model_dir(cfg, tmp_path) == tmp_path / "tiny"
+    for path in ("../tiny", "/etc/tiny", "a/../../tiny"):
+        bad = cfg.replace(model=replace(cfg.model, path=path))
+        with pytest.raises(GoalError, match="not inside this worker's goal directory"):
+            model_dir(bad, tmp_path)
+        model_dir(bad, tmp_path, confined=False)  # a local command's own config
+    with pytest.raises(GoalError, match="start this worker with --goal-dir"):
+        model_dir(cfg, None)

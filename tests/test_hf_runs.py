@@ -174,6 +174,40 @@ def test_a_worker_with_another_model_copy_is_refused(
     coord.wait_for(lambda e: e.get("event") == "worker error", 30, "worker error")
 
 
+def test_a_config_whose_matrices_are_not_the_models_is_refused(gpt2_run: Path) -> None:
+    """A worker checks the pinned matrices against its own model before allocating them."""
+    from dataclasses import replace
+
+    from eggroll_dist.shared.goal import GoalError, check_model
+
+    cfg = SaveDir.open(gpt2_run / "run").config
+    check_model(cfg, gpt2_run / "model")
+    huge = replace(
+        cfg.model, matrices=(*cfg.model.matrices[:-1], "transformer.h.1.mlp.c_proj 32 9999")
+    )
+    with pytest.raises(GoalError, match="other target matrices than the run's"):
+        check_model(cfg.replace(model=huge), gpt2_run / "model")
+
+
+def test_backends_and_commands_refuse_the_other_family(
+    spawn: Callable[..., Any], gpt2_run: Path, words_data: Path, tmp_path: Path
+) -> None:
+    from helpers import TINY_RUN
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_RUN)
+    _, port = start_coordinator(spawn, tmp_path / "run", config)
+    worker = start_worker(spawn, port, words_data, "w", "--backend", "torch")
+    assert worker.wait(60) == 2
+    assert "which the torch backend does not evaluate" in worker.lines[-1]
+    printed = run_cli("eggroll-tune", "model", *REWARD_RUN, "--print-config", cwd=gpt2_run)
+    (gpt2_run / "hf.toml").write_text(printed.stdout)
+    local = run_cli("eggroll-local", "--config", "hf.toml", "--data-dir", words_data, cwd=gpt2_run)
+    assert (
+        local.returncode == 1 and "fine-tune a Hugging Face model with eggroll-tune" in local.stderr
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

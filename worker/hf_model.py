@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +89,12 @@ def load_causal_lm(model_dir: str | Path, dtype: str = "float32", device: str = 
         )
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, output_loading_info=True, dtype=getattr(torch, dtype)
+            path,
+            local_files_only=True,
+            output_loading_info=True,
+            dtype=getattr(torch, dtype),
+            use_safetensors=True,  # never unpickle weights
+            trust_remote_code=False,  # never run the directory's code
         )
     except ValueError as exc:
         kind = getattr(config, "model_type", "?")
@@ -114,10 +118,13 @@ def _free_bytes(torch: Any, device: str) -> int | None:
     """Free memory of a device (None: unknown)."""
     if str(device).startswith("cuda"):
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    try:  # MemAvailable counts the page cache a load can reclaim (the files just hashed)
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -172,6 +179,8 @@ class PopulationLM:
         # the key-value cache's argument: `cache` in newer transformers, else past_key_values
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
+        # generation needs the last position's logits only, not (rows, width, vocab)
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
         self._hooks = [
             m.register_forward_hook(self._hook(name)) for name, m in self.modules.items()
         ]
@@ -302,6 +311,7 @@ class PopulationLM:
                     position_ids=position,
                     use_cache=True,
                     **{self._cache_arg: past},
+                    **self._last_only,
                 )
                 past = getattr(result, self._cache_arg, None)
                 logits = result.logits[:, -1, :]

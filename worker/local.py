@@ -356,6 +356,12 @@ def main(
         dataset = load_data_dir(data_dir)
     except (ConfigError, GoalError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
+    if cfg.model.arch == "hf":
+        raise click.ClickException(
+            "eggroll-local trains the int8 models: fine-tune a Hugging Face model with "
+            "eggroll-tune (one process), or eggroll-coordinator and `eggroll-worker --backend "
+            "torch` workers"
+        )
     mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
     if mismatch is not None:  # before anything starts: the workers would each refuse the run
         raise click.ClickException(mismatch)

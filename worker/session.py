@@ -569,6 +569,11 @@ class Session:
                 f"the run fine-tunes a Hugging Face model, which the {me.backend} backend "
                 "cannot evaluate: start this worker with --backend torch (or auto)"
             )
+        if config.model.arch != "hf" and me.backend == "torch":
+            raise self._refuse(
+                f"the run trains an int8 {config.model.arch!r} model, which the torch backend "
+                "does not evaluate: start this worker with --backend auto, numpy or cupy"
+            )
         if config.model.arch != "hf" and me.vocab_size != config.model.vocab_size:
             raise self._refuse(
                 f"the run's model has a vocabulary of {config.model.vocab_size}, this "

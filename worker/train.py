@@ -330,7 +330,9 @@ def main(
         cfg, base = run_config(preset_name, config_path, init_from)
         dataset = load_data_dir(data_dir)
         hf = cfg.model.arch == "hf"
-        factory = get_backend("torch" if hf else "numpy", threads=threads, goal_dir=base)
+        factory = get_backend(
+            "torch" if hf else "numpy", threads=threads, goal_dir=base, confined=False
+        )
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     if not hf:  # a Hugging Face model reads the data's text with its own tokenizer
@@ -443,7 +445,6 @@ def _run(
     (`tracking`: --tensorboard, --wandb-project) TrackingError before anything is written,
     a goal that fails GoalError or RewardError."""
     fitness_log = None
-    objective: Objective = NextToken()
     base = base or Path(".")
     state = initial_state(cfg, base)
     resume = layout is not None and layout.run_file.exists()
@@ -453,14 +454,22 @@ def _run(
     meta = dataset.meta
     baselines = (meta.baselines, meta.baselines_per_byte)
     run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
-    tracker = open_tracker(
-        *tracking,
-        start_step=state.step,
-        run_id=run_id,
-        name=None if layout is None else layout.root.name,
-        config={"run_id": run_id, **cfg.to_dict()},
-        baselines=baselines,
-    )
+    # The model and the goal first: a prompt too long or a reward that does not import
+    # stops the command before it writes anything.
+    backend = factory.build(dataset, state)
+    objective = make_objective(cfg, dataset, base, reward_timeout, backend.codec)
+    try:
+        tracker = open_tracker(
+            *tracking,
+            start_step=state.step,
+            run_id=run_id,
+            name=None if layout is None else layout.root.name,
+            config={"run_id": run_id, **cfg.to_dict()},
+            baselines=baselines,
+        )
+    except BaseException:
+        objective.close()
+        raise
     curve = _Curve(None if layout is None else HistoryLog(layout.history), tracker)
     try:
         if layout is not None and not resume:
@@ -491,8 +500,6 @@ def _run(
             threads=factory.threads,
             config_digest=cfg.digest().hex()[:16],
         )
-        backend = factory.build(dataset, state)
-        objective = make_objective(cfg, dataset, base, reward_timeout, backend.codec)
         samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
         result = train(
             cfg,

@@ -273,13 +273,19 @@ def main(
             validate_every,
         )
         if print_config:
+            if model_dir.is_absolute() or ".." in model_dir.parts:
+                click.echo(
+                    f"note: workers look for {model_dir} under their --goal-dir, so a run for "
+                    "them names MODEL_DIR relative to this folder",
+                    err=True,
+                )
             click.echo(config_toml(cfg), nl=False)
             return
         check_available(tensorboard is not None, wandb_project is not None)
         base = Path.cwd()
         cfg = pin(cfg, base)
         dataset = load_data_dir(data_dir)
-        factory = get_backend("torch", threads=threads, goal_dir=base)
+        factory = get_backend("torch", threads=threads, goal_dir=base, confined=False)
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     except TrackingError as exc:

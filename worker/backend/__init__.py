@@ -202,21 +202,24 @@ def get_backend(
     batch_members: int = 1024,
     threads: int | None = None,
     goal_dir: Path | None = None,
+    confined: bool = True,
 ) -> BackendFactory:
     """`auto`, `numpy`, `cupy` or `torch`; BackendUnavailable when the choice cannot run here.
 
     `threads`: CPU threads of the backend's compute (None: its own default, which shares
     the usable cores among EGGROLL_WORKERS_PER_HOST workers). `goal_dir`: where an hf run's
-    model directory is (the PyTorch backend's). `auto` is cupy when CuPy sees a GPU, else
-    numpy, and the PyTorch backend for Hugging Face models."""
+    model directory is (the PyTorch backend's), `confined` to it for a worker. `auto` is
+    cupy when CuPy sees a GPU, else numpy, and the PyTorch backend for Hugging Face models."""
     if kind == "auto":
         int8 = get_backend("cupy" if cuda_usable() else "numpy", batch_members, threads)
-        return _by_family(int8, lambda: _load("torch")(min(batch_members, 64), threads, goal_dir))
+        return _by_family(
+            int8, lambda: _load("torch")(min(batch_members, 64), threads, goal_dir, confined)
+        )
     if kind not in _REGISTRY:
         raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy, cupy or torch")
     if kind == "torch":
         try:
-            return _load("torch")(min(batch_members, 64), threads, goal_dir)
+            return _load("torch")(min(batch_members, 64), threads, goal_dir, confined)
         except ValueError as exc:  # no torch here: one line naming the extra
             raise BackendUnavailable(str(exc)) from None
     return _load(kind)(batch_members, threads)

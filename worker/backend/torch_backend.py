@@ -27,7 +27,7 @@ import structlog
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.goal import TextCodec, model_dir
+from ...shared.goal import TextCodec, check_model, model_dir
 from ...shared.replica import ReplicaState
 from ...shared.sample import Completions
 from ...shared.update import apply_update
@@ -74,15 +74,34 @@ class TorchBackend:
         self.tokenizer = load_tokenizer(path)
         self.lm = PopulationLM(load_causal_lm(path, dtype, device), state.config, state)
         self.state = state
+        cfg = state.config
         limit = getattr(self.lm.model.config, "max_position_embeddings", None) or 1 << 16
-        tok = self.tokenizer
         self.codec = TextCodec(
-            lambda text: tok.encode(text, add_special_tokens=False),
-            lambda ids: tok.decode(ids, skip_special_tokens=True),
-            max(1, limit - state.config.fitness.completion_tokens),
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            self._decode,
+            max(1, limit - cfg.fitness.completion_tokens),
             "the model's max_position_embeddings less fitness.completion_tokens",
         )
+        if cfg.fitness.objective == "next_token" and cfg.es.seq_len + 1 > limit:
+            raise HFModelError(
+                f"es.seq_len={cfg.es.seq_len} reads {cfg.es.seq_len + 1} positions; the model "
+                f"in {path} has {limit}"
+            )
+        # The data in the model's tokens, made now so that data too short for the run stops
+        # it here with one line, not in the middle of a step.
         self._splits: dict[str, np.ndarray] = {}
+        self.split("valid")
+        if cfg.fitness.objective == "next_token":
+            self.split("train")
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        """A completion's text: up to its first end-of-text token (what follows it is not
+        part of the answer), without special tokens."""
+        eos = self.tokenizer.eos_token_id
+        ids = list(ids)
+        if eos is not None and eos in ids:
+            ids = ids[: ids.index(eos)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def config(self) -> RunConfig:
@@ -231,11 +250,15 @@ def _device() -> str:
 
 
 def factory(
-    batch_members: int = 64, threads: int | None = None, goal_dir: Path | None = None
+    batch_members: int = 64,
+    threads: int | None = None,
+    goal_dir: Path | None = None,
+    confined: bool = True,
 ) -> BackendFactory:
     """The PyTorch backend for hf runs: CUDA when torch sees a GPU (bfloat16), else the CPU
-    (float32, `threads` intra-op threads); the model directory is the run's `model.path`
-    under `goal_dir` (a worker's --goal-dir)."""
+    (float32, `threads` intra-op threads). The model directory is the run's `model.path`
+    under `goal_dir`: a worker's --goal-dir (`confined`, and checked file by file against
+    the run), or the folder of a local command's config (which it has just pinned)."""
     from ...shared.hf_dir import require_hf
 
     torch, _ = require_hf()
@@ -245,7 +268,9 @@ def factory(
     dtype = "bfloat16" if device == "cuda" else "float32"
 
     def build(dataset: Dataset, state: ReplicaState) -> TorchBackend:
-        path = model_dir(state.config, goal_dir)
+        path = model_dir(state.config, goal_dir, confined)
+        if confined:  # hashing a large model takes a while: off the event loop, here
+            check_model(state.config, path)
         log.info("loading model", path=str(path), device=device, dtype=dtype)
         return TorchBackend(dataset, state, path, device, dtype, batch_members)
 
