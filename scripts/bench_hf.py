@@ -49,6 +49,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eggroll_dist.shared import hf
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.hf_dir import pinned_matrices, require_hf
 from eggroll_dist.worker import hf_model as hm
 
 PROMPTS = [
@@ -67,7 +70,7 @@ MiB = 2**20
 
 def tiny_model(family: str, hidden: int, layers: int, where: Path) -> Path:
     """A random model of the family saved with a byte-level tokenizer (nothing downloaded)."""
-    torch, transformers = hm.require_hf()
+    torch, transformers = require_hf()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -115,7 +118,7 @@ class Bench:
     as functions of the number of new tokens."""
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, population: bool) -> None:
-        torch, _ = hm.require_hf()
+        torch, _ = require_hf()
         self.torch, self.args = torch, args
         self.model = hm.load_causal_lm(model_dir, args.dtype, args.device)
         tokenizer = hm.load_tokenizer(model_dir)
@@ -128,10 +131,9 @@ class Bench:
                 w.sum().item()
         gc.collect()
         self.loaded = current_bytes(torch, args.device)
-        self.spec = hm.spec_for(
-            self.model, args.rank, seed=1, pairs=args.population // 2, sigma=1e-4
-        )
-        self.lm = hm.PopulationLM(self.model, self.spec) if population else None
+        self.cfg = run_config(model_dir, args.population, args.rank)
+        self.targets = hf.targets(self.cfg.model)
+        self.lm = hm.PopulationLM(self.model, self.cfg) if population else None
         gc.collect()
         self.setup = current_bytes(torch, args.device) - self.loaded
         ids = torch.full((self.rows, self.width), self.pad, dtype=torch.long)
@@ -167,6 +169,16 @@ class Bench:
         assert self.lm is not None
         with self.lm.members(0, 0, self.args.population):
             sync(self.torch, self.args.device)
+
+
+def run_config(model_dir: Path, population: int, rank: int) -> RunConfig:
+    """An hf run of the directory's model whose targets are its blocks' linear layers (the
+    default), one chunk of the whole population."""
+    model = ModelConfig(
+        arch="hf", path=str(model_dir), rank=rank, matrices=pinned_matrices(model_dir, (), rank)
+    )
+    es = ESConfig(population=population, chunk_size=population, sigma=1e-4, run_seed=1)
+    return RunConfig(model=model, es=es)
 
 
 def sync(torch: Any, device: str) -> None:
@@ -246,16 +258,16 @@ def measure_memory(args: argparse.Namespace, model_dir: Path, variant: str) -> d
 
 def analytic(bench: Bench) -> list[tuple[str, int]]:
     """(what, bytes) of the population's extra tensors and their alternatives."""
-    args, spec, model = bench.args, bench.spec, bench.model
+    args, targets, model = bench.args, bench.targets, bench.model
     size = bench.torch.empty((), dtype=getattr(bench.torch, args.dtype)).element_size()
     members, rank, rows, width = args.population, args.rank, bench.rows, bench.width
-    sides = sum(t.shape[0] + t.shape[1] for t in spec.targets)
-    weights = sum(t.shape[0] * t.shape[1] for t in spec.targets)
-    widest = max(t.shape[0] for t in spec.targets)
+    sides = sum(t.shape[0] + t.shape[1] for t in targets)
+    weights = sum(t.shape[0] * t.shape[1] for t in targets)
+    widest = max(t.shape[0] for t in targets)
     out = [
         (
             f"factors A, B: {members} members x {sides} (out + in, summed over "
-            f"{len(spec.targets)} targets) x r {rank}",
+            f"{len(targets)} targets) x r {rank}",
             members * sides * rank * size,
         ),
         (
@@ -271,17 +283,10 @@ def analytic(bench: Bench) -> list[tuple[str, int]]:
             f"{width} x {widest}",
             2 * rows * width * widest * size,
         ),
-        ("float32 host copy of the targets' base weights (PopulationLM, fixed)", weights * 4),
+        ("fixed: PopulationLM's float32 host copy of the targets' base weights", weights * 4),
+        ("fixed: the replica state's int64 accumulators, one per target weight", weights * 8),
     ]
     config = model.config
-    vocab = model.get_output_embeddings().weight.shape[0]
-    out.append(
-        (
-            f"for scale, prefill logits: complete's loop {rows} x {width} x {vocab} "
-            "(generate keeps only the last position)",
-            rows * width * vocab * size,
-        )
-    )
     try:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -311,7 +316,7 @@ def main() -> None:
     p.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
-        torch, _ = hm.require_hf()
+        torch, _ = require_hf()
         torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args)
@@ -328,10 +333,10 @@ def main() -> None:
         torch = bench.torch
         tokens = bench.rows * args.tokens
         params = sum(w.numel() for w in bench.model.parameters())
-        targets = sum(t.shape[0] * t.shape[1] for t in bench.spec.targets)
+        targets = sum(t.shape[0] * t.shape[1] for t in bench.targets)
         threads = f", {torch.get_num_threads()} threads" if args.device == "cpu" else ""
         print(
-            f"{name}: {params / 1e6:.2f}M parameters, {len(bench.spec.targets)} targets "
+            f"{name}: {params / 1e6:.2f}M parameters, {len(bench.targets)} targets "
             f"({targets / 1e6:.2f}M weights), population {args.population}, rank {args.rank}, "
             f"{args.prompts} prompts (width {bench.width}) x {args.tokens} new tokens = "
             f"{bench.rows} rows, {tokens} member-tokens a run; {args.device} {args.dtype}"
@@ -389,7 +394,10 @@ def main() -> None:
                 print(
                     f"{variant:12s} {m['extra'] / MiB:8.1f} {ratio:11.2f} {m['setup'] / MiB:10.1f}"
                 )
-            print("(setup: what building PopulationLM added to the loaded model, before any run)")
+            print(
+                "(setup: what building PopulationLM and its initial state added to the loaded "
+                "model, before any run)"
+            )
 
         print(f"\nanalytic sizes ({args.dtype})")
         for what, size in analytic(bench):
