@@ -85,6 +85,24 @@ def test_the_fitness_log_replays_to_the_same_accumulators(gpt2_run: Path) -> Non
     assert f"{replayed.digest():016x}" == summary["replica_digest"]
 
 
+def test_the_same_command_with_more_steps_continues(
+    gpt2_run: Path, words_data: Path, tmp_path: Path
+) -> None:
+    for name in ("model", "prompts.txt", "run"):
+        src = gpt2_run / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    more = run_cli(
+        "eggroll-tune", "model", *REWARD_RUN, "--steps", "32", "--validate-every", "10",
+        "--data-dir", words_data, "--save-dir", "run", cwd=tmp_path,
+    )  # fmt: skip
+    assert more.returncode == 0, more.stderr[-3000:]
+    run = SaveDir.open(tmp_path / "run")
+    assert run.steps == 32  # two more steps, after the 30 kept
+    assert digest_at(tmp_path / "run", 30) == digest_at(gpt2_run / "run", 30)
+    snapshot = load_checkpoint(run.layout.snapshot(32))
+    assert snapshot.digest() == digest_at(tmp_path / "run", 32)
+
+
 def test_export_loads_in_transformers_and_generates(gpt2_run: Path) -> None:
     out = gpt2_run / "merged"
     done = run_cli("eggroll-export", "run", "--out", out, cwd=gpt2_run)

@@ -53,7 +53,6 @@ def tune_config(
     sigma: float,
     lr: float,
     targets: tuple[str, ...],
-    steps: int,
     seed: int,
     seq_len: int,
     prompts_per_step: int,
@@ -62,7 +61,9 @@ def tune_config(
     valid_tokens: int,
     validate_every: int,
 ) -> RunConfig:
-    """The run config of the flags (not yet pinned); ConfigError with one line."""
+    """The run config of the flags (not yet pinned); ConfigError with one line. How many
+    steps to train is not part of it (as eggroll-train's --steps): the same command with
+    more steps continues the run in its save directory."""
     perplexity = reward == PERPLEXITY
     if not perplexity and prompts is None:
         raise ConfigError("--reward FILE.py:FUNCTION needs --prompts FILE (one prompt a line)")
@@ -93,15 +94,14 @@ def tune_config(
         update=UpdateConfig(lr=lr),
         data=DataConfig(data_seed=seed),
         validation=ValidationConfig(every_steps=validate_every, max_tokens=valid_tokens),
-        steps=steps,
     )
 
 
-def config_toml(cfg: RunConfig) -> str:
+def config_toml(cfg: RunConfig, steps: int) -> str:
     """The settings of an hf run config as TOML (the pinned digests are left out: whoever
     loads it pins them again from its own files)."""
     pinned = {("model", "files"), ("model", "matrices")}
-    lines = [f"steps = {cfg.steps}"]
+    lines = [f"# eggroll-coordinator --config FILE --max-steps {steps}"]
     for section, values in cfg.to_dict().items():
         if not isinstance(values, dict):
             continue
@@ -165,7 +165,13 @@ def config_toml(cfg: RunConfig) -> str:
     help="Module names of the matrices that learn (repeatable; fnmatch globs such as "
     "'*.mlp.*') [default: every linear layer of the blocks].",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="Steps in all: the same command with more continues a run in --save-dir.",
+)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--save-dir",
@@ -263,7 +269,6 @@ def main(
             sigma,
             lr,
             targets,
-            steps,
             seed,
             seq_len,
             prompts_per_step,
@@ -279,7 +284,7 @@ def main(
                     "them names MODEL_DIR relative to this folder",
                     err=True,
                 )
-            click.echo(config_toml(cfg), nl=False)
+            click.echo(config_toml(cfg, steps), nl=False)
             return
         check_available(tensorboard is not None, wandb_project is not None)
         base = Path.cwd()
@@ -295,7 +300,7 @@ def main(
         base,
         dataset,
         factory,
-        cfg.steps,
+        steps,
         save_dir,
         summary_json,
         max_minutes,
