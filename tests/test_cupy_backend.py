@@ -199,3 +199,16 @@ def test_reward_generation_gives_the_numpy_backends_tokens(variant: str) -> None
     assert got.shape == (8, 3, 8)
     assert np.array_equal(got, ref.complete(1, (4, 8), request))
     assert np.array_equal(gpu.complete(1, None, request), ref.complete(1, None, request))
+
+
+def test_compute_capability_majors_of_two_digits() -> None:
+    from eggroll_dist.worker.backend.cupy_backend import compute_major
+
+    assert [compute_major(c) for c in ("75", "80", "86", "90", "100", "120")] == [
+        7,
+        8,
+        8,
+        9,
+        10,
+        12,
+    ]

@@ -531,6 +531,12 @@ def cupy_module(code: str, names: tuple[str, ...]) -> Any:
     return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=names)
 
 
+def compute_major(capability: str) -> int:
+    """The major version of CuPy's compute capability string, major * 10 + minor: "86" is
+    8, "100" (Blackwell) is 10, not the "1" of its first character."""
+    return int(capability) // 10
+
+
 def describe_device() -> str:
     """'cuda:N NAME (sm_XY)' of the current CUDA device."""
     import cupy
@@ -554,7 +560,7 @@ def factory(batch_members: int = 32768, threads: int | None = None) -> BackendFa
     import cupy
 
     device = describe_device()
-    major = cupy.cuda.Device().compute_capability[0]
+    major = compute_major(cupy.cuda.Device().compute_capability)
 
     def build(dataset: Dataset, state: ReplicaState) -> CupyBackend:
         return CupyBackend(
@@ -564,7 +570,7 @@ def factory(batch_members: int = 32768, threads: int | None = None) -> BackendFa
             module_factory=cupy_module,
             device=device,
             stream=cupy.cuda.Stream(non_blocking=True),
-            tensor_cores=int(major) >= 8,  # int8 mma.sync m16n8k32 needs sm_80
+            tensor_cores=major >= 8,  # int8 mma.sync m16n8k32 needs sm_80
             batch_members=max(batch_members, 2),
         )
 
