@@ -41,6 +41,12 @@ CONFIGS = {
         es=ESConfig(population=16, chunk_size=8, seq_len=4),
         update=UpdateConfig(alpha=4.0, alpha_decay_steps=1),
     ),
+    # the momentum rule's M resident on the device beside the weights (the tiny preset's rule)
+    "momentum": RunConfig(
+        model=ModelConfig(n_layer=1, d_model=32, vocab_size=64, init_seed=5),
+        es=ESConfig(population=16, chunk_size=8, seq_len=4, run_seed=3),
+        update=UpdateConfig(rule="momentum", momentum_shift=1, alpha=4.0, alpha_decay_steps=1),
+    ),
     # 2 layers, width 36 (a partial K stage), gaussian noise, both fitness filters
     "gaussian": RunConfig(
         model=ModelConfig(n_layer=2, d_model=36, vocab_size=40, init_seed=3),
@@ -212,3 +218,23 @@ def test_compute_capability_majors_of_two_digits() -> None:
         10,
         12,
     ]
+
+
+def test_momentum_steps_never_run_the_host_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The momentum rule's update is the device's: the host reference is never called."""
+    from eggroll_dist.worker.backend import cupy_backend as module
+
+    cfg = CONFIGS["momentum"]
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+
+    def host_update(*args: object) -> None:
+        raise AssertionError("the host computed a momentum update")
+
+    monkeypatch.setattr(module, "apply_update", host_update)
+    for step in range(2):
+        fitness = np.concatenate([ref.evaluate_chunk(step, c * 8, 8).fitness for c in range(2)])
+        assert gpu.apply_step(fitness) == ref.apply_step(fitness)
+        assert gpu.digest() == ref.digest()
+    assert any(v.any() for v in gpu.state.opt.values())

@@ -28,7 +28,7 @@ from kernel_target import (
     to_host,
 )
 
-from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig
 from eggroll_dist.shared.egg import EggModel
 from eggroll_dist.shared.loss import exp2_table, log2_thresholds, token_loss
 from eggroll_dist.shared.model import init_params, param_specs
@@ -180,6 +180,34 @@ def test_ztest_apply_with_changed_count(k: Kernels) -> None:
     )
     assert np.array_equal(to_host(got), want.astype(np.int8))
     assert int(to_host(changed)[0]) == np.count_nonzero(want != w)
+
+
+def test_momentum_apply_is_the_rule(k: Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """momentum_apply against shared/rules/momentum.py's `update` itself, at M's limits."""
+    from eggroll_dist.shared.rules import momentum
+
+    rng = np.random.default_rng(12)
+    n, shift, threshold = 10_000 + 17, 2, 91
+    z = rng.integers(-400, 401, size=n).astype(np.int32)
+    m = rng.integers(-300, 301, size=n).astype(np.int32)
+    m[:20], m[20:40] = (1 << 31) - 1, -((1 << 31) - 1)  # clipped after + z
+    z[:20], z[20:40] = 1 << 20, -(1 << 20)
+    w = rng.integers(-127, 128, size=n).astype(np.int8)
+    w[40:90], w[90:140] = 127, -127
+    monkeypatch.setattr(momentum, "move_threshold", lambda *args: threshold)
+    cfg = RunConfig(update=UpdateConfig(rule="momentum", momentum_shift=shift))
+    new, state = momentum.update(cfg, 0, (), {"x": w}, {"momentum.x": m}, {"x": z})
+    got_w, got_m, changed = dev(w), dev(m), xp.zeros(1, dtype=xp.uint64)
+    k(
+        "momentum_apply",
+        (cdiv(n, 256),),
+        (256,),
+        *(dev(z), dev(np.array([threshold], np.int64)), i32(shift), i32(n), got_m, got_w),
+        changed,
+    )
+    assert np.array_equal(to_host(got_w), new["x"])
+    assert np.array_equal(to_host(got_m), state["momentum.x"])
+    assert int(to_host(changed)[0]) == np.count_nonzero(new["x"] != w) > 0
 
 
 # ------------------------------------------------------------------------ forward pass

@@ -1,4 +1,5 @@
-"""The CuPy backend: the EGG forward pass and the ztest update as int8 RawKernels (`egg.cu`).
+"""The CuPy backend: the EGG forward pass and the ztest and momentum updates as int8
+RawKernels (`egg.cu`).
 
 Same bytes as the NumPy reference, by construction kernel by kernel (see egg.cu). The class
 is written against two seams so that the test suite runs this very code without a GPU:
@@ -13,8 +14,9 @@ the z-test threshold, each chunk's fitness from its members' losses); the device
 every pair's noise, runs the forward pass (about 11 launches per layer and token) and the
 update. The update's launch sequence reads every per-step value from device memory, so it
 is captured once as a CUDA graph and replayed every step. The weights live in one flat
-device buffer followed by the update's changed-weights counter: one copy back per step
-gives the replica digest and the count.
+device buffer followed by the update's changed-weights counter, and the momentum rule's M
+in a second one: their copies back each step give the replica digest and the count. AdamW
+still runs the NumPy reference on the host copy.
 
 Validation (both held-out metrics of the unperturbed model with float bits, every few
 steps) runs the NumPy reference on the host copy of the weights.
@@ -37,6 +39,7 @@ from ...shared.loss import exp2_table, log2_thresholds
 from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.replica import ReplicaState
+from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
 from ...shared.sample import Completions
 from ...shared.update import apply_update
@@ -89,6 +92,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "zgemm_dp4a": _ZGEMM,
     "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
     "ztest_apply": (I32, I64, "int32", I8, U64),
+    "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64),
 }
 TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc")
 # Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
@@ -231,6 +235,15 @@ class CupyBackend:
             for name, (o, shape) in self._layout.items()
         }
         self._changed = self._flat[offset : offset + 8].view(xp.uint64)
+        # The momentum rule's int32 M per weight, resident beside the weights (int32 offsets
+        # are the weights' element offsets, so one layout serves both).
+        self._momentum = cfg.update.rule == "momentum"
+        self._m_flat = xp.zeros(offset if self._momentum else 0, dtype=xp.int32)
+        self.m = {
+            name: self._m_flat[o : o + int(np.prod(shape))].reshape(shape)
+            for name, (o, shape) in self._layout.items()
+            if self._momentum
+        }
         self._step_key = xp.zeros(1, dtype=xp.uint64)
         self._threshold = xp.zeros(1, dtype=xp.int64)
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
@@ -267,6 +280,11 @@ class CupyBackend:
             host[o : o + int(np.prod(shape))] = np.asarray(state.params[name]).reshape(-1)
         with self._scope():
             self._flat[...] = self.xp.asarray(host)
+            if self._momentum:
+                m = np.zeros(self._changed_at, dtype=np.int32)
+                for name, (o, shape) in self._layout.items():
+                    m[o : o + int(np.prod(shape))] = state.opt[f"momentum.{name}"].reshape(-1)
+                self._m_flat[...] = self.xp.asarray(m)
         self._state = state
 
     def _put_step_key(self, step: int) -> None:
@@ -434,7 +452,8 @@ class CupyBackend:
         buf["z"] = xp.empty(max(int(np.prod(s.shape)) for s in self._specs), dtype=xp.int32)
 
     def _update_sequence(self) -> None:
-        """Z for every tensor, then the z-test apply: launches only, no per-step scalars."""
+        """Z for every tensor, then the rule's apply (z-test or momentum): launches only, no
+        per-step scalars."""
         k, cfg = self.kernels, self.config
         kind = np.int32(NOISE_KINDS.index(cfg.es.noise))
         pairs, ppad = cfg.pairs, _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
@@ -473,13 +492,22 @@ class CupyBackend:
                     *(self._step_key, tid, np.int32(size), kind, self._fitness),
                     *(np.int32(pairs), z),
                 )
-            k(
-                "ztest_apply",
-                (_cdiv(size, BLOCK),),
-                (BLOCK,),
-                *(z, self._threshold, np.int32(size), self.w[spec.name].reshape(-1)),
-                self._changed,
-            )
+            w = self.w[spec.name].reshape(-1)
+            if self._momentum:
+                k(
+                    "momentum_apply",
+                    (_cdiv(size, BLOCK),),
+                    (BLOCK,),
+                    *(z, self._threshold, np.int32(cfg.update.momentum_shift), np.int32(size)),
+                    *(self.m[spec.name].reshape(-1), w, self._changed),
+                )
+            else:
+                k(
+                    "ztest_apply",
+                    (_cdiv(size, BLOCK),),
+                    (BLOCK,),
+                    *(z, self._threshold, np.int32(size), w, self._changed),
+                )
 
     def apply_step(self, fitness: np.ndarray) -> int:
         """Apply the committed fitness of step `self.step` (all pairs); returns weights changed."""
@@ -487,14 +515,16 @@ class CupyBackend:
         fitness = np.asarray(fitness)
         if fitness.shape != (cfg.pairs,):
             raise ValueError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
-        if cfg.update.rule != "ztest":
-            # A rule with optimizer state runs the NumPy reference on the host copy (exact,
-            # not yet fast): the device holds the weights only.
+        if cfg.update.rule not in ("ztest", "momentum"):
+            # AdamW runs the NumPy reference on the host copy (exact, not yet fast): the
+            # device holds the weights only.
             state = self._state
             updated = apply_update(cfg, state.step, state.params, state.opt, fitness)
             self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
             return updated.changed
-        threshold = move_threshold(cfg.pairs, alpha_at(cfg.update, self.step), cfg.es.noise)
+        gain = momentum_gain(cfg.update.momentum_shift) if self._momentum else 1
+        alpha = alpha_at(cfg.update, self.step)
+        threshold = move_threshold(cfg.pairs, alpha, cfg.es.noise, gain)
         with self._scope():
             self._put_step_key(self.step)
             self._threshold[...] = xp.asarray(np.array([threshold], dtype=np.int64))
@@ -504,13 +534,20 @@ class CupyBackend:
                 self._alloc_update_buffers()  # never inside a capture
                 self._update_graph = self.kernels.capture(self._update_sequence)
             self._update_graph()
-            host = _host(xp, self._flat)  # the one copy back of the step
+            host = _host(xp, self._flat)  # the weights' copy back of the step
+            m = _host(xp, self._m_flat) if self._momentum else None  # and the rule's state
         params = {
             name: host[o : o + int(np.prod(shape))].reshape(shape).copy()
             for name, (o, shape) in self._layout.items()
         }
         changed = int(host[self._changed_at : self._changed_at + 8].view(np.uint64)[0])
-        self._state = ReplicaState(cfg, self.step + 1, params)
+        opt = {}
+        if m is not None:
+            opt = {
+                f"momentum.{name}": m[o : o + int(np.prod(shape))].reshape(shape).copy()
+                for name, (o, shape) in self._layout.items()
+            }
+        self._state = ReplicaState(cfg, self.step + 1, params, opt)
         return changed
 
     def validate(self) -> Validation:

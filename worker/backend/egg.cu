@@ -448,3 +448,35 @@ extern "C" __global__ void ztest_apply(const int* z, const long long* threshold,
   if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
   if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
 }
+
+// ---------------------------------------------------------------- the momentum apply
+
+// shared/rules/momentum.py per weight, in place: M = clip(M - sign(M) (|M| >> shift) + z,
+// +-(2**31 - 1)); where |M| >= *threshold, w = clip(w + sign(M)) and M -= sign(M) *
+// *threshold; *changed += weights that changed. Launch: grid (ceil(n / 256)), block (256).
+extern "C" __global__ void momentum_apply(const int* z, const long long* threshold, int shift,
+                                          int n, int* m, i8* w, u64* changed) {
+  __shared__ u32 block_changed;
+  if (threadIdx.x == 0) block_changed = 0;
+  __syncthreads();
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int moved = 0;
+  if (i < n) {
+    long long mi = m[i];
+    long long mag = mi < 0 ? -mi : mi;
+    long long decay = mi < 0 ? -(mag >> shift) : (mag >> shift);
+    long long v = mi - decay + z[i];
+    const long long limit = 2147483647LL;
+    v = v > limit ? limit : (v < -limit ? -limit : v);
+    long long t = *threshold;
+    int dir = (v >= t || -v >= t) ? (v > 0) - (v < 0) : 0;
+    int old = w[i];
+    int nw = CLIP8(old + dir);
+    w[i] = (i8)nw;
+    m[i] = (int)(v - dir * t);
+    moved = nw != old;
+  }
+  u32 ballot = __ballot_sync(0xffffffffu, moved);  // every lane gets here: no early exit
+  if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
+  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
+}
