@@ -47,6 +47,13 @@ CONFIGS = {
         es=ESConfig(population=16, chunk_size=8, seq_len=4, run_seed=3),
         update=UpdateConfig(rule="momentum", momentum_shift=1, alpha=4.0, alpha_decay_steps=1),
     ),
+    # fixed-point AdamW's moments and accumulator resident on the device, weight decay on
+    # the matrices only, the learning rate halved every step
+    "adamw": RunConfig(
+        model=ModelConfig(n_layer=1, d_model=32, vocab_size=64, init_seed=6),
+        es=ESConfig(population=16, chunk_size=8, seq_len=4, run_seed=4),
+        update=UpdateConfig(rule="adamw", lr=4.0, lr_halve_steps=1, weight_decay=0.1),
+    ),
     # 2 layers, width 36 (a partial K stage), gaussian noise, both fitness filters
     "gaussian": RunConfig(
         model=ModelConfig(n_layer=2, d_model=36, vocab_size=40, init_seed=3),
@@ -165,8 +172,8 @@ def test_the_former_is_refused_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
-def test_adamw_runs_through_the_host_reference() -> None:
-    """A rule with optimizer state: the device evaluates, the host applies (same bytes)."""
+def test_adamw_from_the_uniform_config() -> None:
+    """AdamW's moments and accumulator on the device, from another config (same bytes)."""
     cfg = CONFIGS["uniform"].replace(update=UpdateConfig(rule="adamw", lr=4.0))
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
@@ -220,21 +227,33 @@ def test_compute_capability_majors_of_two_digits() -> None:
     ]
 
 
-def test_momentum_steps_never_run_the_host_update(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The momentum rule's update is the device's: the host reference is never called."""
-    from eggroll_dist.worker.backend import cupy_backend as module
+@pytest.mark.parametrize("rule", ["momentum", "adamw"])
+def test_rules_with_state_never_run_the_host_update(
+    rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Z and the update of every rule are the device's: with the host's update machinery
+    made to raise, the backend still reaches the reference's digest each step."""
+    from eggroll_dist.shared import update as host_update
+    from eggroll_dist.shared.rules import RULES
 
     cfg = CONFIGS["momentum"]
+    if rule == "adamw":
+        cfg = cfg.replace(update=UpdateConfig(rule="adamw", lr=4.0, lr_halve_steps=1))
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    steps = []
+    for step in range(3):
+        fitness = np.concatenate([ref.evaluate_chunk(step, c * 8, 8).fitness for c in range(2)])
+        steps.append((fitness, ref.apply_step(fitness), ref.digest()))
     gpu = cupy_backend(cfg, data, VARIANTS[0], True)
 
-    def host_update(*args: object) -> None:
-        raise AssertionError("the host computed a momentum update")
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the host computed an update")
 
-    monkeypatch.setattr(module, "apply_update", host_update)
-    for step in range(2):
-        fitness = np.concatenate([ref.evaluate_chunk(step, c * 8, 8).fitness for c in range(2)])
-        assert gpu.apply_step(fitness) == ref.apply_step(fitness)
-        assert gpu.digest() == ref.digest()
+    for name in ("apply_update", "accumulate_z", "update_from_z"):
+        monkeypatch.setattr(host_update, name, refuse)
+    monkeypatch.setattr(RULES[rule], "update", refuse)
+    for fitness, changed, digest in steps:
+        assert gpu.apply_step(fitness) == changed
+        assert gpu.digest() == digest
     assert any(v.any() for v in gpu.state.opt.values())

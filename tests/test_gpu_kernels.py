@@ -210,6 +210,53 @@ def test_momentum_apply_is_the_rule(k: Kernels, monkeypatch: pytest.MonkeyPatch)
     assert int(to_host(changed)[0]) == np.count_nonzero(new["x"] != w) > 0
 
 
+@pytest.mark.parametrize("decay", [1, 0], ids=["matrix", "vector"])
+def test_adamw_apply_is_the_rule(k: Kernels, decay: int) -> None:
+    """adamw_apply against shared/rules/adamw.py's `update` itself: moments near their
+    bounds, accumulators at +-ONE and at their limit, weights at +-127."""
+    from eggroll_dist.shared.perturb import ParamSpec
+    from eggroll_dist.shared.rules import adamw
+    from eggroll_dist.shared.rules.fixedpoint import fixed16
+
+    rng = np.random.default_rng(13)
+    n, step = 10_000 + 17, 1
+    cfg = RunConfig(
+        es=ESConfig(population=512, chunk_size=512),
+        update=UpdateConfig(rule="adamw", lr=2.0, weight_decay=0.05, beta1=0.8, beta2=0.9),
+    )
+    gs = adamw.grad_shift(cfg)
+    bound = cfg.pairs * 15 * 15  # |Z| of 256 pairs of uniform noise
+    z = rng.integers(-bound, bound + 1, size=n).astype(np.int32)
+    z[500:520], z[520:540] = bound, -bound
+    m = rng.integers(-(1 << 19), (1 << 19) + 1, size=n).astype(np.int32)
+    v = rng.integers(0, 1 << 39, size=n).astype(np.int64)
+    v[:100] = 0  # the +1 under the division alone
+    acc = rng.integers(-(1 << 17), (1 << 17) + 1, size=n).astype(np.int32)
+    acc[100:200], acc[200:300] = (1 << 31) - 1, -((1 << 31) - 1)
+    w = rng.integers(-127, 128, size=n).astype(np.int8)
+    w[300:400], w[400:500] = 127, -127
+    kind = "matrix" if decay else "vector"
+    spec = ParamSpec("x", (n,), kind, "zero", 0)
+    state = {"adamw.m.x": m, "adamw.v.x": v, "adamw.acc.x": acc}
+    new, want = adamw.update(cfg, step, (spec,), {"x": w}, state, {"x": z.astype(np.int64)})
+    up = cfg.update
+    scalars = np.array([adamw.lr_at(up, step), adamw.bias_correction(up, step)], np.int64)
+    got = [dev(m), dev(v), dev(acc), dev(w)]
+    changed = xp.zeros(1, dtype=xp.uint64)
+    betas = (np.int64(fixed16(up.beta1)), np.int64(fixed16(up.beta2)))
+    k(
+        "adamw_apply",
+        (cdiv(n, 256),),
+        (256,),
+        *(dev(z), dev(scalars), *betas, np.int64(fixed16(up.weight_decay))),
+        *(i32(gs), i32(decay), i32(n), *got, changed),
+    )
+    assert np.array_equal(to_host(got[3]), new["x"])
+    for arr, key in zip(got[:3], ("adamw.m.x", "adamw.v.x", "adamw.acc.x"), strict=True):
+        assert np.array_equal(to_host(arr), want[key]), key
+    assert int(to_host(changed)[0]) == np.count_nonzero(new["x"] != w) > 0
+
+
 # ------------------------------------------------------------------------ forward pass
 
 

@@ -1,5 +1,5 @@
-"""The CuPy backend: the EGG forward pass and the ztest and momentum updates as int8
-RawKernels (`egg.cu`).
+"""The CuPy backend: the EGG forward pass and every rule's update as int8 RawKernels
+(`egg.cu`).
 
 Same bytes as the NumPy reference, by construction kernel by kernel (see egg.cu). The class
 is written against two seams so that the test suite runs this very code without a GPU:
@@ -10,13 +10,14 @@ is written against two seams so that the test suite runs this very code without 
   source under test.
 
 Per step: host NumPy computes the cheap scalar parts (the noise base key, the data windows,
-the z-test threshold, each chunk's fitness from its members' losses); the device generates
+the z-test threshold, AdamW's learning rate and bias correction, each chunk's fitness from
+its members' losses); the device generates
 every pair's noise, runs the forward pass (about 11 launches per layer and token) and the
 update. The update's launch sequence reads every per-step value from device memory, so it
 is captured once as a CUDA graph and replayed every step. The weights live in one flat
-device buffer followed by the update's changed-weights counter, and the momentum rule's M
-in a second one: their copies back each step give the replica digest and the count. AdamW
-still runs the NumPy reference on the host copy.
+device buffer followed by the update's changed-weights counter, and the rule's state (the
+momentum M, AdamW's moments and accumulator) in one buffer per kind: their copies back each
+step give the replica digest and the count.
 
 Validation (both held-out metrics of the unperturbed model with float bits, every few
 steps) runs the NumPy reference on the host copy of the weights.
@@ -39,10 +40,11 @@ from ...shared.loss import exp2_table, log2_thresholds
 from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.replica import ReplicaState
+from ...shared.rules.adamw import bias_correction, grad_shift, lr_at
+from ...shared.rules.fixedpoint import fixed16
 from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
 from ...shared.sample import Completions
-from ...shared.update import apply_update
 from ...shared.window import pair_windows
 from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
 from .numpy_backend import NumpyBackend
@@ -60,6 +62,7 @@ _MM = (I8, I8, I32, I8, "int32", "int32", "int32", "int32", "int32", I8, I8)
 _GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I8, I8, I8)
 _CAND = (*_GATE[:-2], I8, I8, I8)
 _ZGEMM = (I8, I8, "int32", "int32", "int32", I32)
+_OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", I8),
     "noise_cols": (U64, "uint64", "uint32", "int32", "int32", I8, "int32", "int32", I8),
@@ -93,6 +96,13 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
     "ztest_apply": (I32, I64, "int32", I8, U64),
     "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64),
+    "adamw_apply": (*(I32, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT),
+}
+# Each rule's state kinds resident on the device (their names: shared/rules/<rule>.py).
+OPT_KINDS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "ztest": (),
+    "momentum": (("momentum", np.int32),),
+    "adamw": (("adamw.m", np.int32), ("adamw.v", np.int64), ("adamw.acc", np.int32)),
 }
 TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc")
 # Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
@@ -235,15 +245,18 @@ class CupyBackend:
             for name, (o, shape) in self._layout.items()
         }
         self._changed = self._flat[offset : offset + 8].view(xp.uint64)
-        # The momentum rule's int32 M per weight, resident beside the weights (int32 offsets
-        # are the weights' element offsets, so one layout serves both).
-        self._momentum = cfg.update.rule == "momentum"
-        self._m_flat = xp.zeros(offset if self._momentum else 0, dtype=xp.int32)
-        self.m = {
-            name: self._m_flat[o : o + int(np.prod(shape))].reshape(shape)
-            for name, (o, shape) in self._layout.items()
-            if self._momentum
+        # The rule's state per weight, resident on the device: one flat buffer per kind
+        # (`OPT_KINDS`), laid out as the weights (offsets in elements).
+        self._rule = cfg.update.rule
+        self._opt_flat = {
+            kind: xp.zeros(offset, dtype=dtype) for kind, dtype in OPT_KINDS[self._rule]
         }
+        self.opt = {
+            f"{kind}.{name}": flat[o : o + int(np.prod(shape))].reshape(shape)
+            for kind, flat in self._opt_flat.items()
+            for name, (o, shape) in self._layout.items()
+        }
+        self._step_scalars = xp.zeros(2, dtype=xp.int64)  # adamw: LR_t, K_t
         self._step_key = xp.zeros(1, dtype=xp.uint64)
         self._threshold = xp.zeros(1, dtype=xp.int64)
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
@@ -280,11 +293,11 @@ class CupyBackend:
             host[o : o + int(np.prod(shape))] = np.asarray(state.params[name]).reshape(-1)
         with self._scope():
             self._flat[...] = self.xp.asarray(host)
-            if self._momentum:
-                m = np.zeros(self._changed_at, dtype=np.int32)
+            for kind, flat in self._opt_flat.items():
+                values = np.zeros(self._changed_at, dtype=flat.dtype)
                 for name, (o, shape) in self._layout.items():
-                    m[o : o + int(np.prod(shape))] = state.opt[f"momentum.{name}"].reshape(-1)
-                self._m_flat[...] = self.xp.asarray(m)
+                    values[o : o + int(np.prod(shape))] = state.opt[f"{kind}.{name}"].reshape(-1)
+                flat[...] = self.xp.asarray(values)
         self._state = state
 
     def _put_step_key(self, step: int) -> None:
@@ -452,8 +465,8 @@ class CupyBackend:
         buf["z"] = xp.empty(max(int(np.prod(s.shape)) for s in self._specs), dtype=xp.int32)
 
     def _update_sequence(self) -> None:
-        """Z for every tensor, then the rule's apply (z-test or momentum): launches only, no
-        per-step scalars."""
+        """Z for every tensor, then the rule's apply kernel: launches only, every per-step
+        scalar read from device memory."""
         k, cfg = self.kernels, self.config
         kind = np.int32(NOISE_KINDS.index(cfg.es.noise))
         pairs, ppad = cfg.pairs, _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
@@ -492,14 +505,26 @@ class CupyBackend:
                     *(self._step_key, tid, np.int32(size), kind, self._fitness),
                     *(np.int32(pairs), z),
                 )
-            w = self.w[spec.name].reshape(-1)
-            if self._momentum:
+            w, n, grid = self.w[spec.name].reshape(-1), np.int32(size), (_cdiv(size, BLOCK),)
+            opt = {kind: self.opt[f"{kind}.{spec.name}"].reshape(-1) for kind in self._opt_flat}
+            if self._rule == "momentum":
                 k(
                     "momentum_apply",
-                    (_cdiv(size, BLOCK),),
+                    grid,
                     (BLOCK,),
-                    *(z, self._threshold, np.int32(cfg.update.momentum_shift), np.int32(size)),
-                    *(self.m[spec.name].reshape(-1), w, self._changed),
+                    *(z, self._threshold, np.int32(cfg.update.momentum_shift), n),
+                    *(opt["momentum"], w, self._changed),
+                )
+            elif self._rule == "adamw":
+                up = cfg.update
+                betas = (np.int64(fixed16(up.beta1)), np.int64(fixed16(up.beta2)))
+                k(
+                    "adamw_apply",
+                    grid,
+                    (BLOCK,),
+                    *(z, self._step_scalars, *betas, np.int64(fixed16(up.weight_decay))),
+                    *(np.int32(grad_shift(cfg)), np.int32(spec.kind == "matrix"), n),
+                    *(opt["adamw.m"], opt["adamw.v"], opt["adamw.acc"], w, self._changed),
                 )
             else:
                 k(
@@ -515,19 +540,14 @@ class CupyBackend:
         fitness = np.asarray(fitness)
         if fitness.shape != (cfg.pairs,):
             raise ValueError(f"fitness has shape {fitness.shape}, expected ({cfg.pairs},)")
-        if cfg.update.rule not in ("ztest", "momentum"):
-            # AdamW runs the NumPy reference on the host copy (exact, not yet fast): the
-            # device holds the weights only.
-            state = self._state
-            updated = apply_update(cfg, state.step, state.params, state.opt, fitness)
-            self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
-            return updated.changed
-        gain = momentum_gain(cfg.update.momentum_shift) if self._momentum else 1
+        gain = momentum_gain(cfg.update.momentum_shift) if self._rule == "momentum" else 1
         alpha = alpha_at(cfg.update, self.step)
         threshold = move_threshold(cfg.pairs, alpha, cfg.es.noise, gain)
+        scalars = [lr_at(cfg.update, self.step), bias_correction(cfg.update, self.step)]
         with self._scope():
             self._put_step_key(self.step)
             self._threshold[...] = xp.asarray(np.array([threshold], dtype=np.int64))
+            self._step_scalars[...] = xp.asarray(np.array(scalars, dtype=np.int64))
             self._fitness[...] = xp.asarray(fitness.astype(np.int8))
             self._changed[...] = 0
             if self._update_graph is None:
@@ -535,18 +555,17 @@ class CupyBackend:
                 self._update_graph = self.kernels.capture(self._update_sequence)
             self._update_graph()
             host = _host(xp, self._flat)  # the weights' copy back of the step
-            m = _host(xp, self._m_flat) if self._momentum else None  # and the rule's state
+            state = {kind: _host(xp, flat) for kind, flat in self._opt_flat.items()}  # the rule's
         params = {
             name: host[o : o + int(np.prod(shape))].reshape(shape).copy()
             for name, (o, shape) in self._layout.items()
         }
         changed = int(host[self._changed_at : self._changed_at + 8].view(np.uint64)[0])
-        opt = {}
-        if m is not None:
-            opt = {
-                f"momentum.{name}": m[o : o + int(np.prod(shape))].reshape(shape).copy()
-                for name, (o, shape) in self._layout.items()
-            }
+        opt = {
+            f"{kind}.{name}": flat[o : o + int(np.prod(shape))].reshape(shape).copy()
+            for kind, flat in state.items()
+            for name, (o, shape) in self._layout.items()
+        }
         self._state = ReplicaState(cfg, self.step + 1, params, opt)
         return changed
 

@@ -480,3 +480,55 @@ extern "C" __global__ void momentum_apply(const int* z, const long long* thresho
   if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
   if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
 }
+
+// ------------------------------------------------------------------- the adamw apply
+
+// shared/rules/adamw.py per weight, in place (its docstring has every operation): the
+// moments m (int32) and v (int64), the accumulator acc (int32), at most one move of w.
+// scalars = {LR_t, K_t}, this step's (device memory: the launch is captured once);
+// b1, b2, wd in 2**-16, gs the gradient shift, decay 1 for matrices (decoupled weight
+// decay), 0 for vectors. Launch: grid (ceil(n / 256)), block (256).
+__device__ __forceinline__ long long sshift64(long long x, int s) {
+  return x < 0 ? -((-x) >> s) : x >> s;
+}
+
+extern "C" __global__ void adamw_apply(const int* z, const long long* scalars, long long b1,
+                                       long long b2, long long wd, int gs, int decay, int n,
+                                       int* m, long long* v, int* acc, i8* w, u64* changed) {
+  __shared__ u32 block_changed;
+  if (threadIdx.x == 0) block_changed = 0;
+  __syncthreads();
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int moved = 0;
+  if (i < n) {
+    const long long one = 1LL << 16, r_limit = 1LL << 30, acc_limit = 2147483647LL;
+    long long g = sshift64(z[i], gs);
+    long long mi = sshift64((long long)m[i] * b1 + g * (one - b1), 16);
+    long long vi = (v[i] * b2 + g * g * (one - b2)) >> 16;  // v >= 0
+    long long root = (long long)sqrt((double)vi);  // v < 2**40: off by one at most, fixed
+    root -= root * root > vi;
+    root += (root + 1) * (root + 1) <= vi;
+    long long am = mi < 0 ? -mi : mi;
+    long long u = (am << 16) / (root + 1);
+    if (mi < 0) u = -u;
+    long long r = sshift64(u * scalars[1], 16);
+    r = r > r_limit ? r_limit : (r < -r_limit ? -r_limit : r);
+    int wi = w[i];
+    if (decay) r -= wd * wi;
+    long long a = acc[i] + sshift64(scalars[0] * r, 16);
+    int rise = a >= one, fall = a <= -one;
+    int dir = (rise && wi < 127) - (fall && wi > -127);
+    a -= dir * one;
+    if (rise && wi == 127) a = one;
+    else if (fall && wi == -127) a = -one;
+    a = a > acc_limit ? acc_limit : (a < -acc_limit ? -acc_limit : a);
+    w[i] = (i8)(wi + dir);
+    m[i] = (int)mi;
+    v[i] = vi;
+    acc[i] = (int)a;
+    moved = dir != 0;
+  }
+  u32 ballot = __ballot_sync(0xffffffffu, moved);  // every lane gets here: no early exit
+  if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
+  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
+}
