@@ -163,9 +163,10 @@ def test_two_torch_workers_reach_tunes_digest_through_a_coordinator_kill(
     coord.wait_for(lambda e: e.get("event") == "step" and e.get("step", 0) >= 2, 240, "step 2")
     coord.kill()
     again, _ = start_coordinator(spawn, save_dir, config, "--max-steps", str(steps), port=port)
+    # The workers come back by themselves (the steps left may all go to the first one back).
+    again.wait_for(lambda e: e.get("event") == "worker joined", 120, "a worker rejoining")
     assert again.wait(300) == 0
-    for w in workers:
-        assert w.wait(60) == 0
+    assert all(w.proc.poll() in (None, 0) for w in workers)  # none failed
     run, tuned = SaveDir.open(save_dir), SaveDir.open(tmp_path / "alone")
     assert run.config.digest() == tuned.config.digest()
     assert digest_at(save_dir, steps) == digest_at(tmp_path / "alone", steps)
