@@ -91,14 +91,17 @@ def test_noise_rows_and_member_vectors(k: Kernels, noise: str) -> None:
         out, inp = params[name].shape
         tid = u64(param_specs(cfg.model)[list(params).index(name)].tensor_id)
         for start, count, want in ((0, out, pn.a[name]), (out, inp, pn.b[name])):
-            got = poisoned((len(pairs), count), np.int8)
-            k(
-                "noise_rows",
-                (len(pairs), cdiv(count, 256)),
-                (256,),
-                *(key_dev(cfg, step), dev(pairs), tid, u32(start), i32(count), kind, got),
-            )
-            assert np.array_equal(to_host(got), want), name
+            for keep in (count, count // 3):  # token noise: rows from `keep` on get none
+                got = poisoned((len(pairs), count), np.int8)
+                k(
+                    "noise_rows",
+                    (len(pairs), cdiv(count, 256)),
+                    (256,),
+                    *(key_dev(cfg, step), dev(pairs), tid, u32(start), i32(count), i32(keep)),
+                    *(kind, got),
+                )
+                kept = np.where(np.arange(count) < keep, want, 0)
+                assert np.array_equal(to_host(got), kept), (name, keep)
     for spec in param_specs(cfg.model):
         if spec.kind != "vector":
             continue
@@ -145,7 +148,7 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
                 "noise_cols",
                 (cdiv(ppad, 128), cdiv(count, 64)),
                 (128,),
-                *(key_dev(cfg, step), tid, u32(start), i32(count), kind, weight),
+                *(key_dev(cfg, step), tid, u32(start), i32(count), i32(count), kind, weight),
                 *(i32(cfg.pairs), i32(ppad), dst),
             )
         pn = pair_noise(cfg, param_specs(cfg.model), step, np.arange(cfg.pairs))

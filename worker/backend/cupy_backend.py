@@ -39,6 +39,7 @@ from ...shared.fitness import pair_fitness
 from ...shared.loss import exp2_table, log2_thresholds
 from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
+from ...shared.perturb import TOKEN_TENSORS, ParamSpec
 from ...shared.replica import ReplicaState
 from ...shared.rules.adamw import bias_correction, grad_shift, lr_at
 from ...shared.rules.fixedpoint import fixed16
@@ -64,8 +65,8 @@ _CAND = (*_GATE[:-2], I8, I8, I8)
 _ZGEMM = (I8, I8, "int32", "int32", "int32", I32)
 _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
 SIGNATURES: dict[str, tuple[str, ...]] = {
-    "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", I8),
-    "noise_cols": (U64, "uint64", "uint32", "int32", "int32", I8, "int32", "int32", I8),
+    "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8),
+    "noise_cols": (U64, "uint64", "uint32", "int32", "int32", "int32", I8, "int32", "int32", I8),
     "member_vector": (U64, I64, "uint64", "int32", "int32", I8, "int32", I8),
     "vector_z": (U64, "uint64", "int32", "int32", I8, "int32", I32),
     "embed": (
@@ -215,10 +216,13 @@ class CupyBackend:
                 "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
                 "noise): use --backend numpy"
             )
-        if cfg.es.token_noise_rows:
+        tokens = [s.name for s in param_specs(cfg.model) if s.name in TOKEN_TENSORS]
+        if cfg.es.token_noise_rows and any(
+            s.kind != "matrix" for s in param_specs(cfg.model) if s.name in tokens
+        ):
             raise BackendUnavailable(
-                "the CuPy backend cannot run es.token_noise_rows (its kernels draw unscaled "
-                "noise): use --backend numpy"
+                "the CuPy backend applies es.token_noise_rows to token matrices only, not to a "
+                "head bias: use --backend numpy"
             )
         vmax = max_abs(cfg.es.noise)
         if cfg.pairs * vmax * vmax >= 1 << 31:
@@ -300,6 +304,13 @@ class CupyBackend:
                 flat[...] = self.xp.asarray(values)
         self._state = state
 
+    def _keep_rows(self, spec: ParamSpec) -> int:
+        """The rows of a matrix's a that get noise: all, or under es.token_noise_rows the
+        commonest tokens' (factor 64 below it, 0 above: `perturb.token_row_factors`)."""
+        rows = spec.shape[0]
+        token_rows = self.config.es.token_noise_rows
+        return min(rows, token_rows) if token_rows and spec.name in TOKEN_TENSORS else rows
+
     def _put_step_key(self, step: int) -> None:
         """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it."""
         key = hash_key(DOMAIN_NOISE, self.config.es.run_seed, step)
@@ -354,13 +365,16 @@ class CupyBackend:
                 out, inp = spec.shape
                 a[spec.name] = xp.empty((n_pairs, out), dtype=xp.int8)
                 b[spec.name] = xp.empty((n_pairs, inp), dtype=xp.int8)
-                for start, count, dst in ((0, out, a[spec.name]), (out, inp, b[spec.name])):
+                for start, count, keep, dst in (
+                    (0, out, self._keep_rows(spec), a[spec.name]),
+                    (out, inp, inp, b[spec.name]),
+                ):
                     k(
                         "noise_rows",
                         (n_pairs, _cdiv(count, BLOCK)),
                         (BLOCK,),
                         *(self._step_key, pairs_dev, tid, np.uint32(start), np.int32(count)),
-                        *(kind, dst),
+                        *(np.int32(keep), kind, dst),
                     )
             else:
                 (n,) = spec.shape
@@ -480,16 +494,16 @@ class CupyBackend:
                 at = buf["at"][: out * ppad].reshape(out, ppad)
                 bt = buf["bt"][: inp * ppad].reshape(inp, ppad)
                 # Z = (F a)^T b: the fitness weighs a only (null: b unweighted).
-                for start, count, weight, dst in (
-                    (0, out, self._fitness, at),
-                    (out, inp, self._null8, bt),
+                for start, count, keep, weight, dst in (
+                    (0, out, self._keep_rows(spec), self._fitness, at),
+                    (out, inp, inp, self._null8, bt),
                 ):
                     k(
                         "noise_cols",
                         (_cdiv(ppad, 128), _cdiv(count, 64)),
                         (128,),
-                        *(self._step_key, tid, np.uint32(start), np.int32(count), kind),
-                        *(weight, np.int32(pairs), np.int32(ppad), dst),
+                        *(self._step_key, tid, np.uint32(start), np.int32(count)),
+                        *(np.int32(keep), kind, weight, np.int32(pairs), np.int32(ppad), dst),
                     )
                 k(
                     "zgemm" + self.suffix,

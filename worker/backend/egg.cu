@@ -75,32 +75,35 @@ __device__ __forceinline__ int noise_value(u64 key, u32 index, int kind) {
   return d < 0 ? -mag : mag;
 }
 
-// out[r, j] = noise(pairs[r], tensor_id, start + j), r < rows (P), j < count.
+// out[r, j] = noise(pairs[r], tensor_id, start + j) for j < keep, 0 for keep <= j < count
+// (token noise: only the rows of the commonest tokens get noise), r < rows (P).
 // Launch: grid (rows, ceil(count / 256)), block (256). The pair's key is computed once per
 // block by thread 0 and shared.
 extern "C" __global__ void noise_rows(const u64* base, const long long* pairs, u64 tensor_id,
-                                      u32 start, int count, int kind, i8* out) {
+                                      u32 start, int count, int keep, int kind, i8* out) {
   __shared__ u64 key;
   if (threadIdx.x == 0) key = pair_key(*base, (u64)pairs[blockIdx.x], tensor_id);
   __syncthreads();
   int j = blockIdx.y * blockDim.x + threadIdx.x;
-  if (j < count) out[(long long)blockIdx.x * count + j] = (i8)noise_value(key, start + j, kind);
+  if (j < count)
+    out[(long long)blockIdx.x * count + j] = (i8)(j < keep ? noise_value(key, start + j, kind) : 0);
 }
 
 // The transposed noise of all pairs for the update GEMM: out[j, p] = fitness[p] *
-// noise(p, tensor_id, start + j) for p < pairs (fitness null: weight 1), 0 for pairs <= p <
-// ppad (zero padding of the GEMM's K). Launch: grid (ceil(ppad / 128), ceil(count / 64)),
-// block (128): a thread owns one pair (one key) and 64 indices.
+// noise(p, tensor_id, start + j) for p < pairs (fitness null: weight 1) and j < keep, 0 for
+// keep <= j < count (token noise) and for pairs <= p < ppad (zero padding of the GEMM's K).
+// Launch: grid (ceil(ppad / 128), ceil(count / 64)), block (128): a thread owns one pair
+// (one key) and 64 indices.
 extern "C" __global__ void noise_cols(const u64* base, u64 tensor_id, u32 start, int count,
-                                      int kind, const i8* fitness, int pairs, int ppad,
-                                      i8* out) {
+                                      int keep, int kind, const i8* fitness, int pairs,
+                                      int ppad, i8* out) {
   int p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= ppad) return;
   int f = p < pairs ? (fitness ? fitness[p] : 1) : 0;
   u64 key = pair_key(*base, (u64)p, tensor_id);
   int j_end = min(count, (int)(blockIdx.y + 1) * 64);
   for (int j = blockIdx.y * 64; j < j_end; j++)
-    out[(long long)j * ppad + p] = (i8)(f ? f * noise_value(key, start + j, kind) : 0);
+    out[(long long)j * ppad + p] = (i8)(f && j < keep ? f * noise_value(key, start + j, kind) : 0);
 }
 
 // A vector parameter as member m sees it: clip(param + ((sign * u1 * u2) >> shift)), with
