@@ -30,6 +30,7 @@ __all__ = [
     "check_model_dir",
     "linear_layers",
     "model_dir_digests",
+    "model_folder",
     "parameter_count",
     "pinned_files",
     "pinned_matrices",
@@ -59,11 +60,18 @@ class ModelDirError(ValueError):
     """A model directory that is missing a file, or differs from the run's; one line."""
 
 
-def _files(path: Path) -> list[Path]:
+def model_folder(path: str | Path) -> Path:
+    """`path` as a Path; ModelDirError unless it is a folder with a config.json."""
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelDirError(f"{path} is not a directory (expected a Hugging Face model directory)")
     if not (path / "config.json").is_file():
         raise ModelDirError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    return path
+
+
+def _files(path: Path) -> list[Path]:
+    path = model_folder(path)
     files = sorted(
         f
         for f in path.iterdir()

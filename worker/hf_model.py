@@ -39,6 +39,7 @@ from ..shared.hf_dir import (
     ModelDirError,
     first_line,
     linear_layers,
+    model_folder,
     parameter_count,
     read_config,
     refuse_tied,
@@ -64,20 +65,11 @@ class HFModelError(ModelDirError):
     """A model directory, tokenizer or setting that cannot be used; one line."""
 
 
-def _model_dir(model_dir: str | Path) -> Path:
-    path = Path(model_dir).expanduser()
-    if not path.is_dir():
-        raise HFModelError(f"{path} is not a directory (expected a Hugging Face model directory)")
-    if not (path / "config.json").is_file():
-        raise HFModelError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    return path
-
-
 def load_causal_lm(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
     """The model of a local directory (never downloaded), in eval mode without gradients;
     refused before loading when its weights do not fit the device's free memory."""
     torch, transformers = require_hf()
-    path = _model_dir(model_dir)
+    path = model_folder(model_dir)
     config = read_config(path)
     weights = parameter_count(path)
     need = weights * torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -130,7 +122,7 @@ def _free_bytes(torch: Any, device: str) -> int | None:
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The tokenizer saved beside the model (HFModelError when there is none)."""
     _, transformers = require_hf()
-    path = _model_dir(model_dir)
+    path = model_folder(model_dir)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise HFModelError(
             f"{path} has no usable tokenizer: none of {', '.join(TOKENIZER_FILES)} is there "

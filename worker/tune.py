@@ -102,10 +102,11 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     loads it pins them again from its own files)."""
     pinned = {("model", "files"), ("model", "matrices")}
     lines = [f"# eggroll-coordinator --config FILE --max-steps {steps}"]
+    defaults = RunConfig().to_dict()
     for section, values in cfg.to_dict().items():
         if not isinstance(values, dict):
             continue
-        default = RunConfig().to_dict()[section]
+        default = defaults[section]
         changed = {
             k: v
             for k, v in values.items()

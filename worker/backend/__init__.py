@@ -31,6 +31,7 @@ __all__ = [
     "ChunkResult",
     "HeldOut",
     "Validation",
+    "check_chunk",
     "cuda_usable",
     "get_backend",
 ]
@@ -145,6 +146,15 @@ class Backend(Protocol):
     def validate(self) -> Validation:
         """The unperturbed model on the held-out split: both metrics (`Validation`)."""
         ...
+
+
+def check_chunk(cfg: RunConfig, replica_step: int, step: int, first: int, count: int) -> None:
+    """ValueError unless members [first, first + count) of `step` are whole pairs of the
+    population and the replica is at that step."""
+    if step != replica_step:
+        raise ValueError(f"replica is at step {replica_step}, chunk is for step {step}")
+    if first % 2 or count % 2 or not 0 <= first < first + count <= cfg.es.population:
+        raise ValueError(f"bad member range [{first}, {first + count})")
 
 
 class BackendUnavailable(ValueError):

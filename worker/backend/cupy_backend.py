@@ -47,7 +47,7 @@ from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
 from ...shared.sample import Completions
 from ...shared.window import pair_windows
-from . import BackendFactory, BackendUnavailable, ChunkResult, Validation
+from . import BackendFactory, BackendUnavailable, ChunkResult, Validation, check_chunk
 from .numpy_backend import NumpyBackend
 
 SOURCE_FILE = "egg.cu"
@@ -216,9 +216,8 @@ class CupyBackend:
                 "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
                 "noise): use --backend numpy"
             )
-        tokens = [s.name for s in param_specs(cfg.model) if s.name in TOKEN_TENSORS]
         if cfg.es.token_noise_rows and any(
-            s.kind != "matrix" for s in param_specs(cfg.model) if s.name in tokens
+            s.name in TOKEN_TENSORS and s.kind != "matrix" for s in param_specs(cfg.model)
         ):
             raise BackendUnavailable(
                 "the CuPy backend applies es.token_noise_rows to token matrices only, not to a "
@@ -333,11 +332,8 @@ class CupyBackend:
     def evaluate_chunks(self, step: int, chunks: Sequence[tuple[int, int]]) -> list[ChunkResult]:
         """Several chunks in one forward pass (more rows per launch); fitness per chunk."""
         cfg = self.config
-        if step != self.step:
-            raise ValueError(f"replica is at step {self.step}, chunk is for step {step}")
         for first, count in chunks:
-            if first % 2 or count % 2 or not 0 <= first < first + count <= cfg.es.population:
-                raise ValueError(f"bad member range [{first}, {first + count})")
+            check_chunk(cfg, self.step, step, first, count)
         pairs = np.concatenate([np.arange(f // 2, (f + c) // 2) for f, c in chunks])
         with self._scope():
             self._put_step_key(step)

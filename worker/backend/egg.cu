@@ -429,13 +429,24 @@ extern "C" __global__ void token_loss(const i8* logits, const int* tokens, int t
 
 // ------------------------------------------------------------------ the ztest apply
 
+// The apply kernels' count of changed weights: a block sums its warps' ballots in shared
+// memory, then adds once to *changed. Every thread of the block calls both (no early exit).
+__device__ __forceinline__ void start_count(u32* block_changed) {
+  if (threadIdx.x == 0) *block_changed = 0;
+  __syncthreads();
+}
+__device__ __forceinline__ void count_changed(int moved, u32* block_changed, u64* changed) {
+  u32 ballot = __ballot_sync(0xffffffffu, moved);
+  if ((threadIdx.x & 31) == 0) atomicAdd(block_changed, (u32)__popc(ballot));
+  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)*block_changed);
+}
+
 // w = clip(w + sign(z)) where |z| >= *threshold, in place; *changed += weights that changed.
 // Launch: grid (ceil(n / 256)), block (256).
 extern "C" __global__ void ztest_apply(const int* z, const long long* threshold, int n, i8* w,
                                        u64* changed) {
   __shared__ u32 block_changed;
-  if (threadIdx.x == 0) block_changed = 0;
-  __syncthreads();
+  start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   int moved = 0;
   if (i < n) {
@@ -447,9 +458,7 @@ extern "C" __global__ void ztest_apply(const int* z, const long long* threshold,
     w[i] = (i8)v;
     moved = v != old;
   }
-  u32 ballot = __ballot_sync(0xffffffffu, moved);  // every lane gets here: no early exit
-  if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
-  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
+  count_changed(moved, &block_changed, changed);
 }
 
 // ---------------------------------------------------------------- the momentum apply
@@ -460,8 +469,7 @@ extern "C" __global__ void ztest_apply(const int* z, const long long* threshold,
 extern "C" __global__ void momentum_apply(const int* z, const long long* threshold, int shift,
                                           int n, int* m, i8* w, u64* changed) {
   __shared__ u32 block_changed;
-  if (threadIdx.x == 0) block_changed = 0;
-  __syncthreads();
+  start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   int moved = 0;
   if (i < n) {
@@ -479,9 +487,7 @@ extern "C" __global__ void momentum_apply(const int* z, const long long* thresho
     m[i] = (int)(v - dir * t);
     moved = nw != old;
   }
-  u32 ballot = __ballot_sync(0xffffffffu, moved);  // every lane gets here: no early exit
-  if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
-  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
+  count_changed(moved, &block_changed, changed);
 }
 
 // ------------------------------------------------------------------- the adamw apply
@@ -499,8 +505,7 @@ extern "C" __global__ void adamw_apply(const int* z, const long long* scalars, l
                                        long long b2, long long wd, int gs, int decay, int n,
                                        int* m, long long* v, int* acc, i8* w, u64* changed) {
   __shared__ u32 block_changed;
-  if (threadIdx.x == 0) block_changed = 0;
-  __syncthreads();
+  start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   int moved = 0;
   if (i < n) {
@@ -531,7 +536,5 @@ extern "C" __global__ void adamw_apply(const int* z, const long long* scalars, l
     acc[i] = (int)a;
     moved = dir != 0;
   }
-  u32 ballot = __ballot_sync(0xffffffffu, moved);  // every lane gets here: no early exit
-  if ((threadIdx.x & 31) == 0) atomicAdd(&block_changed, (u32)__popc(ballot));
-  if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)block_changed);
+  count_changed(moved, &block_changed, changed);
 }

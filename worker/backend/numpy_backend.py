@@ -38,7 +38,7 @@ from ...shared.window import (
     validation_streams,
     validation_windows,
 )
-from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation
+from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation, check_chunk
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -149,14 +149,7 @@ class NumpyBackend:
         return self.threads
 
     def _check_range(self, step: int, first_member: int, count: int) -> None:
-        if step != self.step:
-            raise ValueError(f"replica is at step {self.step}, chunk is for step {step}")
-        if (
-            first_member % 2
-            or count % 2
-            or not 0 <= first_member < first_member + count <= self.config.es.population
-        ):
-            raise ValueError(f"bad member range [{first_member}, {first_member + count})")
+        check_chunk(self.config, self.step, step, first_member, count)
 
     def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
         """Score members [first_member, first_member + count) of the population at `step`."""

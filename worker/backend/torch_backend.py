@@ -33,7 +33,7 @@ from ...shared.sample import Completions
 from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
 from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
-from . import BackendFactory, ChunkResult, HeldOut, Validation
+from . import BackendFactory, ChunkResult, HeldOut, Validation, check_chunk
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -143,15 +143,9 @@ class TorchBackend:
             self._splits[name] = ids
         return self._splits[name]
 
-    def _check_range(self, step: int, first: int, count: int) -> None:
-        if step != self.step:
-            raise ValueError(f"replica is at step {self.step}, chunk is for step {step}")
-        if first % 2 or count % 2 or not 0 <= first < first + count <= self.config.es.population:
-            raise ValueError(f"bad member range [{first}, {first + count})")
-
     def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
         """Members [first, first + count): each pair scores its own window of the train split."""
-        self._check_range(step, first_member, count)
+        check_chunk(self.config, self.step, step, first_member, count)
         torch = self.lm.torch
         train = self.split("train")
         losses = []
@@ -243,12 +237,6 @@ class TorchBackend:
         return self.codec.decode(prompt.tolist()), self.codec.decode(out[0, 0].tolist())
 
 
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def factory(
     batch_members: int = 64,
     threads: int | None = None,
@@ -262,7 +250,7 @@ def factory(
     from ...shared.hf_dir import require_hf
 
     torch, _ = require_hf()
-    device = _device()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
     dtype = "bfloat16" if device == "cuda" else "float32"
