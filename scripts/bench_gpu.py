@@ -49,15 +49,14 @@ def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def cublas_int8_rate(repeats: int) -> float:
-    """int8 MAC/s of cuBLAS gemmEx at 8192^3 (A^T B layout, int32 accumulate)."""
+def cublas_int8_rate(repeats: int, m: int = GEMM_SIZE, n: int = GEMM_SIZE, k: int = GEMM_SIZE):
+    """int8 MAC/s of cuBLAS gemmEx on an m x n x k product (A^T B layout, int32 accumulate)."""
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    n = GEMM_SIZE
-    a = cupy.random.randint(-127, 128, size=(n, n), dtype=cupy.int8)
-    b = cupy.random.randint(-127, 128, size=(n, n), dtype=cupy.int8)
-    c = cupy.empty((n, n), dtype=cupy.int32)
+    a = cupy.random.randint(-127, 128, size=(n, k), dtype=cupy.int8)
+    b = cupy.random.randint(-127, 128, size=(m, k), dtype=cupy.int8)
+    c = cupy.empty((m, n), dtype=cupy.int32)
     one, zero = np.ones(1, np.int32), np.zeros(1, np.int32)
     handle = cupy.cuda.device.get_cublas_handle()
     r_8i, r_32i, compute_32i, algo = 3, 10, 72, -1  # CUDA_R_8I, CUDA_R_32I, ..., default
@@ -67,11 +66,11 @@ def cublas_int8_rate(repeats: int) -> float:
             handle,
             cublas.CUBLAS_OP_T,
             cublas.CUBLAS_OP_N,
-            *(n, n, n, one.ctypes.data, a.data.ptr, r_8i, n, b.data.ptr, r_8i, n),
+            *(n, m, k, one.ctypes.data, a.data.ptr, r_8i, k, b.data.ptr, r_8i, k),
             *(zero.ctypes.data, c.data.ptr, r_32i, n, compute_32i, algo),
         )
 
-    return n**3 / gpu_seconds(gemm, repeats)
+    return m * n * k / gpu_seconds(gemm, repeats)
 
 
 def torch_int8_rate(repeats: int) -> float:
@@ -122,6 +121,8 @@ def bench_population(population: int, seq_len: int, repeats: int) -> dict[str, f
         backend.apply_step(fitness)
         update.append(time.perf_counter() - t)
         backend.load_state(ReplicaState(cfg, 0, backend.state.params, backend.state.opt))
+    # the update's device part alone: the captured graph (Z GEMMs, noise, apply kernels)
+    graph_s = gpu_seconds(backend._update_graph, repeats)
     d, v, layers = cfg.model.d_model, cfg.model.vocab_size, cfg.model.n_layer
     member_tokens = population * seq_len
     return {
@@ -129,6 +130,7 @@ def bench_population(population: int, seq_len: int, repeats: int) -> dict[str, f
         "macs_per_s": member_tokens * (layers * 12 * d * d + v * d) / eval_s,
         "eval_s": eval_s,
         "update_s": min(update[1:]),
+        "graph_s": graph_s,
         "first_update_s": update[0],
     }
 
@@ -150,6 +152,10 @@ def main() -> None:
         except Exception as exc:  # torch absent, or a cuBLAS that refuses the layout
             print(f"int8 ceiling {name}: unavailable ({type(exc).__name__}: {exc})")
     ceiling = max(ceilings.values(), default=0.0)
+    d = preset("egg-paper").model.d_model
+    for n, k in ((d, d), (4 * d, d), (d, 4 * d)):  # the forward's GEMM shapes at 65536 rows
+        rate = cublas_int8_rate(args.repeats, 65536, n, k)
+        print(f"cublas gemmEx int8, the forward shape 65536x{n}x{k}: {2 * rate / 1e12:7.1f} TOPS")
     for population in args.populations:
         r = bench_population(population, args.seq_len, args.repeats)
         share = f"{100 * r['macs_per_s'] / ceiling:5.2f}%" if ceiling else "n/a"
@@ -157,7 +163,8 @@ def main() -> None:
             f"egg-paper population {population:>7}: "
             f"{r['member_tokens_per_s'] / 1e6:8.2f} M member-tokens/s  "
             f"{2 * r['macs_per_s'] / 1e12:7.2f} TOPS useful int8 = {share} of the ceiling  "
-            f"[eval {r['eval_s']:.3f} s, update {1e3 * r['update_s']:.1f} ms per step, "
+            f"[eval {r['eval_s']:.3f} s, update {1e3 * r['update_s']:.1f} ms per step "
+            f"({1e3 * r['graph_s']:.1f} ms of it the device graph), "
             f"first update with graph capture {1e3 * r['first_update_s']:.1f} ms]"
         )
 

@@ -6,7 +6,15 @@ no host headers, so this catches what `nvcc --ptx` lets through. Prints, per ker
 registers, shared memory and spills ptxas reports, and fails on a compile error or a spill.
 
 With --sass, also disassembles each cubin (cuobjdump from the nvidia-cuda-cuobjdump wheel)
-and fails unless every tensor-core kernel contains IMMA and every __dp4a twin IDP.4A.
+and fails unless every tensor-core kernel contains IMMA and every __dp4a twin IDP.4A. For the
+tensor-core kernels it prints a static performance model read from the SASS:
+- slots/IMMA: instructions per IMMA in each main loop (a backward branch whose body holds
+  IMMA), both load paths; every instruction counted once, an upper bound on issue slots.
+  Fails above IMMA_BUDGET.
+- epi/out: instructions after the last main loop per output a thread owns.
+- occupancy: resident warps per SM from registers and shared memory (of 64).
+- and fails if the kernel holds more than one reciprocal (MUFU.RCP), the mark of a software
+  division per output (the epilogue's one per-kernel magic number has one).
 
     python scripts/nvrtc_check.py [--arch 80 90] [--sass]
 """
@@ -24,11 +32,22 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from eggroll_dist.worker.backend.cupy_backend import NVRTC_OPTIONS, TENSOR_CORE_KERNELS
+from eggroll_dist.worker.backend.cupy_backend import (
+    BLOCK,
+    NVRTC_OPTIONS,
+    TENSOR_CORE_KERNELS,
+    TILE_M,
+    TILE_N,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 # What CuPy's RawModule adds to the user's options on its NVRTC path (besides -arch).
 CUPY_ADDED = ("-ftz=true", "--device-as-default-execution-space")
+IMMA_BUDGET = 12.0  # instructions per IMMA in a tensor-core main loop
+OUTPUTS_PER_THREAD = TILE_M * TILE_N // BLOCK
+# Per multiprocessor: registers, shared memory (bytes) a block may use in all, warps.
+SM_LIMITS = {"80": (65536, 164 * 1024, 64), "90": (65536, 228 * 1024, 64)}
+INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 def _site_file(pattern: str) -> Path:
@@ -99,6 +118,35 @@ def sass_by_kernel(cubin: bytes, workdir: Path) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
+def perf_model(sass: str) -> dict[str, float]:
+    """The static model of one tensor-core kernel (see the module docstring)."""
+    insns = [(int(m.group(1), 16), m.group(2)) for m in INSN.finditer(sass)]
+    index = {addr: i for i, (addr, _) in enumerate(insns)}
+    loops = []
+    for i, (addr, op) in enumerate(insns):
+        branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", op)
+        if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
+            body = insns[index[int(branch.group(1), 16)] : i + 1]
+            imma = sum("IMMA" in o for _, o in body)
+            if imma:
+                loops.append((i, len(body) / imma))
+    end = max((i for i, _ in loops), default=len(insns))
+    return {
+        "slots_per_imma": max((r for _, r in loops), default=float("inf")),
+        "epilogue_per_output": (len(insns) - end - 1) / OUTPUTS_PER_THREAD,
+        "reciprocals": sum("MUFU.RCP" in o for _, o in insns),
+    }
+
+
+def resident_warps(arch: str, regs: int, smem: int) -> int:
+    """Warps per SM that fit by registers (allocated per warp in 256s) and shared memory
+    (plus the 1 KB the driver reserves per block)."""
+    reg_file, smem_sm, warps = SM_LIMITS.get(arch, SM_LIMITS["90"])
+    per_warp = -(-regs * 32 // 256) * 256
+    blocks = min(reg_file // (per_warp * BLOCK // 32), smem_sm // (smem + 1024))
+    return min(blocks * BLOCK // 32, warps)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", nargs="+", default=["80", "90"])
@@ -116,7 +164,8 @@ def main() -> int:
                 print(f"FAIL {cu.name} sm_{arch}: NVRTC error\n{log}")
                 failed = True
                 continue
-            for kernel, r in resources(log).items():
+            usage = resources(log)
+            for kernel, r in usage.items():
                 cell = f"{r['regs']:3d} regs {r['smem']:5d} B smem {r['spill']} spill"
                 table.setdefault(kernel, {})[arch] = cell
                 if r["spill"]:
@@ -131,6 +180,26 @@ def main() -> int:
                     if kernel in TENSOR_CORE_KERNELS and not imma:
                         print(f"FAIL {cu.name} sm_{arch} {kernel}: no IMMA instruction")
                         failed = True
+                    elif kernel in TENSOR_CORE_KERNELS:
+                        pm, r = perf_model(code), usage[kernel]
+                        warps = resident_warps(arch, r["regs"], r["smem"])
+                        table[kernel][f"model{arch}"] = (
+                            f"{pm['slots_per_imma']:4.1f} slots/IMMA "
+                            f"{pm['epilogue_per_output']:5.1f} epi/out {warps:2d}/64 warps"
+                        )
+                        if pm["slots_per_imma"] > IMMA_BUDGET:
+                            print(
+                                f"FAIL {cu.name} sm_{arch} {kernel}: main loop at "
+                                f"{pm['slots_per_imma']:.1f} instructions per IMMA "
+                                f"(budget {IMMA_BUDGET:g})"
+                            )
+                            failed = True
+                        if pm["reciprocals"] > 1:
+                            print(
+                                f"FAIL {cu.name} sm_{arch} {kernel}: {pm['reciprocals']} "
+                                "reciprocals (a software division per output?)"
+                            )
+                            failed = True
                     if kernel.endswith("_dp4a") and (imma or not dp4a):
                         print(f"FAIL {cu.name} sm_{arch} {kernel}: not an IDP.4A kernel")
                         failed = True

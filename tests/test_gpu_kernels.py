@@ -36,8 +36,12 @@ from eggroll_dist.shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key
 from eggroll_dist.shared.perturb import member_noise, pair_noise
 from eggroll_dist.shared.update import accumulate_z
 from eggroll_dist.worker.backend.cupy_backend import (
+    PAIR_PAD,
     SIGNATURES,
+    STAGE_WORDS,
     TENSOR_CORE_KERNELS,
+    TILE_M,
+    TILE_N,
     Kernels,
 )
 
@@ -73,6 +77,14 @@ def key_dev(cfg: RunConfig, step: int):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def zgemm(k: Kernels, suffix: str, x, w, k_split: int, z) -> None:
+    """z = x w^T through the split-K update GEMM (zeroed first, as the backend does)."""
+    (m, kk), n = x.shape, w.shape[0]
+    k("zero_i32", (cdiv(m * n, 256),), (256,), z, i32(m * n))
+    grid = (cdiv(n, TILE_N), cdiv(m, TILE_M), cdiv(kk // 4, k_split))
+    k("zgemm" + suffix, grid, (256,), x, w, i32(m), i32(n), i32(kk), i32(k_split), z)
 
 
 # ------------------------------------------------------------------------------ noise
@@ -124,18 +136,22 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
     fitness = rng.choice(np.array([-1, 0, 1], dtype=np.int8), size=cfg.pairs)
     want_z = accumulate_z(cfg, step, fitness)
     kind = i32(NOISE_KINDS.index(noise))
-    ppad = cdiv(cfg.pairs, 32) * 32
+    ppad = cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
     for spec in param_specs(cfg.model):
         tid, size = u64(spec.tensor_id), int(np.prod(spec.shape))
         z = poisoned(spec.shape, np.int32)
         if spec.kind == "vector":
-            k(
-                "vector_z",
-                (cdiv(size, 256),),
-                (256,),
-                *(key_dev(cfg, step), tid, i32(size), kind, dev(fitness), i32(cfg.pairs), z),
-            )
-            assert np.array_equal(to_host(z), want_z[spec.name]), spec.name
+            # all pairs in one block row, and pairs split over block rows (atomics)
+            for per, rows in ((cdiv(cfg.pairs, 256) * 256, 1), (16, cdiv(cfg.pairs, 16))):
+                k("zero_i32", (cdiv(size, 256),), (256,), z, i32(size))
+                k(
+                    "vector_z",
+                    (cdiv(size, 256), rows),
+                    (256,),
+                    *(key_dev(cfg, step), tid, i32(size), kind, dev(fitness), i32(cfg.pairs)),
+                    *(i32(per), z),
+                )
+                assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, per)
             continue
         out, inp = spec.shape
         at = poisoned((out, ppad), np.int8)
@@ -156,12 +172,7 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
         want_at[:, : cfg.pairs] = (pn.a[spec.name] * fitness[:, None]).T
         assert np.array_equal(to_host(at), want_at), spec.name
         for suffix in GEMM_SUFFIXES:
-            k(
-                "zgemm" + suffix,
-                (cdiv(inp, 32), cdiv(out, 64)),
-                (256,),
-                *(at, bt, i32(out), i32(inp), i32(ppad), z),
-            )
+            zgemm(k, suffix, at, bt, STAGE_WORDS, z)
             assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, suffix)
 
 
@@ -330,6 +341,56 @@ def test_norm_rowdot_and_loss(k: Kernels) -> None:
     assert np.array_equal(to_host(loss), want)
 
 
+# (M, N, K): several tiles each way with partial edges; K % 16 == 0 takes the 16-byte loads
+# (272: four stages and a partial one), K % 16 != 0 the guarded word loads (100, 36).
+GEMM_SHAPES = [(300, 200, 272), (130, 70, 100), (129, 65, 36)]
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+def test_gemm_tiles_stages_and_k_splits(k: Kernels, suffix: str) -> None:
+    rng = np.random.default_rng(11)
+    for m, n, kk in GEMM_SHAPES:
+        x = rng.integers(-127, 128, size=(m, kk)).astype(np.int8)
+        w = rng.integers(-127, 128, size=(n, kk)).astype(np.int8)
+        want = x.astype(np.int64) @ w.astype(np.int64).T
+        # one stage per block (many splits, the last partial), two stages, all of K in one
+        for k_split in (STAGE_WORDS, 2 * STAGE_WORDS, cdiv(kk // 4, STAGE_WORDS) * STAGE_WORDS):
+            z = poisoned((m, n), np.int32)
+            zgemm(k, suffix, dev(x), dev(w), k_split, z)
+            assert np.array_equal(to_host(z), want), (m, n, kk, k_split)
+
+
+def floor_div_reference(v: np.ndarray, d: int) -> np.ndarray:
+    return np.floor_divide(v, d)  # floors toward -inf, as the reference does
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+def test_mm_epilogue_divides_by_any_divisor(k: Kernels, suffix: str) -> None:
+    """The epilogue's multiply-high floor division equals // for powers of two and others,
+    negative sums included; the rank-1 term carries each member's sign."""
+    rng = np.random.default_rng(12)
+    m, n, kk = GEMM_SHAPES[0]
+    x = rng.integers(-127, 128, size=(m, kk)).astype(np.int8)
+    w = rng.integers(-127, 128, size=(n, kk)).astype(np.int8)
+    a = rng.integers(-127, 128, size=(m // 2, n)).astype(np.int8)
+    xb = rng.integers(-(1 << 20), 1 << 20, size=m).astype(np.int32)
+    acc = x.astype(np.int64) @ w.astype(np.int64).T
+    sign = np.where(np.arange(m) % 2 == 0, 1, -1)[:, None]
+    shift = 5
+    rank1 = (xb.astype(np.int64)[:, None] * sign * np.repeat(a, 2, axis=0)) >> shift
+    for div in (1, 2, 3, 7, 96, 256, 1000, 65537, (1 << 30) + 3):
+        want = np.clip(floor_div_reference(acc + rank1, div), -127, 127)
+        out = poisoned((m, n), np.int8)
+        k(
+            "mm" + suffix,
+            (cdiv(n, TILE_N), cdiv(m, TILE_M)),
+            (256,),
+            *(dev(x), dev(w), dev(xb), dev(a), i32(m), i32(n), i32(kk), i32(shift)),
+            *(i32(div), xp.zeros(0, dtype=xp.int8), out),
+        )
+        assert np.array_equal(to_host(out), want), div
+
+
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
 def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
     cfg = cfg_for(d=36, vocab=70)  # K = 36 (a partial stage), N = 70, M = 70: partial tiles
@@ -347,7 +408,7 @@ def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
             out = dev(res) if residual else poisoned((m, n_out), np.int8)
             k(
                 "mm" + suffix,
-                (cdiv(n_out, 32), cdiv(m, 64)),
+                (cdiv(n_out, TILE_N), cdiv(m, TILE_M)),
                 (256,),
                 *(dev(x), dev(params[name]), xb, dev(pn.a[name]), i32(m), i32(n_out)),
                 *(i32(k_in), i32(4 + cfg.es.sigma_shift), i32(16 * isqrt(k_in))),
@@ -386,7 +447,7 @@ def test_gate_and_candidate(k: Kernels, suffix: str) -> None:
     s_new = s32 + (((f + 127) * (c - s32)) >> 8)
     x_new = np.clip(x + s_new, -127, 127)
     scalars = (i32(m), i32(d), i32(4 + cfg.es.sigma_shift), i32(16 * isqrt(d)))
-    grid = (cdiv(d, 32), cdiv(m, 64))
+    grid = (cdiv(d, TILE_N), cdiv(m, TILE_M))
     f_got, g_got = poisoned((m, d), np.int8), poisoned((m, d), np.int8)
     k(
         "gate" + suffix,

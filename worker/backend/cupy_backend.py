@@ -53,8 +53,12 @@ from .numpy_backend import NumpyBackend
 SOURCE_FILE = "egg.cu"
 ALIGN = 16  # byte alignment of each tensor in the flat weight buffer
 BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
-TILE_M, TILE_N = 64, 32  # output tile of the GEMM kernels
-PAIR_PAD = 32  # the update GEMM's K (pairs) is padded to whole 32-byte stages
+TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
+STAGE_WORDS = 16  # the GEMMs' K stage: 16 words of 4 int8
+PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
+# The update's Z GEMMs split K (the pairs) until about this many blocks run: a 256 x 256 Z
+# is 8 tiles, far too few for a GPU of 100+ multiprocessors.
+Z_GEMM_BLOCKS = 512
 
 # Each kernel's parameters, as the backend passes them: "*dtype" is a device array of that
 # dtype (C-contiguous), "dtype" a NumPy scalar. Checked before every launch.
@@ -62,13 +66,14 @@ I8, I32, I64, U32, U64 = "*int8", "*int32", "*int64", "*uint32", "*uint64"
 _MM = (I8, I8, I32, I8, "int32", "int32", "int32", "int32", "int32", I8, I8)
 _GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I8, I8, I8)
 _CAND = (*_GATE[:-2], I8, I8, I8)
-_ZGEMM = (I8, I8, "int32", "int32", "int32", I32)
+_ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I32)
 _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8),
     "noise_cols": (U64, "uint64", "uint32", "int32", "int32", "int32", I8, "int32", "int32", I8),
     "member_vector": (U64, I64, "uint64", "int32", "int32", I8, "int32", I8),
-    "vector_z": (U64, "uint64", "int32", "int32", I8, "int32", I32),
+    "vector_z": (U64, "uint64", "int32", "int32", I8, "int32", "int32", I32),
+    "zero_i32": (I32, "int32"),
     "embed": (
         I32,
         "int32",
@@ -178,6 +183,22 @@ class Kernels:
                 self._fn[name](grid, block, args)
 
         return replay
+
+
+def z_split(out: int, inp: int, k: int) -> int:
+    """K words per block of the (out x inp, K = k bytes) Z GEMM: whole stages, enough splits
+    for about Z_GEMM_BLOCKS blocks."""
+    stages = _cdiv(k // 4, STAGE_WORDS)
+    splits = min(stages, max(1, Z_GEMM_BLOCKS // (_cdiv(inp, TILE_N) * _cdiv(out, TILE_M))))
+    return _cdiv(stages, splits) * STAGE_WORDS
+
+
+def vector_split(n: int, pairs: int) -> int:
+    """Pairs per block row of vector_z for a length-n vector: whole tiles of BLOCK pairs,
+    enough rows for about Z_GEMM_BLOCKS blocks."""
+    tiles = _cdiv(pairs, BLOCK)
+    splits = min(tiles, max(1, Z_GEMM_BLOCKS // _cdiv(n, BLOCK)))
+    return _cdiv(tiles, splits) * BLOCK
 
 
 def _host(xp: Any, a: Any) -> np.ndarray:
@@ -501,19 +522,23 @@ class CupyBackend:
                         *(self._step_key, tid, np.uint32(start), np.int32(count)),
                         *(np.int32(keep), kind, weight, np.int32(pairs), np.int32(ppad), dst),
                     )
+                k_split = z_split(out, inp, ppad)
+                k("zero_i32", (_cdiv(size, BLOCK),), (BLOCK,), z, np.int32(size))
                 k(
                     "zgemm" + self.suffix,
-                    (_cdiv(inp, TILE_N), _cdiv(out, TILE_M)),
+                    (_cdiv(inp, TILE_N), _cdiv(out, TILE_M), _cdiv(ppad // 4, k_split)),
                     (BLOCK,),
-                    *(at, bt, np.int32(out), np.int32(inp), np.int32(ppad), z),
+                    *(at, bt, np.int32(out), np.int32(inp), np.int32(ppad), np.int32(k_split), z),
                 )
             else:
+                per = vector_split(size, pairs)
+                k("zero_i32", (_cdiv(size, BLOCK),), (BLOCK,), z, np.int32(size))
                 k(
                     "vector_z",
-                    (_cdiv(size, BLOCK),),
+                    (_cdiv(size, BLOCK), _cdiv(pairs, per)),
                     (BLOCK,),
                     *(self._step_key, tid, np.int32(size), kind, self._fitness),
-                    *(np.int32(pairs), z),
+                    *(np.int32(pairs), np.int32(per), z),
                 )
             w, n, grid = self.w[spec.name].reshape(-1), np.int32(size), (_cdiv(size, BLOCK),)
             opt = {kind: self.opt[f"{kind}.{spec.name}"].reshape(-1) for kind in self._opt_flat}

@@ -19,9 +19,27 @@ typedef signed char i8;
 
 #define CLIP8(v) ((v) < -127 ? -127 : ((v) > 127 ? 127 : (v)))
 
-// floor(v / d) for d > 0 (C division truncates toward zero; the reference floors).
-__device__ __forceinline__ int floor_div(int v, int d) {
-  return v >= 0 ? v / d : -((-v + d - 1) / d);
+// floor(v / d) for a fixed d >= 1 without a division per element: a multiply-high by d's
+// magic number on |v| folded to unsigned (v ^ (v >> 31) is v, or -v - 1 for v < 0, and
+// floor(v / d) = -1 - floor((-v - 1) / d) there). Granlund and Montgomery's round-up method,
+// exact for every 32-bit unsigned numerator.
+struct Divisor {
+  u32 magic;
+  int s1, s2;
+};
+
+__device__ __forceinline__ Divisor make_divisor(int d) {
+  int l = 32 - __clz(d - 1);  // ceil(log2 d)
+  u64 magic = ((((u64)1 << l) - (u64)d) << 32) / (u64)d + 1;
+  Divisor q = {(u32)magic, l < 1 ? l : 1, l > 1 ? l - 1 : 0};
+  return q;
+}
+
+__device__ __forceinline__ int floor_by(int v, Divisor q) {
+  int s = v >> 31;
+  u32 u = (u32)(v ^ s);
+  u32 t = __umulhi(q.magic, u);
+  return (int)((t + ((u - t) >> q.s1)) >> q.s2) ^ s;
 }
 
 // ------------------------------------------------------------------ hardware helpers
@@ -41,6 +59,51 @@ __device__ __forceinline__ void mma_s8_16832(int d[4], const u32 a[4], const u32
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Four 8 x 8 matrices of 16-bit elements from shared memory (LDSM.x4): lane L gives the
+// 16-byte row L % 8 of matrix L / 8; lane 4 g + t receives word t of row g of matrix i in
+// r[i]. Exactly an m16n8k32 A fragment (or two B fragments) from row-major int8 tiles.
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const u32* row) {
+#ifdef __CUDAEMU__
+  int lane = threadIdx.x & 31;
+  for (int i = 0; i < 4; i++) {
+    const u32* src = __shfl_sync(0xffffffffu, row, 8 * i + (lane >> 2));
+    r[i] = src[lane & 3];
+  }
+#else
+  u32 addr = (u32)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+#endif
+}
+
+// 16 bytes global -> shared without passing through registers (cp.async), the bytes past
+// `bytes` (0 or 16) zero-filled. Completed by cp_wait (this thread's copies) and then a
+// barrier (everyone's). The CPU twin copies at once, which is what a waited copy looks like.
+__device__ __forceinline__ void cp_async16(u32* dst, const u32* src, int bytes) {
+#ifdef __CUDAEMU__
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (bytes) v = *(const uint4*)src;
+  *(uint4*)dst = v;
+#else
+  u32 d = (u32)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_commit() {
+#ifndef __CUDAEMU__
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int PENDING>
+__device__ __forceinline__ void cp_wait() {  // all but the last PENDING groups have landed
+#ifndef __CUDAEMU__
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 #endif
 }
 
@@ -124,28 +187,32 @@ extern "C" __global__ void member_vector(const u64* base, const long long* pairs
   }
 }
 
-// Z[j] = sum_p fitness[p] u1_p[j] u2_p[j] over all pairs, for a vector parameter of length n.
-// Launch: grid (ceil(n / 256)), block (256); each block walks the pairs 256 at a time, the
-// keys of a tile computed once (one per thread) and shared.
+// Z[j] += sum_p fitness[p] u1_p[j] u2_p[j] over pairs [y per, (y + 1) per) for block row y,
+// for a vector parameter of length n; z starts zeroed (zero_i32) and the block rows add with
+// integer atomics (exact in any order), so a short vector still spreads over the device.
+// Launch: grid (ceil(n / 256), ceil(pairs / per)), block (256); the backend makes per whole
+// tiles of 256 pairs, each block walking its pairs a tile at a time, a tile's keys computed
+// once (one per thread) and shared.
 extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int kind,
-                                    const i8* fitness, int pairs, int* z) {
+                                    const i8* fitness, int pairs, int per, int* z) {
   __shared__ u64 keys[256];
   __shared__ int fit[256];
   int j = blockIdx.x * blockDim.x + threadIdx.x;
+  int begin = blockIdx.y * per, end = min(pairs, begin + per);
   int acc = 0;
-  for (int p0 = 0; p0 < pairs; p0 += 256) {
+  for (int p0 = begin; p0 < end; p0 += 256) {
     int p = p0 + threadIdx.x;
-    fit[threadIdx.x] = p < pairs ? fitness[p] : 0;
+    fit[threadIdx.x] = p < end ? fitness[p] : 0;
     keys[threadIdx.x] = pair_key(*base, (u64)p, tensor_id);
     __syncthreads();
-    int tile = min(256, pairs - p0);
+    int tile = min(256, end - p0);
     if (j < n)
       for (int q = 0; q < tile; q++)
         if (fit[q])
           acc += fit[q] * noise_value(keys[q], j, kind) * noise_value(keys[q], n + j, kind);
     __syncthreads();
   }
-  if (j < n) z[j] = acc;
+  if (j < n && acc) atomicAdd(z + j, acc);
 }
 
 // --------------------------------------------------------------- the forward pass
@@ -182,9 +249,9 @@ extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* 
   int total = 0;
   for (int k = lane; k < D; k += 32) total += xr[k] < 0 ? -xr[k] : xr[k];
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  int mav = max(total / D, 1);
+  Divisor mav = make_divisor(max(total / D, 1));  // one reciprocal per row, not per element
   for (int k = lane; k < D; k += 32) {
-    int q = floor_div(xr[k] * wr[k], mav);
+    int q = floor_by(xr[k] * wr[k], mav);
     out[(long long)row * D + k] = (i8)CLIP8(q);
   }
 }
@@ -204,94 +271,195 @@ extern "C" __global__ void rowdot(const i8* x, const i8* b, int M, int K, int* x
 }
 
 // ------------------------------------------------------------- the int8 GEMM core
-// acc = x (M x K) . w (N x K)^T for one 64 x 32 output tile per block of 256 threads (8 warps),
-// K in stages of 32 bytes through shared memory, zero-padded past M, N and K (K % 4 == 0).
-// Each thread owns 8 accumulators; tile_pos says where accumulator i sits in the tile:
-//   tensor cores: warp w holds rows 16 (w % 4) + [0, 16) and columns 16 (w / 4) + [0, 16) as
-//                 two m16n8 fragments (j = i / 4), d[i % 4] in the mma layout;
-//   dp4a twin:    thread t holds column t % 32 of rows t / 32 + 8 i.
-#define TILE_M 64
-#define TILE_N 32
-#define STAGE_W 8  // K words (4 int8 each) per stage
+// acc = x (M x K) . w (N x K)^T over K words [kw_begin, kw_end) for one 128 x 64 output tile
+// per block of 256 threads (8 warps), zero-padded past M, N and kw_end (K % 4 == 0).
+// K moves through shared memory in stages of 64 bytes, three buffers deep: two stages are in
+// flight (cp.async) while the warps multiply the third, one barrier per stage. Fragments come
+// from shared memory by ldmatrix. The asynchronous 16-byte copies need every row 16-byte
+// aligned (K % 16 == 0 and aligned bases); otherwise each piece is four guarded 4-byte loads.
+// Each thread owns 32 accumulators; tile_pos says where accumulator i sits in the tile:
+//   tensor cores: warp w holds rows 32 (w % 4) + [0, 32) and columns 32 (w / 4) + [0, 32) as
+//                 2 x 4 m16n8 fragments (i = 16 mi + 4 nj + d), d in the mma layout;
+//   dp4a twin:    thread t holds column t % 64 of rows t / 64 + 4 i.
+#define TILE_M 128
+#define TILE_N 64
+#define STAGE_W 16          // K words (4 int8 each) per stage: two m16n8k32 steps
+#define ROW_W (STAGE_W + 4)  // +4 words per row: ldmatrix's 8 rows hit 32 distinct banks
+#define STAGES 3            // shared-memory buffers: two stages load while one multiplies
+#define ACC 32
 
 template <bool TC>
 __device__ __forceinline__ void tile_pos(int i, int& r, int& c) {
   int tid = threadIdx.x;
   if (TC) {
     int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3, d = i & 3;
-    r = (warp & 3) * 16 + g + 8 * (d >> 1);
-    c = (warp >> 2) * 16 + (i >> 2) * 8 + 2 * t + (d & 1);
+    r = (warp & 3) * 32 + (i >> 4) * 16 + g + 8 * (d >> 1);
+    c = (warp >> 2) * 32 + ((i >> 2) & 3) * 8 + 2 * t + (d & 1);
   } else {
-    r = (tid >> 5) + 8 * i;
-    c = tid & 31;
+    r = (tid >> 6) + 4 * i;
+    c = tid & 63;
+  }
+}
+
+// Accumulator i's output (m, n) in the M x N result; false past its edges.
+template <bool TC>
+__device__ __forceinline__ bool tile_out(int i, int M, int N, int& m, int& n) {
+  int r, c;
+  tile_pos<TC>(i, r, c);
+  m = blockIdx.y * TILE_M + r;
+  n = blockIdx.x * TILE_N + c;
+  return m < M && n < N;
+}
+
+// Four K words of `row` from word kw on; zero past `rows` and past kw_end (vec: kw_end and
+// kw are multiples of 4, so a piece is all in or all out).
+__device__ __forceinline__ uint4 load_piece(const u32* base, int rows, int row, int kwords,
+                                            int kw, int kw_end, bool vec) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (row < rows && kw < kw_end) {
+    const u32* p = base + (long long)row * kwords + kw;
+    if (vec) {
+      v = *(const uint4*)p;
+    } else {
+      v.x = p[0];
+      if (kw + 1 < kw_end) v.y = p[1];
+      if (kw + 2 < kw_end) v.z = p[2];
+      if (kw + 3 < kw_end) v.w = p[3];
+    }
+  }
+  return v;
+}
+
+// acc += the stage in X (TILE_M rows) and W (TILE_N rows), STAGE_W words each.
+template <bool TC>
+__device__ __forceinline__ void stage_mma(const u32 (*X)[ROW_W], const u32 (*W)[ROW_W],
+                                          int acc[ACC]) {
+  int tid = threadIdx.x;
+  if (TC) {
+    int warp = tid >> 5, lane = tid & 31;
+    // this lane's row of the ldmatrix loads: A (x) rows 32 (warp % 4) + [0, 32), B (w) rows
+    // 32 (warp / 4) + [0, 32), as ldsm_x4 wants them for whole fragments
+    int arow = (warp & 3) * 32 + 8 * ((lane >> 3) & 1) + (lane & 7), aword = 4 * (lane >> 4);
+    int brow = (warp >> 2) * 32 + 8 * (lane >> 4) + (lane & 7), bword = 4 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int ks = 0; ks < STAGE_W; ks += 8) {
+      u32 af[2][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; mi++) ldsm_x4(af[mi], X[arow + 16 * mi] + ks + aword);
+#pragma unroll
+      for (int np = 0; np < 2; np++) {
+        u32 r[4];
+        ldsm_x4(r, W[brow + 16 * np] + ks + bword);
+        bf[2 * np][0] = r[0];
+        bf[2 * np][1] = r[1];
+        bf[2 * np + 1][0] = r[2];
+        bf[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++) mma_s8_16832(acc + 16 * mi + 4 * nj, af[mi], bf[nj]);
+    }
+  } else {
+    int r0 = tid >> 6, c = tid & 63;
+#pragma unroll 4
+    for (int k = 0; k < STAGE_W; k++) {
+      int wv = (int)W[c][k];
+#pragma unroll
+      for (int i = 0; i < ACC; i++) acc[i] = dp4a_s8((int)X[r0 + 4 * i][k], wv, acc[i]);
+    }
+  }
+}
+
+// This thread's three pieces of the stage at word kw into X, W: rows lr and lr + 64 of x,
+// row lr of w, words lq.. of the stage. Asynchronous on the 16-byte path, plain loads else.
+template <bool VEC>
+__device__ __forceinline__ void load_stage(u32 (*X)[ROW_W], u32 (*W)[ROW_W], const u32* xw,
+                                           const u32* ww, int M, int N, int m0, int n0,
+                                           int kwords, int kw, int kw_end) {
+  int lr = threadIdx.x >> 2, lq = (threadIdx.x & 3) * 4;
+  u32* dst[3] = {&X[lr][lq], &X[lr + 64][lq], &W[lr][lq]};
+  const u32* base[3] = {xw, xw, ww};
+  int rows[3] = {M, M, N}, row[3] = {m0 + lr, m0 + lr + 64, n0 + lr};
+#pragma unroll
+  for (int i = 0; i < 3; i++) {
+    if (VEC) {
+      bool in = row[i] < rows[i] && kw + lq < kw_end;
+      cp_async16(dst[i], in ? base[i] + (long long)row[i] * kwords + kw + lq : base[i],
+                 in ? 16 : 0);
+    } else {
+      *(uint4*)dst[i] = load_piece(base[i], rows[i], row[i], kwords, kw + lq, kw_end, false);
+    }
+  }
+}
+
+// The main loop, its load path fixed at compile time (VEC: cp.async 16-byte pieces).
+template <bool TC, bool VEC>
+__device__ __forceinline__ void tile_loop(u32 (*xs)[TILE_M][ROW_W], u32 (*ws)[TILE_N][ROW_W],
+                                          const u32* xw, const u32* ww, int M, int N, int K,
+                                          int kw_begin, int kw_end, int acc[ACC]) {
+  int kwords = K / 4, m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N;
+  int n_stages = (kw_end - kw_begin + STAGE_W - 1) / STAGE_W;
+#pragma unroll
+  for (int i = 0; i < ACC; i++) acc[i] = 0;
+  // STAGES - 1 stages in flight ahead of the one being multiplied; one group per stage
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < n_stages)
+      load_stage<VEC>(xs[s], ws[s], xw, ww, M, N, m0, n0, kwords, kw_begin + s * STAGE_W,
+                      kw_end);
+    cp_commit();
+  }
+  for (int s = 0; s < n_stages; s++) {
+    cp_wait<STAGES - 2>();  // stage s has landed for this thread,
+    __syncthreads();        // for all threads; and stage s - 1's buffer is no longer read
+    int ahead = s + STAGES - 1;
+    if (ahead < n_stages)
+      load_stage<VEC>(xs[ahead % STAGES], ws[ahead % STAGES], xw, ww, M, N, m0, n0, kwords,
+                      kw_begin + ahead * STAGE_W, kw_end);
+    cp_commit();
+    stage_mma<TC>(xs[s % STAGES], ws[s % STAGES], acc);
   }
 }
 
 template <bool TC>
-__device__ void tile_gemm(const i8* x, const i8* w, int M, int N, int K, int acc[8]) {
-  // +4 words of padding per row spread the fragment reads over the shared-memory banks.
-  __shared__ u32 xs[TILE_M][STAGE_W + 4];
-  __shared__ u32 ws[TILE_N][STAGE_W + 4];
-  int tid = threadIdx.x;
-  int m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N, kwords = K / 4;
+__device__ void tile_gemm(const i8* x, const i8* w, int M, int N, int K, int kw_begin,
+                          int kw_end, int acc[ACC]) {
+  __shared__ __align__(16) u32 xs[STAGES][TILE_M][ROW_W];
+  __shared__ __align__(16) u32 ws[STAGES][TILE_N][ROW_W];
   const u32* xw = (const u32*)x;
   const u32* ww = (const u32*)w;
-  for (int i = 0; i < 8; i++) acc[i] = 0;
-  for (int kw0 = 0; kw0 < kwords; kw0 += STAGE_W) {
-    for (int e = tid; e < TILE_M * STAGE_W; e += 256) {
-      int r = e / STAGE_W, c = e % STAGE_W, kw = kw0 + c;
-      xs[r][c] = (m0 + r < M && kw < kwords) ? xw[(long long)(m0 + r) * kwords + kw] : 0u;
-    }
-    {
-      int r = tid / STAGE_W, c = tid % STAGE_W, kw = kw0 + c;
-      ws[r][c] = (n0 + r < N && kw < kwords) ? ww[(long long)(n0 + r) * kwords + kw] : 0u;
-    }
-    __syncthreads();
-    if (TC) {
-      int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
-      int r0 = (warp & 3) * 16 + g;
-      u32 af[4] = {xs[r0][t], xs[r0 + 8][t], xs[r0][t + 4], xs[r0 + 8][t + 4]};
-      for (int j = 0; j < 2; j++) {
-        int nr = (warp >> 2) * 16 + j * 8 + g;
-        u32 bf[2] = {ws[nr][t], ws[nr][t + 4]};
-        mma_s8_16832(acc + 4 * j, af, bf);
-      }
-    } else {
-      int r0 = tid >> 5, c = tid & 31;
-      for (int k = 0; k < STAGE_W; k++) {
-        int wv = (int)ws[c][k];
-        for (int i = 0; i < 8; i++) acc[i] = dp4a_s8((int)xs[r0 + 8 * i][k], wv, acc[i]);
-      }
-    }
-    __syncthreads();
-  }
+  if ((K & 15) == 0 && (((unsigned long long)x | (unsigned long long)w) & 15) == 0)
+    tile_loop<TC, true>(xs, ws, xw, ww, M, N, K, kw_begin, kw_end, acc);
+  else
+    tile_loop<TC, false>(xs, ws, xw, ww, M, N, K, kw_begin, kw_end, acc);
+  __syncthreads();  // the buffers are free for the kernel's next tile_gemm
 }
 
 // MM(x, W) of the reference for output (m, n), from the base GEMM's accumulator:
 // clip(floor((acc + ((xb[m] * sign * a[m >> 1, n]) >> shift)) / div)).
 __device__ __forceinline__ int egg_mm(int acc, const int* xb, const i8* a, int m, int n, int N,
-                                      int shift, int div) {
+                                      int shift, Divisor div) {
   int am = a[(long long)(m >> 1) * N + n];
   int v = acc + ((xb[m] * ((m & 1) ? -am : am)) >> shift);
-  int q = floor_div(v, div);
+  int q = floor_by(v, div);
   return CLIP8(q);
 }
 
 // out = clip(res + MM(x, W)) where res is given (the residual of W2), else MM(x, W).
 // x (M, K), w (N, K), xb (M), a (P, N), res/out (M, N); res may be out itself.
-// Launch: grid (ceil(N / 32), ceil(M / 64)), block (256).
+// Launch: grid (ceil(N / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
 __device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int M, int N,
                         int K, int shift, int div, const i8* res, i8* out) {
-  int acc[8];
-  tile_gemm<TC>(x, w, M, N, K, acc);
-  for (int i = 0; i < 8; i++) {
-    int r, c;
-    tile_pos<TC>(i, r, c);
-    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
-    if (m < M && n < N) {
+  int acc[ACC];
+  tile_gemm<TC>(x, w, M, N, K, 0, K / 4, acc);
+  Divisor q = make_divisor(div);
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    int m, n;
+    if (tile_out<TC>(i, M, N, m, n)) {
       long long o = (long long)m * N + n;
-      int v = egg_mm(acc[i], xb, a, m, n, N, shift, div);
+      int v = egg_mm(acc[i], xb, a, m, n, N, shift, q);
       if (res) v = CLIP8(res[o] + v);
       out[o] = (i8)v;
     }
@@ -300,22 +468,22 @@ __device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, in
 
 // The gate of a layer: f = clip(MM(h, Wf) + MM(s, Uf) + bf_m), g = ((f + 127) s) >> 8.
 // h, s (M, D); wf, uf (D, D); bias (M, D) the members' bf; f, g out (M, D).
-// Launch: grid (ceil(D / 32), ceil(M / 64)), block (256).
+// Launch: grid (ceil(D / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
 __device__ void gate_body(const i8* h, const i8* wf, const int* xbh, const i8* af,
                           const i8* s, const i8* uf, const int* xbs, const i8* au, int M,
                           int D, int shift, int div, const i8* bias, i8* f, i8* g) {
-  int acc_h[8], acc_s[8];
-  tile_gemm<TC>(h, wf, M, D, D, acc_h);
-  tile_gemm<TC>(s, uf, M, D, D, acc_s);
-  for (int i = 0; i < 8; i++) {
-    int r, c;
-    tile_pos<TC>(i, r, c);
-    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
-    if (m < M && n < D) {
+  int acc_h[ACC], acc_s[ACC];
+  tile_gemm<TC>(h, wf, M, D, D, 0, D / 4, acc_h);
+  tile_gemm<TC>(s, uf, M, D, D, 0, D / 4, acc_s);
+  Divisor q = make_divisor(div);
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    int m, n;
+    if (tile_out<TC>(i, M, D, m, n)) {
       long long o = (long long)m * D + n;
-      int fv = egg_mm(acc_h[i], xbh, af, m, n, D, shift, div) +
-               egg_mm(acc_s[i], xbs, au, m, n, D, shift, div) + bias[o];
+      int fv = egg_mm(acc_h[i], xbh, af, m, n, D, shift, q) +
+               egg_mm(acc_s[i], xbs, au, m, n, D, shift, q) + bias[o];
       fv = CLIP8(fv);
       f[o] = (i8)fv;
       g[o] = (i8)(((fv + 127) * s[o]) >> 8);
@@ -325,23 +493,23 @@ __device__ void gate_body(const i8* h, const i8* wf, const int* xbh, const i8* a
 
 // The candidate and the new state: c = clip(MM(h, Wh) + MM(g, Uh) + bh_m),
 // s += ((f + 127) (c - s)) >> 8, x = clip(x + s). s and x are updated in place.
-// Launch: grid (ceil(D / 32), ceil(M / 64)), block (256).
+// Launch: grid (ceil(D / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
 __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* ah,
                           const i8* g, const i8* uh, const int* xbg, const i8* au, int M,
                           int D, int shift, int div, const i8* bias, const i8* f, i8* s,
                           i8* x) {
-  int acc_h[8], acc_g[8];
-  tile_gemm<TC>(h, wh, M, D, D, acc_h);
-  tile_gemm<TC>(g, uh, M, D, D, acc_g);
-  for (int i = 0; i < 8; i++) {
-    int r, c;
-    tile_pos<TC>(i, r, c);
-    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
-    if (m < M && n < D) {
+  int acc_h[ACC], acc_g[ACC];
+  tile_gemm<TC>(h, wh, M, D, D, 0, D / 4, acc_h);
+  tile_gemm<TC>(g, uh, M, D, D, 0, D / 4, acc_g);
+  Divisor q = make_divisor(div);
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    int m, n;
+    if (tile_out<TC>(i, M, D, m, n)) {
       long long o = (long long)m * D + n;
-      int cv = egg_mm(acc_h[i], xbh, ah, m, n, D, shift, div) +
-               egg_mm(acc_g[i], xbg, au, m, n, D, shift, div) + bias[o];
+      int cv = egg_mm(acc_h[i], xbh, ah, m, n, D, shift, q) +
+               egg_mm(acc_g[i], xbg, au, m, n, D, shift, q) + bias[o];
       cv = CLIP8(cv);
       int sv = s[o];
       sv += ((f[o] + 127) * (cv - sv)) >> 8;
@@ -352,22 +520,31 @@ __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* a
   }
 }
 
-// The update's GEMM: z = x (M x K) . w (N x K)^T, raw int32 (M, N).
-// Launch: grid (ceil(N / 32), ceil(M / 64)), block (256).
+// The update's GEMM: z += x (M x K) . w (N x K)^T, raw int32 (M, N), split over K: block z
+// of the grid sums K words [z k_split, (z + 1) k_split) and adds its tile into z with integer
+// atomics (exact and order-free), so a small output still fills the device. k_split is a
+// multiple of STAGE_W; z starts zeroed (zero_i32).
+// Launch: grid (ceil(N / TILE_N), ceil(M / TILE_M), ceil(K / 4 / k_split)), block (256).
 template <bool TC>
-__device__ void zgemm_body(const i8* x, const i8* w, int M, int N, int K, int* z) {
-  int acc[8];
-  tile_gemm<TC>(x, w, M, N, K, acc);
-  for (int i = 0; i < 8; i++) {
-    int r, c;
-    tile_pos<TC>(i, r, c);
-    int m = blockIdx.y * TILE_M + r, n = blockIdx.x * TILE_N + c;
-    if (m < M && n < N) z[(long long)m * N + n] = acc[i];
+__device__ void zgemm_body(const i8* x, const i8* w, int M, int N, int K, int k_split, int* z) {
+  int acc[ACC];
+  int kw_begin = blockIdx.z * k_split, kw_end = min(K / 4, kw_begin + k_split);
+  tile_gemm<TC>(x, w, M, N, K, kw_begin, kw_end, acc);
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    int m, n;
+    if (tile_out<TC>(i, M, N, m, n)) atomicAdd(z + (long long)m * N + n, acc[i]);
   }
 }
 
+// z[0, n) = 0. Launch: grid (ceil(n / 256)), block (256).
+extern "C" __global__ void zero_i32(int* z, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) z[i] = 0;
+}
+
 // Tensor-core kernels (suffix _tc) and their __dp4a twins (suffix _dp4a): same arguments,
-// same launch shape, same results.
+// same launch shape, same results. 256 threads a block (__launch_bounds__: no spills).
 #define MM_PARAMS                                                                         \
   const i8 *x, const i8 *w, const int *xb, const i8 *a, int M, int N, int K, int shift, \
       int div, const i8 *res, i8 *out
@@ -379,28 +556,28 @@ __device__ void zgemm_body(const i8* x, const i8* w, int M, int N, int K, int* z
   const i8 *h, const i8 *wh, const int *xbh, const i8 *ah, const i8 *g, const i8 *uh, \
       const int *xbg, const i8 *au, int M, int D, int shift, int div, const i8 *bias,  \
       const i8 *f, i8 *s, i8 *x
-#define ZGEMM_PARAMS const i8 *x, const i8 *w, int M, int N, int K, int *z
+#define ZGEMM_PARAMS const i8 *x, const i8 *w, int M, int N, int K, int k_split, int *z
 
-extern "C" __global__ void mm_tc(MM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) mm_tc(MM_PARAMS) {
   mm_body<true>(x, w, xb, a, M, N, K, shift, div, res, out);
 }
-extern "C" __global__ void mm_dp4a(MM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) mm_dp4a(MM_PARAMS) {
   mm_body<false>(x, w, xb, a, M, N, K, shift, div, res, out);
 }
-extern "C" __global__ void gate_tc(GATE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) gate_tc(GATE_PARAMS) {
   gate_body<true>(h, wf, xbh, af, s, uf, xbs, au, M, D, shift, div, bias, f, g);
 }
-extern "C" __global__ void gate_dp4a(GATE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) gate_dp4a(GATE_PARAMS) {
   gate_body<false>(h, wf, xbh, af, s, uf, xbs, au, M, D, shift, div, bias, f, g);
 }
-extern "C" __global__ void cand_tc(CAND_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) cand_tc(CAND_PARAMS) {
   cand_body<true>(h, wh, xbh, ah, g, uh, xbg, au, M, D, shift, div, bias, f, s, x);
 }
-extern "C" __global__ void cand_dp4a(CAND_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) cand_dp4a(CAND_PARAMS) {
   cand_body<false>(h, wh, xbh, ah, g, uh, xbg, au, M, D, shift, div, bias, f, s, x);
 }
-extern "C" __global__ void zgemm_tc(ZGEMM_PARAMS) { zgemm_body<true>(x, w, M, N, K, z); }
-extern "C" __global__ void zgemm_dp4a(ZGEMM_PARAMS) { zgemm_body<false>(x, w, M, N, K, z); }
+extern "C" __global__ void __launch_bounds__(256) zgemm_tc(ZGEMM_PARAMS) { zgemm_body<true>(x, w, M, N, K, k_split, z); }
+extern "C" __global__ void __launch_bounds__(256) zgemm_dp4a(ZGEMM_PARAMS) { zgemm_body<false>(x, w, M, N, K, k_split, z); }
 
 // ------------------------------------------------------------------------- the loss
 
