@@ -8,7 +8,7 @@
 2. memcheck, racecheck: the kernel tests under compute-sanitizer;
 3. mixed run: a coordinator and two workers on loopback, one CuPy and one NumPy, for a few
    steps of a small config, the second worker started once the first has joined; the
-   replica digests of both must agree on at least half the steps, and any DIVERGED or
+   replica digests of both must agree on at least MIN_AGREED steps, and any DIVERGED or
    disagreeing digest fails the check;
 4. bench: scripts/bench_gpu.py.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARITY_TESTS = ["tests/test_gpu_kernels.py", "tests/test_cupy_backend.py"]
+MIN_AGREED = 5  # steps whose digest both workers reported, at the least
 MIXED_CONFIG = """\
 preset = "tiny"
 [es]
@@ -167,8 +168,9 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool
     diverged = any("DIVERGED" in body or "diverged" in body for body in text.values())
     diverged |= "digests disagree" in text["coordinator"]
     joined = all(f'"worker": "{b}-{i}"' in text["coordinator"] for i, b in enumerate(backends))
-    # A digest is agreed once two workers report it: every step after the second joined.
-    ok = coord.returncode == 0 and not diverged and joined and len(digests) >= steps // 2
+    # A digest is agreed once two workers report it, so only steps after the second joined
+    # count; how many depends on how fast the first worker is.
+    ok = coord.returncode == 0 and not diverged and joined and len(digests) >= MIN_AGREED
     detail = (
         f"{len(digests)} agreed digests, backends {'+'.join(backends)}, "
         f"{'DIVERGED' if diverged else 'no divergence'}, "

@@ -53,6 +53,8 @@ __device__ __forceinline__ int dp4a_s8(int a, int b, int c) { return __dp4a(a, b
 __device__ __forceinline__ void mma_s8_16832(int d[4], const u32 a[4], const u32 b[2]) {
 #ifdef __CUDAEMU__
   cudaemu_mma_m16n8k32_s8(d, a, b);
+#elif __CUDA_ARCH__ < 800
+  __trap();  // the _tc kernels are never launched below sm_80 (the backend takes _dp4a)
 #else
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -72,6 +74,8 @@ __device__ __forceinline__ void ldsm_x4(u32 r[4], const u32* row) {
     const u32* src = __shfl_sync(0xffffffffu, row, 8 * i + (lane >> 2));
     r[i] = src[lane & 3];
   }
+#elif __CUDA_ARCH__ < 800
+  __trap();  // only the _tc kernels load fragments, and they need sm_80
 #else
   u32 addr = (u32)__cvta_generic_to_shared(row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -85,7 +89,7 @@ __device__ __forceinline__ void ldsm_x4(u32 r[4], const u32* row) {
 // `bytes` (0 or 16) zero-filled. Completed by cp_wait (this thread's copies) and then a
 // barrier (everyone's). The CPU twin copies at once, which is what a waited copy looks like.
 __device__ __forceinline__ void cp_async16(u32* dst, const u32* src, int bytes) {
-#ifdef __CUDAEMU__
+#if defined(__CUDAEMU__) || __CUDA_ARCH__ < 800  // before sm_80: a plain copy
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (bytes) v = *(const uint4*)src;
   *(uint4*)dst = v;
@@ -96,13 +100,13 @@ __device__ __forceinline__ void cp_async16(u32* dst, const u32* src, int bytes) 
 #endif
 }
 __device__ __forceinline__ void cp_commit() {
-#ifndef __CUDAEMU__
+#if !defined(__CUDAEMU__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 template <int PENDING>
 __device__ __forceinline__ void cp_wait() {  // all but the last PENDING groups have landed
-#ifndef __CUDAEMU__
+#if !defined(__CUDAEMU__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 #endif
 }
