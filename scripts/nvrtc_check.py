@@ -124,7 +124,7 @@ def perf_model(sass: str) -> dict[str, float]:
     index = {addr: i for i, (addr, _) in enumerate(insns)}
     loops = []
     for i, (addr, op) in enumerate(insns):
-        branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", op)
+        branch = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", op)
         if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
             body = insns[index[int(branch.group(1), 16)] : i + 1]
             imma = sum("IMMA" in o for _, o in body)
@@ -142,7 +142,7 @@ def resident_warps(arch: str, regs: int, smem: int) -> int:
     """Warps per SM that fit by registers (allocated per warp in 256s) and shared memory
     (plus the 1 KB the driver reserves per block)."""
     reg_file, smem_sm, warps = SM_LIMITS.get(arch, SM_LIMITS["90"])
-    per_warp = -(-regs * 32 // 256) * 256
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
     blocks = min(reg_file // (per_warp * BLOCK // 32), smem_sm // (smem + 1024))
     return min(blocks * BLOCK // 32, warps)
 

@@ -419,8 +419,11 @@ def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
 
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-def test_gate_and_candidate(k: Kernels, suffix: str) -> None:
-    cfg = cfg_for(d=68)  # two N tiles, the second partial
+@pytest.mark.parametrize("d", [68, 208])
+def test_gate_and_candidate(k: Kernels, suffix: str, d: int) -> None:
+    # 68: two N tiles, the second partial, word loads over two stages; 208: 16-byte loads
+    # over four stages, so both GEMMs of one kernel rotate the three buffers
+    cfg = cfg_for(d=d)
     pairs, params, pn, mn = member_batch(cfg)
     d, m = cfg.model.d_model, 2 * len(pairs)
     model = EggModel(cfg, params)
