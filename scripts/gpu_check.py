@@ -1,19 +1,34 @@
-"""Everything a GPU machine must confirm about the CuPy backend, in one command.
+"""A verdict on the CuPy backend from a bare GPU machine: two commands of at most 9 minutes.
 
-    python scripts/gpu_check.py LOG_DIR [--skip-bench] [--mixed-backends cupy numpy]
+Here, on a machine that reaches the package registries, once:
 
-1. parity: the kernel and backend parity tests (tests/test_gpu_kernels.py,
-   tests/test_cupy_backend.py) against real CuPy (EGGROLL_KERNEL_TARGET=cupy): this is what
-   confirms the emulated mma fragment layout and __dp4a against the chip;
-2. memcheck, racecheck: the kernel tests under compute-sanitizer;
-3. mixed run: a coordinator and two workers on loopback, one CuPy and one NumPy, for a few
-   steps of a small config, the second worker started once the first has joined; the
-   replica digests of both must agree on at least MIN_AGREED steps, and any DIVERGED or
-   disagreeing digest fails the check;
-4. bench: scripts/bench_gpu.py.
+    python scripts/gpu_check.py wheelhouse WHEELS
 
-Each part writes its log to LOG_DIR/<part>.log; one summary table is printed at the end and
-the exit status is 1 if any part failed. Needs the `gpu` and `test` extras installed.
+writes the project's wheel and the small dependencies a GPU image without network may lack
+(for CPython 3.12 on x86-64 Linux; numpy, CuPy and PyTorch are the image's own) into
+WHEELS, under 64 MiB. Carry WHEELS and the checkout to the GPU machine, then:
+
+    python3 scripts/gpu_check.py verdict LOG_DIR --wheels WHEELS   # about 1 min, 9 at most
+    python3 scripts/gpu_check.py bench LOG_DIR --wheels WHEELS     # 9 min at most
+
+Each part runs under its own deadline and its result is printed the moment it is known;
+its log goes to LOG_DIR/<part>.log. The verdict's parts:
+
+  install    the wheels into LOG_DIR/site (no network, no dependency resolution)
+  preflight  device, driver, CUDA runtime, NVRTC, CuPy, and the kernels compiled; without a
+             device it prints one line and the command exits 2
+  parity     tests/test_gpu_kernels.py and tests/test_cupy_backend.py on the device
+             (EGGROLL_KERNEL_TARGET=cupy): the emulated mma, ldmatrix, cp.async and __dp4a
+             against the chip
+  chunk      three steps of a 2-layer, width-256 model (the GEMMs' 16-byte path, several
+             tiles) on the device against the NumPy backend: fitness, loss sums, digests
+  mixed      a coordinator, a CuPy and a NumPy worker on loopback; at least MIN_AGREED
+             agreed step digests, and any DIVERGED or disagreeing digest fails
+  memcheck, racecheck, initcheck, synccheck
+             the kernel tests under compute-sanitizer, with CuPy's memory pool off so that
+             every array is its own allocation
+
+`bench` runs scripts/bench_gpu.py. The exit status is 1 if any part failed.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,65 +55,152 @@ population = 256
 chunk_size = 64
 seq_len = 16
 """
+# Deadlines in seconds: the verdict's sum stays under 9 minutes.
+VERDICT = {
+    "install": 45,
+    "preflight": 45,
+    "parity": 120,
+    "chunk": 60,
+    "mixed": 75,
+    "memcheck": 60,
+    "racecheck": 45,
+    "initcheck": 45,
+    "synccheck": 45,
+}
+BENCH_DEADLINE = 520
+# What a GPU image without network may lack (the image has numpy, CuPy, PyTorch, pytest,
+# click, uvloop and prometheus-client, but not structlog): every small runtime and test
+# dependency, pinned by what this machine resolves, so the install needs no resolver.
+WHEEL_DEPS = [
+    "structlog",
+    "pytest-asyncio",
+    "click",
+    "prometheus-client",
+    "threadpoolctl",
+    "tokenizers",
+    "safetensors",
+    "uvloop",
+    "hypothesis",
+    "sortedcontainers",
+    "attrs",
+]
+WHEELHOUSE_LIMIT = 64 << 20
+PACKAGE_FILES = ("pyproject.toml", "README.md", "coordinator", "protocol", "shared", "worker")
+SANITIZED_TESTS = "gemm or mm_ or gate or update_noise or apply"
 
 
-def run_logged(name: str, cmd: list[str], log_dir: Path, env: dict | None = None, timeout=1800):
-    """Run cmd with its output in LOG_DIR/name.log; (ok, seconds, last line)."""
-    t0 = time.perf_counter()
-    log = log_dir / f"{name}.log"
-    with log.open("w") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        try:
-            proc = subprocess.run(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout
-            )
-            ok = proc.returncode == 0
-        except subprocess.TimeoutExpired:
-            ok = False
-    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
-    return ok, time.perf_counter() - t0, lines[-1] if lines else ""
+def wheelhouse(out: Path) -> int:
+    """The project's wheel and WHEEL_DEPS for CPython 3.12, manylinux x86-64."""
+    out.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    with tempfile.TemporaryDirectory() as tmp:  # built from a copy: no build/ left here
+        for name in PACKAGE_FILES:
+            copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
+            copy(ROOT / name, Path(tmp) / name)
+        subprocess.run([*pip, "wheel", "--no-deps", "-q", "-w", str(out), tmp], check=True)
+    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+    subprocess.run(
+        [
+            *(*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(out)),
+            *("--python-version", "3.12", "--implementation", "cp"),
+            *[a for p in platforms for a in ("--platform", p)],
+            *WHEEL_DEPS,
+        ],
+        check=True,
+    )
+    size = sum(f.stat().st_size for f in out.glob("*.whl"))
+    print(f"wheelhouse {out}: {len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")
+    if size > WHEELHOUSE_LIMIT:
+        print(f"wheelhouse is over {WHEELHOUSE_LIMIT >> 20} MiB")
+        return 1
+    return 0
 
 
-def parity(log_dir: Path) -> tuple[bool, float, str]:
-    env = {**os.environ, "EGGROLL_KERNEL_TARGET": "cupy"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARITY_TESTS]
-    return run_logged("parity", cmd, log_dir, env)
+def preflight() -> int:
+    """One line per fact; one line and exit 2 without a usable device."""
+    try:
+        import cupy
+    except ImportError as exc:
+        print(f"preflight: no CuPy here ({exc}): this is not a GPU machine")
+        return 2
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, or a driver that sees no device
+        print(f"preflight: no CUDA device ({type(exc).__name__}: {exc})")
+        return 2
+    if count == 0:
+        print("preflight: no CUDA device")
+        return 2
+    import numpy
+
+    from eggroll_dist.worker.backend.cupy_backend import Kernels, cupy_module, describe_device
+
+    free, total = cupy.cuda.runtime.memGetInfo()
+    runtime = cupy.cuda.runtime
+    print(f"device   {describe_device()}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    print(f"driver   CUDA {runtime.driverGetVersion()}, runtime {runtime.runtimeGetVersion()}")
+    nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    print(f"nvrtc    {nvrtc}, CuPy {cupy.__version__}, numpy {numpy.__version__}")
+    t = time.perf_counter()
+    Kernels(cupy, cupy_module)
+    print(f"kernels  compiled in {time.perf_counter() - t:.1f} s")
+    return 0
 
 
-def sanitizer(tool: str, log_dir: Path) -> tuple[bool, float, str]:
-    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    if not Path(exe).exists():
-        (log_dir / f"{tool}.log").write_text("compute-sanitizer not found\n")
-        return False, 0.0, "compute-sanitizer not found (install the CUDA toolkit)"
-    env = {**os.environ, "EGGROLL_KERNEL_TARGET": "cupy"}
-    cmd = [
-        exe,
-        f"--tool={tool}",
-        "--error-exitcode=3",
-        *(["--racecheck-report=all"] if tool == "racecheck" else []),
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        PARITY_TESTS[0],
-    ]
-    return run_logged(tool, cmd, log_dir, env, timeout=3600)
+def chunk_check() -> int:
+    """Whole chunks at width 256 on the device against the NumPy backend, three steps."""
+    import cupy
+    import numpy as np
+
+    from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+    from eggroll_dist.shared.replica import ReplicaState
+    from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
+    from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_gpu import synthetic_dataset
+
+    cfg = RunConfig(
+        model=ModelConfig(n_layer=2, d_model=256, vocab_size=256),
+        es=ESConfig(population=512, chunk_size=128, seq_len=8),
+    )
+    data = synthetic_dataset(256, 1 << 16)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = CupyBackend(
+        data,
+        ReplicaState.initial(cfg),
+        xp=cupy,
+        module_factory=cupy_module,
+        stream=cupy.cuda.Stream(non_blocking=True),
+        batch_members=256,
+    )
+    chunks = [(c * 128, 128) for c in range(cfg.chunks)]
+    for step in range(3):
+        want = [ref.evaluate_chunk(step, *c) for c in chunks]
+        got = gpu.evaluate_chunks(step, chunks)
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            if (g.fitness.tobytes(), g.loss_sum) != (w.fitness.tobytes(), w.loss_sum):
+                print(f"step {step} chunk {i}: the device's fitness or loss differs")
+                return 1
+        fitness = np.concatenate([w.fitness for w in want])
+        changed = ref.apply_step(fitness)
+        if gpu.apply_step(fitness) != changed or gpu.digest() != ref.digest():
+            print(f"step {step}: the device's update differs ({changed} weights moved)")
+            return 1
+        print(f"step {step}: {len(chunks)} chunks and the update equal, {changed} weights moved")
+    return 0
 
 
-def _script(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
+def _command(module: str) -> list[str]:
+    """A console script by its module: with a --target install its scripts are not on PATH."""
+    return [sys.executable, "-c", f"from eggroll_dist.{module} import main; main()"]
 
 
-def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool, float, str]:
+def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool, str]:
     """A coordinator and one worker per backend on loopback; no DIVERGED, all steps done."""
     from eggroll_dist.shared.save_dir import Layout, read_digests
     from eggroll_dist.worker.data.build import prepare_data_dir
 
-    t0 = time.perf_counter()
     work = log_dir / "mixed"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -109,7 +212,7 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool
     logs = {name: (work / f"{name}.log").open("w") for name in ["coordinator", *backends]}
     coord = subprocess.Popen(
         [
-            *(_script("eggroll-coordinator"), "--save-dir", str(work / "run")),
+            *(*_command("coordinator.cli"), "--save-dir", str(work / "run")),
             *("--config", str(work / "run.toml"), "--host", "127.0.0.1", "--port", "0"),
             *("--metrics-port", "0", "--max-steps", str(steps), "--log-format", "json"),
         ],
@@ -132,7 +235,7 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool
     def start(i: int, backend: str) -> subprocess.Popen:
         return subprocess.Popen(
             [
-                *(_script("eggroll-worker"), f"127.0.0.1:{port}", "--data-dir", str(work / "data")),
+                *(*_command("worker.cli"), f"127.0.0.1:{port}", "--data-dir", str(work / "data")),
                 *("--backend", backend, "--name", f"{backend}-{i}", "--log-format", "json"),
                 *("--max-retry-s", "1"),
             ],
@@ -161,7 +264,7 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool
     for f in logs.values():
         f.close()
     text = {name: (work / f"{name}.log").read_text() for name in logs}
-    with (log_dir / "mixed.log").open("w") as out:
+    with (log_dir / "mixed-processes.log").open("w") as out:
         for name, body in text.items():
             out.write(f"===== {name}\n{body}\n")
     digests = read_digests(Layout(work / "run").digests_log)[0] if port else {}
@@ -176,40 +279,123 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool
         f"{'DIVERGED' if diverged else 'no divergence'}, "
         f"{'both joined' if joined else 'a worker never joined'}"
     )
-    return ok, time.perf_counter() - t0, detail
+    return ok, detail
 
 
-def bench(log_dir: Path) -> tuple[bool, float, str]:
-    return run_logged("bench", [sys.executable, "scripts/bench_gpu.py"], log_dir)
+def _sanitizer(tool: str) -> list[str]:
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    extra = ["--racecheck-report=all"] if tool == "racecheck" else []
+    tests = ["-k", "gemm_tiles"] if tool == "racecheck" else ["-k", SANITIZED_TESTS]
+    return [
+        *(exe, f"--tool={tool}", "--error-exitcode=3", *extra, sys.executable, "-m", "pytest"),
+        *("-q", "-x", "-p", "no:cacheprovider", PARITY_TESTS[0], *tests),
+    ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("log_dir", type=Path)
-    parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--mixed-backends", nargs=2, default=["cupy", "numpy"])
-    parser.add_argument("--only", nargs="+", help="run only these parts")
-    args = parser.parse_args()
+def part_command(name: str, log_dir: Path, wheels: Path | None) -> list[str]:
+    py = [sys.executable]
+    if name == "install":
+        return [
+            *(*py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"),
+            *("--upgrade", "--target", str(log_dir / "site")),
+            *sorted(str(w) for w in (wheels or Path(".")).glob("*.whl")),
+        ]
+    if name == "parity":
+        return [*py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *PARITY_TESTS]
+    if name in ("memcheck", "racecheck", "initcheck", "synccheck"):
+        return _sanitizer(name)
+    if name == "bench":
+        return [*py, str(ROOT / "scripts" / "bench_gpu.py")]
+    return [*py, __file__, "_part", name, str(log_dir)]
+
+
+def run_part(name: str, deadline: int, log_dir: Path, wheels: Path | None) -> int:
+    """Run one part under its deadline; print its result line at once; its exit status."""
+    env = {**os.environ, "EGGROLL_KERNEL_TARGET": "cupy", "PYTHONUNBUFFERED": "1"}
+    if wheels is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(log_dir / "site"), env.get("PYTHONPATH", "")])
+    if name in ("memcheck", "racecheck", "initcheck", "synccheck"):
+        env["EGGROLL_CUPY_POOL"] = "0"  # plain allocations: the tools see every array's end
+    log = log_dir / f"{name}.log"
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        cmd = part_command(name, log_dir, wheels)
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        try:
+            rc = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=deadline
+            ).returncode
+        except FileNotFoundError as exc:
+            out.write(f"{exc}\n")
+            rc = 127
+        except subprocess.TimeoutExpired:
+            rc = 124
+    lines = [ln for ln in log.read_text().splitlines()[1:] if ln.strip()]  # after the "$ cmd"
+    last = "past its deadline" if rc == 124 else (lines[-1] if lines else "")
+    if name == "install" and rc == 0:
+        last = f"{len(list((wheels or Path('.')).glob('*.whl')))} wheels into {log_dir / 'site'}"
+    if name == "preflight" and rc == 0:
+        last = lines[0] if lines else ""
+    verdict = "ok" if rc == 0 else ("NO GPU" if rc == 2 and name == "preflight" else "FAIL")
+    print(f"{name:<10} {verdict:<6} {time.perf_counter() - t0:6.1f} s  {last[:110]}", flush=True)
+    if name == "preflight" and rc == 0:
+        for line in lines[1:]:  # the first is on the result line
+            print(f"           {line}", flush=True)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{wheelhouse,verdict,bench}")
+    w = sub.add_parser("wheelhouse", help="here: the wheels to carry to the GPU machine")
+    w.add_argument("out", type=Path)
+    for name, text in (("verdict", "on the GPU machine: every check"), ("bench", "the speed")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("log_dir", type=Path)
+        p.add_argument("--wheels", type=Path, help="install these first (wheelhouse's folder)")
+        if name == "verdict":
+            p.add_argument("--only", nargs="+", choices=list(VERDICT), help="just these parts")
+    hidden = sub.add_parser("_part")
+    hidden.add_argument("name")
+    hidden.add_argument("log_dir", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "wheelhouse":
+        return wheelhouse(args.out)
+    if args.command == "_part":
+        if args.name == "preflight":
+            return preflight()
+        if args.name == "chunk":
+            return chunk_check()
+        ok, detail = mixed_run(args.log_dir, ["cupy", "numpy"])
+        print(detail)
+        return 0 if ok else 1
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    parts = {
-        "parity": lambda: parity(args.log_dir),
-        "memcheck": lambda: sanitizer("memcheck", args.log_dir),
-        "racecheck": lambda: sanitizer("racecheck", args.log_dir),
-        "mixed": lambda: mixed_run(args.log_dir, args.mixed_backends),
-        "bench": lambda: bench(args.log_dir),
-    }
-    if args.skip_bench:
-        del parts["bench"]
-    if args.only:
-        parts = {k: v for k, v in parts.items() if k in args.only}
-    results = {}
-    for name, fn in parts.items():
-        print(f"running {name} ...", flush=True)
-        results[name] = fn()
-    print(f"\n{'part':<10} {'result':<6} {'seconds':>8}  detail (logs in {args.log_dir})")
-    for name, (ok, seconds, detail) in results.items():
-        print(f"{name:<10} {'ok' if ok else 'FAIL':<6} {seconds:8.1f}  {detail[:110]}")
-    return 0 if all(ok for ok, _, _ in results.values()) else 1
+    args.log_dir = args.log_dir.resolve()
+    wheels = args.wheels.resolve() if args.wheels else None
+    if args.command == "bench":
+        parts = {"install": VERDICT["install"], "preflight": VERDICT["preflight"]}
+        parts["bench"] = BENCH_DEADLINE
+    else:
+        parts = {k: v for k, v in VERDICT.items() if not args.only or k in args.only}
+    if wheels is None:
+        parts.pop("install", None)
+    failed = []
+    for name, deadline in parts.items():
+        rc = run_part(name, deadline, args.log_dir, wheels)
+        if rc == 2 and name == "preflight":
+            print("verdict: no GPU here", flush=True)
+            return 2
+        if rc:
+            failed.append(name)
+            if name == "install":
+                break  # nothing else can run
+    print("verdict:", "ok" if not failed else "FAILED " + " ".join(failed), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

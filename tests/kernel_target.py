@@ -37,6 +37,8 @@ def array_module():
     if ON_GPU:
         import cupy
 
+        if os.environ.get("EGGROLL_CUPY_POOL") == "0":  # compute-sanitizer: no memory pool
+            cupy.cuda.set_allocator(None)
         return cupy
     return np
 
