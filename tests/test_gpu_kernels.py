@@ -365,11 +365,13 @@ def floor_div_reference(v: np.ndarray, d: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-def test_mm_epilogue_divides_by_any_divisor(k: Kernels, suffix: str) -> None:
+@pytest.mark.parametrize("shape", [GEMM_SHAPES[0], (130, 65, 100)], ids=["pairs", "odd-n"])
+def test_mm_epilogue_divides_by_any_divisor(k: Kernels, suffix: str, shape) -> None:
     """The epilogue's multiply-high floor division equals // for powers of two and others,
-    negative sums included; the rank-1 term carries each member's sign."""
+    negative sums included; the rank-1 term carries each member's sign. An odd N takes the
+    epilogue's byte path, an even one its byte pairs."""
     rng = np.random.default_rng(12)
-    m, n, kk = GEMM_SHAPES[0]
+    m, n, kk = shape
     x = rng.integers(-127, 128, size=(m, kk)).astype(np.int8)
     w = rng.integers(-127, 128, size=(n, kk)).astype(np.int8)
     a = rng.integers(-127, 128, size=(m // 2, n)).astype(np.int8)
@@ -418,12 +420,20 @@ def test_mm_with_rank1_correction_and_residual(k: Kernels, suffix: str) -> None:
             assert np.array_equal(to_host(out), expect), (name, residual)
 
 
+def odd_based(a: np.ndarray):
+    """A device copy of `a` whose base address is odd (a view one byte into a buffer)."""
+    flat = np.concatenate([np.zeros(1, a.dtype), a.ravel()])
+    return xp.asarray(flat)[1:].reshape(a.shape)
+
+
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-@pytest.mark.parametrize("d", [68, 208])
-def test_gate_and_candidate(k: Kernels, suffix: str, d: int) -> None:
+@pytest.mark.parametrize("d, odd", [(68, False), (208, False), (68, True)])
+def test_gate_and_candidate(k: Kernels, suffix: str, d: int, odd: bool) -> None:
     # 68: two N tiles, the second partial, word loads over two stages; 208: 16-byte loads
-    # over four stages, so both GEMMs of one kernel rotate the three buffers
+    # over four stages, so both GEMMs of one kernel rotate the three buffers. The epilogues
+    # move byte pairs (even row length and bases); an odd-based bias takes the byte path.
     cfg = cfg_for(d=d)
+    bias = odd_based if odd else dev
     pairs, params, pn, mn = member_batch(cfg)
     d, m = cfg.model.d_model, 2 * len(pairs)
     model = EggModel(cfg, params)
@@ -458,7 +468,7 @@ def test_gate_and_candidate(k: Kernels, suffix: str, d: int) -> None:
         (256,),
         *(dev(h), dev(params[p + "wf"]), xb(h, p + "wf"), dev(pn.a[p + "wf"])),
         *(dev(s), dev(params[p + "uf"]), xb(s, p + "uf"), dev(pn.a[p + "uf"])),
-        *(*scalars, dev(mn.vectors[p + "bf"].astype(np.int8)), f_got, g_got),
+        *(*scalars, bias(mn.vectors[p + "bf"].astype(np.int8)), f_got, g_got),
     )
     assert np.array_equal(to_host(f_got), f)
     assert np.array_equal(to_host(g_got), g)
@@ -470,7 +480,7 @@ def test_gate_and_candidate(k: Kernels, suffix: str, d: int) -> None:
         (256,),
         *(dev(h), dev(params[p + "wh"]), xb(h, p + "wh"), dev(pn.a[p + "wh"])),
         *(dev(g8), dev(params[p + "uh"]), xb(g8, p + "uh"), dev(pn.a[p + "uh"])),
-        *(*scalars, dev(mn.vectors[p + "bh"].astype(np.int8)), f_got, s_dev, x_dev),
+        *(*scalars, bias(mn.vectors[p + "bh"].astype(np.int8)), f_got, s_dev, x_dev),
     )
     assert np.array_equal(to_host(s_dev), s_new)
     assert np.array_equal(to_host(x_dev), x_new)

@@ -439,17 +439,71 @@ __device__ void tile_gemm(const i8* x, const i8* w, int M, int N, int K, int kw_
   __syncthreads();  // the buffers are free for the kernel's next tile_gemm
 }
 
-// MM(x, W) of the reference for output (m, n), from the base GEMM's accumulator:
-// clip(floor((acc + ((xb[m] * sign * a[m >> 1, n]) >> shift)) / div)).
-__device__ __forceinline__ int egg_mm(int acc, const int* xb, const i8* a, int m, int n, int N,
-                                      int shift, Divisor div) {
-  int am = a[(long long)(m >> 1) * N + n];
-  int v = acc + ((xb[m] * ((m & 1) ? -am : am)) >> shift);
-  int q = floor_by(v, div);
+// MM(x, W) of the reference for one output, from the base GEMM's accumulator, the member's
+// signed rank-1 dot product sxb = sign * xb[m] and its pair's a[n]:
+// clip(floor((acc + ((sxb * a) >> shift)) / div)).
+__device__ __forceinline__ int egg_mm(int acc, int sxb, int a, int shift, Divisor div) {
+  int q = floor_by(acc + ((sxb * a) >> shift), div);
   return CLIP8(q);
 }
 
+__device__ __forceinline__ int signed_xb(const int* xb, int m) {
+  return (m & 1) ? -xb[m] : xb[m];
+}
+
+// The epilogues work on W adjacent outputs of one row: on the tensor-core layout accumulators
+// i and i + 1 are columns n and n + 1, so with an even row length and even bases (PAIRS) each
+// int8 input and output moves as one 16-bit access, half the memory instructions.
+template <bool PAIRS>
+__device__ __forceinline__ void load_bytes(const i8* p, int v[2]) {
+  if (PAIRS) {
+    char2 t = *(const char2*)p;
+    v[0] = t.x;
+    v[1] = t.y;
+  } else {
+    v[0] = *p;
+  }
+}
+
+template <bool PAIRS>
+__device__ __forceinline__ void store_bytes(i8* p, const int v[2]) {
+  if (PAIRS)
+    *(char2*)p = make_char2((signed char)v[0], (signed char)v[1]);
+  else
+    *p = (i8)v[0];
+}
+
+__device__ __forceinline__ bool even_bases(const void* a, const void* b, const void* c,
+                                           const void* d, const void* e, const void* f) {
+  return ((unsigned long long)a | (unsigned long long)b | (unsigned long long)c |
+          (unsigned long long)d | (unsigned long long)e | (unsigned long long)f) %
+             2 ==
+         0;
+}
+
 // out = clip(res + MM(x, W)) where res is given (the residual of W2), else MM(x, W).
+template <bool TC, bool PAIRS>
+__device__ __forceinline__ void mm_epilogue(const int acc[ACC], const int* xb, const i8* a,
+                                            int M, int N, int shift, Divisor q, const i8* res,
+                                            i8* out) {
+  const int W = PAIRS ? 2 : 1;
+#pragma unroll
+  for (int i = 0; i < ACC; i += W) {
+    int m, n;
+    if (!tile_out<TC>(i, M, N, m, n)) continue;  // PAIRS: N even, so n + 1 < N too
+    long long o = (long long)m * N + n;
+    int sxb = signed_xb(xb, m), av[2], rv[2] = {0, 0}, v[2];
+    load_bytes<PAIRS>(a + (long long)(m >> 1) * N + n, av);
+    if (res) load_bytes<PAIRS>(res + o, rv);
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+      v[e] = egg_mm(acc[i + e], sxb, av[e], shift, q);
+      if (res) v[e] = CLIP8(rv[e] + v[e]);
+    }
+    store_bytes<PAIRS>(out + o, v);
+  }
+}
+
 // x (M, K), w (N, K), xb (M), a (P, N), res/out (M, N); res may be out itself.
 // Launch: grid (ceil(N / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
@@ -458,19 +512,43 @@ __device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, in
   int acc[ACC];
   tile_gemm<TC>(x, w, M, N, K, 0, K / 4, acc);
   Divisor q = make_divisor(div);
-#pragma unroll
-  for (int i = 0; i < ACC; i++) {
-    int m, n;
-    if (tile_out<TC>(i, M, N, m, n)) {
-      long long o = (long long)m * N + n;
-      int v = egg_mm(acc[i], xb, a, m, n, N, shift, q);
-      if (res) v = CLIP8(res[o] + v);
-      out[o] = (i8)v;
-    }
-  }
+  if (TC && N % 2 == 0 && even_bases(a, res, out, a, a, a))
+    mm_epilogue<TC, true>(acc, xb, a, M, N, shift, q, res, out);
+  else
+    mm_epilogue<TC, false>(acc, xb, a, M, N, shift, q, res, out);
 }
 
 // The gate of a layer: f = clip(MM(h, Wf) + MM(s, Uf) + bf_m), g = ((f + 127) s) >> 8.
+template <bool TC, bool PAIRS>
+__device__ __forceinline__ void gate_epilogue(const int acc_h[ACC], const int acc_s[ACC],
+                                              const int* xbh, const i8* af, const i8* s,
+                                              const int* xbs, const i8* au, int M, int D,
+                                              int shift, Divisor q, const i8* bias, i8* f,
+                                              i8* g) {
+  const int W = PAIRS ? 2 : 1;
+#pragma unroll
+  for (int i = 0; i < ACC; i += W) {
+    int m, n;
+    if (!tile_out<TC>(i, M, D, m, n)) continue;
+    long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
+    int sh = signed_xb(xbh, m), ss = signed_xb(xbs, m);
+    int a1[2], a2[2], bv[2], sv[2], fv[2], gv[2];
+    load_bytes<PAIRS>(af + ao, a1);
+    load_bytes<PAIRS>(au + ao, a2);
+    load_bytes<PAIRS>(bias + o, bv);
+    load_bytes<PAIRS>(s + o, sv);
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+      int v = egg_mm(acc_h[i + e], sh, a1[e], shift, q) +
+              egg_mm(acc_s[i + e], ss, a2[e], shift, q) + bv[e];
+      fv[e] = CLIP8(v);
+      gv[e] = ((fv[e] + 127) * sv[e]) >> 8;
+    }
+    store_bytes<PAIRS>(f + o, fv);
+    store_bytes<PAIRS>(g + o, gv);
+  }
+}
+
 // h, s (M, D); wf, uf (D, D); bias (M, D) the members' bf; f, g out (M, D).
 // Launch: grid (ceil(D / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
@@ -481,22 +559,46 @@ __device__ void gate_body(const i8* h, const i8* wf, const int* xbh, const i8* a
   tile_gemm<TC>(h, wf, M, D, D, 0, D / 4, acc_h);
   tile_gemm<TC>(s, uf, M, D, D, 0, D / 4, acc_s);
   Divisor q = make_divisor(div);
-#pragma unroll
-  for (int i = 0; i < ACC; i++) {
-    int m, n;
-    if (tile_out<TC>(i, M, D, m, n)) {
-      long long o = (long long)m * D + n;
-      int fv = egg_mm(acc_h[i], xbh, af, m, n, D, shift, q) +
-               egg_mm(acc_s[i], xbs, au, m, n, D, shift, q) + bias[o];
-      fv = CLIP8(fv);
-      f[o] = (i8)fv;
-      g[o] = (i8)(((fv + 127) * s[o]) >> 8);
-    }
-  }
+  if (TC && D % 2 == 0 && even_bases(af, au, s, bias, f, g))
+    gate_epilogue<TC, true>(acc_h, acc_s, xbh, af, s, xbs, au, M, D, shift, q, bias, f, g);
+  else
+    gate_epilogue<TC, false>(acc_h, acc_s, xbh, af, s, xbs, au, M, D, shift, q, bias, f, g);
 }
 
 // The candidate and the new state: c = clip(MM(h, Wh) + MM(g, Uh) + bh_m),
 // s += ((f + 127) (c - s)) >> 8, x = clip(x + s). s and x are updated in place.
+template <bool TC, bool PAIRS>
+__device__ __forceinline__ void cand_epilogue(const int acc_h[ACC], const int acc_g[ACC],
+                                              const int* xbh, const i8* ah, const int* xbg,
+                                              const i8* au, int M, int D, int shift, Divisor q,
+                                              const i8* bias, const i8* f, i8* s, i8* x) {
+  const int W = PAIRS ? 2 : 1;
+#pragma unroll
+  for (int i = 0; i < ACC; i += W) {
+    int m, n;
+    if (!tile_out<TC>(i, M, D, m, n)) continue;
+    long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
+    int sh = signed_xb(xbh, m), sg = signed_xb(xbg, m);
+    int a1[2], a2[2], bv[2], fv[2], sv[2], xv[2];
+    load_bytes<PAIRS>(ah + ao, a1);
+    load_bytes<PAIRS>(au + ao, a2);
+    load_bytes<PAIRS>(bias + o, bv);
+    load_bytes<PAIRS>(f + o, fv);
+    load_bytes<PAIRS>(s + o, sv);
+    load_bytes<PAIRS>(x + o, xv);
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+      int c = egg_mm(acc_h[i + e], sh, a1[e], shift, q) +
+              egg_mm(acc_g[i + e], sg, a2[e], shift, q) + bv[e];
+      c = CLIP8(c);
+      sv[e] += ((fv[e] + 127) * (c - sv[e])) >> 8;
+      xv[e] = CLIP8(xv[e] + sv[e]);
+    }
+    store_bytes<PAIRS>(s + o, sv);
+    store_bytes<PAIRS>(x + o, xv);
+  }
+}
+
 // Launch: grid (ceil(D / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
 __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* ah,
@@ -507,21 +609,10 @@ __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* a
   tile_gemm<TC>(h, wh, M, D, D, 0, D / 4, acc_h);
   tile_gemm<TC>(g, uh, M, D, D, 0, D / 4, acc_g);
   Divisor q = make_divisor(div);
-#pragma unroll
-  for (int i = 0; i < ACC; i++) {
-    int m, n;
-    if (tile_out<TC>(i, M, D, m, n)) {
-      long long o = (long long)m * D + n;
-      int cv = egg_mm(acc_h[i], xbh, ah, m, n, D, shift, q) +
-               egg_mm(acc_g[i], xbg, au, m, n, D, shift, q) + bias[o];
-      cv = CLIP8(cv);
-      int sv = s[o];
-      sv += ((f[o] + 127) * (cv - sv)) >> 8;
-      s[o] = (i8)sv;
-      int xv = x[o] + sv;
-      x[o] = (i8)CLIP8(xv);
-    }
-  }
+  if (TC && D % 2 == 0 && even_bases(ah, au, bias, f, s, x))
+    cand_epilogue<TC, true>(acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias, f, s, x);
+  else
+    cand_epilogue<TC, false>(acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias, f, s, x);
 }
 
 // The update's GEMM: z += x (M x K) . w (N x K)^T, raw int32 (M, N), split over K: block z
