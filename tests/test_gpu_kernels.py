@@ -313,10 +313,20 @@ def test_norm_rowdot_and_loss(k: Kernels) -> None:
     x = rng.integers(-127, 128, size=(m, d)).astype(np.int8)
     x[0], x[1] = 0, 127  # mav 0 -> 1, and the largest products
     model = EggModel(cfg, params)
-    h = poisoned((m, d), np.int8)
     w_ln = mn.vectors["layers.0.ln1"].astype(np.int8)
-    k("mav_norm", (cdiv(m, 8),), (256,), dev(x), dev(w_ln), i32(m), i32(d), h)
-    assert np.array_equal(to_host(h), model._ln(x.astype(np.int32), "layers.0.ln1", mn))
+    want_h = model._ln(x.astype(np.int32), "layers.0.ln1", mn)
+    null8, null32 = xp.zeros(0, dtype=xp.int8), xp.zeros(0, dtype=xp.int32)
+    # alone, and with the rank-1 dots of the normed rows for one and for two tensors
+    for dots in ((), ("layers.0.wf",), ("layers.0.wf", "layers.0.wh")):
+        h = poisoned((m, d), np.int8)
+        outs = [poisoned(m, np.int32) for _ in dots]
+        pairs_in = [(dev(pn.b[n]), o) for n, o in zip(dots, outs, strict=True)]
+        extra = [a for pair in pairs_in + [(null8, null32)] * (2 - len(dots)) for a in pair]
+        k("mav_norm", (cdiv(m, 8),), (256,), dev(x), dev(w_ln), i32(m), i32(d), h, *extra)
+        assert np.array_equal(to_host(h), want_h), dots
+        for name, out in zip(dots, outs, strict=True):
+            want = (want_h.astype(np.int64) * np.repeat(pn.b[name], 2, axis=0)).sum(axis=1)
+            assert np.array_equal(to_host(out), want.astype(np.int32)), (dots, name)
     for name in ("layers.0.wf", "layers.0.w2"):
         k_in = params[name].shape[1]
         src = rng.integers(-127, 128, size=(m, k_in)).astype(np.int8)

@@ -89,7 +89,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int32",
         I8,
     ),
-    "mav_norm": (I8, I8, "int32", "int32", I8),
+    "mav_norm": (I8, I8, "int32", "int32", I8, I8, I32, I8, I32),
     "rowdot": (I8, I8, "int32", "int32", I32),
     "mm_tc": _MM,
     "mm_dp4a": _MM,
@@ -286,7 +286,8 @@ class CupyBackend:
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
         self._exp2 = xp.asarray(exp2_table())
         self._log2_th = xp.asarray(log2_thresholds())
-        self._null8 = xp.zeros(0, dtype=xp.int8)
+        self._null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
+        self._null32 = xp.zeros(0, dtype=xp.int32)
         self._update_graph: Callable[[], None] | None = None
         self._update_buffers: dict[str, Any] = {}
         self.load_state(state)
@@ -430,13 +431,20 @@ class CupyBackend:
             k("rowdot", rows, (BLOCK,), src, b[name], i32(m), i32(src.shape[1]), out)
             return out
 
-        def mm(src: Any, name: str, res: Any, out: Any) -> None:
+        def norm(vector: str, dots: tuple[str, ...]) -> None:
+            """h = the norm of x; with it the rank-1 dots of h for the tensors `dots`
+            (into xb[0], then xb[2]: the slots the next kernels read)."""
+            args = [(b[n], xb[slot]) for n, slot in zip(dots, (0, 2)[: len(dots)], strict=True)]
+            args += [(self._null8, self._null32)] * (2 - len(args))
+            k("mav_norm", rows, (BLOCK,), x, vec[vector], i32(m), i32(d), h, *args[0], *args[1])
+
+        def mm(src: Any, name: str, src_xb: Any, res: Any, out: Any) -> None:
             n_out, k_in = w[name].shape
             k(
                 "mm" + sfx,
                 (_cdiv(n_out, TILE_N), _cdiv(m, TILE_M)),
                 (BLOCK,),
-                *(src, w[name], rowdot(src, name, xb[0]), a[name]),
+                *(src, w[name], src_xb, a[name]),
                 *(i32(m), i32(n_out), i32(k_in), shift, i32(16 * isqrt(k_in)), res, out),
             )
 
@@ -452,12 +460,12 @@ class CupyBackend:
             )
             for i in range(n_layer):
                 p, s = f"layers.{i}.", states[i]
-                k("mav_norm", rows, (BLOCK,), x, vec[p + "ln1"], i32(m), i32(d), h)
+                norm(p + "ln1", (p + "wf", p + "wh"))
                 k(
                     "gate" + sfx,
                     square,
                     (BLOCK,),
-                    *(h, w[p + "wf"], rowdot(h, p + "wf", xb[0]), a[p + "wf"]),
+                    *(h, w[p + "wf"], xb[0], a[p + "wf"]),
                     *(s, w[p + "uf"], rowdot(s, p + "uf", xb[1]), a[p + "uf"]),
                     *(i32(m), i32(d), shift, div_d, vec[p + "bf"], f, g),
                 )
@@ -465,15 +473,15 @@ class CupyBackend:
                     "cand" + sfx,
                     square,
                     (BLOCK,),
-                    *(h, w[p + "wh"], rowdot(h, p + "wh", xb[2]), a[p + "wh"]),
+                    *(h, w[p + "wh"], xb[2], a[p + "wh"]),
                     *(g, w[p + "uh"], rowdot(g, p + "uh", xb[3]), a[p + "uh"]),
                     *(i32(m), i32(d), shift, div_d, vec[p + "bh"], f, s, x),
                 )
-                k("mav_norm", rows, (BLOCK,), x, vec[p + "ln2"], i32(m), i32(d), h)
-                mm(h, p + "w1", self._null8, hidden)
-                mm(hidden, p + "w2", x, x)
-            k("mav_norm", rows, (BLOCK,), x, vec["ln_out"], i32(m), i32(d), h)
-            mm(h, "head", self._null8, logits)
+                norm(p + "ln2", (p + "w1",))
+                mm(h, p + "w1", xb[0], self._null8, hidden)
+                mm(hidden, p + "w2", rowdot(hidden, p + "w2", xb[0]), x, x)
+            norm("ln_out", ("head",))
+            mm(h, "head", xb[0], self._null8, logits)
             k(
                 "token_loss",
                 rows,

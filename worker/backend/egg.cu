@@ -242,22 +242,49 @@ extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const i8*
 }
 
 // The mean-absolute-value norm with the member's vector w (M, D):
-// out[m, n] = clip(floor(x[m, n] w[m, n] / max(sum_k |x[m, k]| // D, 1))).
-// Launch: grid (ceil(M / 8)), block (256): one warp per row, a butterfly sum.
-extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* out) {
+// out[m, n] = clip(floor(x[m, n] w[m, n] / max(sum_k |x[m, k]| // D, 1))), and with it the
+// rank-1 dot products of the normed row that the next GEMMs need: xb1[m] = out[m, :] .
+// b1[m >> 1, :] (and xb2 with b2) where b1 (b2) is given, so out is not read back.
+// D % 4 == 0, rows read and written as 32-bit words.
+// Launch: grid (ceil(M / 8)), block (256): one warp per row, butterfly and shuffle sums.
+extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* out,
+                                    const i8* b1, int* xb1, const i8* b2, int* xb2) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform: the whole warp leaves together
-  const i8* xr = x + (long long)row * D;
-  const i8* wr = w + (long long)row * D;
+  int words = D / 4;
+  const u32* xr = (const u32*)(x + (long long)row * D);
+  const u32* wr = (const u32*)(w + (long long)row * D);
+  u32* orow = (u32*)(out + (long long)row * D);
   int total = 0;
-  for (int k = lane; k < D; k += 32) total += xr[k] < 0 ? -xr[k] : xr[k];
+  for (int k = lane; k < words; k += 32) {
+    u32 v = xr[k];
+    for (int j = 0; j < 4; j++) {
+      int e = (signed char)(v >> (8 * j));
+      total += e < 0 ? -e : e;
+    }
+  }
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
   Divisor mav = make_divisor(max(total / D, 1));  // one reciprocal per row, not per element
-  for (int k = lane; k < D; k += 32) {
-    int q = floor_by(xr[k] * wr[k], mav);
-    out[(long long)row * D + k] = (i8)CLIP8(q);
+  const u32* b1r = b1 ? (const u32*)(b1 + (long long)(row >> 1) * D) : 0;
+  const u32* b2r = b2 ? (const u32*)(b2 + (long long)(row >> 1) * D) : 0;
+  int d1 = 0, d2 = 0;
+  for (int k = lane; k < words; k += 32) {
+    u32 xv = xr[k], wv = wr[k], hv = 0;
+    for (int j = 0; j < 4; j++) {
+      int q = floor_by((signed char)(xv >> (8 * j)) * (signed char)(wv >> (8 * j)), mav);
+      hv |= (u32)(CLIP8(q) & 0xff) << (8 * j);
+    }
+    orow[k] = hv;
+    if (b1r) d1 = dp4a_s8((int)hv, (int)b1r[k], d1);
+    if (b2r) d2 = dp4a_s8((int)hv, (int)b2r[k], d2);
   }
+  for (int off = 16; off > 0; off >>= 1) {
+    d1 += __shfl_down_sync(0xffffffffu, d1, off);
+    d2 += __shfl_down_sync(0xffffffffu, d2, off);
+  }
+  if (lane == 0 && xb1) xb1[row] = d1;
+  if (lane == 0 && xb2) xb2[row] = d2;
 }
 
 // The rank-1 dot product of each member: xb[m] = x[m, :] . b[m >> 1, :], K % 4 == 0.
