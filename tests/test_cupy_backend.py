@@ -28,7 +28,7 @@ from eggroll_dist.shared.config import (
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.sample import Completions, SampleSettings
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
-from eggroll_dist.worker.backend.cupy_backend import CupyBackend
+from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels, forward_launches
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 
 pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
@@ -129,6 +129,48 @@ def test_chunks_and_steps_equal_the_numpy_backend(
     held_out = gpu.validate()
     assert held_out == ref.validate()  # both metrics, per token and per byte
     assert held_out.streams is not None and held_out.streams.tokens == held_out.windows.tokens
+
+
+def test_a_forward_pass_is_one_replayed_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pass of a shape captures its launches (the noise, then per token step
+    forward_launches(n_layer) kernels); later passes replay them: one graph launch a pass and
+    no launch through the argument checks."""
+    cfg = CONFIGS["uniform"]
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+    launched: list[str] = []
+    checked = Kernels.__call__
+
+    def counting(self: Kernels, name: str, *rest: object) -> None:
+        launched.append(name)
+        checked(self, name, *rest)
+
+    monkeypatch.setattr(Kernels, "__call__", counting)
+    chunks = [(c * cfg.es.chunk_size, cfg.es.chunk_size) for c in range(cfg.chunks)]
+    want = [ref.evaluate_chunk(0, *c) for c in chunks]
+    # 8 pairs in forward batches of 3 pairs: 3, 3, 2, so two shapes, each captured once
+    per_batch = gpu.batch_members // 2
+    batches = -(-cfg.pairs // per_batch)
+    shapes = len({min(per_batch, cfg.pairs - lo) for lo in range(0, cfg.pairs, per_batch)})
+    assert (batches, shapes) == (3, 2)
+    for attempt in range(3):
+        launched.clear()
+        replays = gpu.kernels.replays
+        got = gpu.evaluate_chunks(0, chunks)
+        assert [(g.fitness.tobytes(), g.loss_sum) for g in got] == [
+            (w.fitness.tobytes(), w.loss_sum) for w in want
+        ]
+        assert gpu.kernels.replays == replays + batches  # one graph launch a forward batch
+        if attempt == 0:  # the captures
+            noise = {"noise_rows", "member_vector"}
+            per_step = [n for n in launched if n not in noise and n != "zero_i32"]
+            steps = shapes * cfg.es.seq_len
+            assert len(per_step) == steps * forward_launches(cfg.model.n_layer)
+            assert launched.count("embed") == launched.count("token_loss") == steps
+            assert launched.count("zero_i32") == 2 * shapes  # the states and the loss
+        else:
+            assert launched == []
 
 
 def test_load_state_and_range_checks() -> None:

@@ -59,6 +59,14 @@ PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
 # The update's Z GEMMs split K (the pairs) until about this many blocks run: a 256 x 256 Z
 # is 8 tiles, far too few for a GPU of 100+ multiprocessors.
 Z_GEMM_BLOCKS = 512
+FORWARD_GRAPHS = 2  # captured forward shapes kept (each holds its buffers)
+
+
+def forward_launches(n_layer: int) -> int:
+    """Kernels of one EGG token step: embed; per layer norm + dots, rowdot(s), gate,
+    rowdot(g), candidate, norm + dot, w1, rowdot(hidden), w2; the final norm, head, loss."""
+    return 1 + 9 * n_layer + 3
+
 
 # Each kernel's parameters, as the backend passes them: "*dtype" is a device array of that
 # dtype (C-contiguous), "dtype" a NumPy scalar. Checked before every launch.
@@ -141,6 +149,7 @@ class Kernels:
         module = module_factory(kernel_source(), names)
         self._fn = {name: module.get_function(name) for name in names}
         self._recording: list | None = None
+        self.replays = 0  # captured sequences replayed (graph launches on a GPU)
 
     def check(self, name: str, args: Sequence[Any]) -> None:
         spec = SIGNATURES[name]
@@ -171,7 +180,12 @@ class Kernels:
                 sequence()
             finally:
                 graph = self.stream.end_capture()
-            return lambda: graph.launch(self.stream)
+
+            def launch() -> None:
+                self.replays += 1
+                graph.launch(self.stream)
+
+            return launch
         self._recording = []
         try:
             sequence()
@@ -179,6 +193,7 @@ class Kernels:
             recorded, self._recording = self._recording, None
 
         def replay() -> None:
+            self.replays += 1
             for name, grid, block, args in recorded:
                 self._fn[name](grid, block, args)
 
@@ -289,6 +304,9 @@ class CupyBackend:
         self._null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
         self._null32 = xp.zeros(0, dtype=xp.int32)
         self._update_graph: Callable[[], None] | None = None
+        # captured forward passes by pair count, with their buffers (the last partial batch
+        # of a step has its own shape)
+        self._forward_graphs: dict[int, tuple[Callable[[], None], dict[str, Any]]] = {}
         self._update_buffers: dict[str, Any] = {}
         self.load_state(state)
 
@@ -371,18 +389,45 @@ class CupyBackend:
             at += count
         return results
 
-    def _noise(self, pairs_dev: Any, n_pairs: int) -> tuple[dict, dict, dict]:
-        """Every matrix's a (P, out), b (P, in) and every member's vector parameters (M, n)."""
-        xp, k, es = self.xp, self.kernels, self.config.es
+    def _forward_buffers(self, n_pairs: int) -> dict[str, Any]:
+        """Everything a forward pass of n_pairs pairs reads and writes, allocated once per
+        shape (its captured launches point at these)."""
+        xp, cfg = self.xp, self.config
+        d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
+        m = 2 * n_pairs
+        bufs: dict[str, Any] = {
+            "pairs": xp.zeros(n_pairs, dtype=xp.int64),
+            "tokens": xp.zeros((n_pairs, cfg.es.seq_len + 1), dtype=xp.int32),
+            "states": xp.zeros((n_layer, m, d), dtype=xp.int8),
+            "hidden": xp.empty((m, 4 * d), dtype=xp.int8),
+            "logits": xp.empty((m, v), dtype=xp.int8),
+            "xb": [xp.empty(m, dtype=xp.int32) for _ in range(4)],
+            "loss": xp.zeros(m, dtype=xp.int64),
+            "a": {},
+            "b": {},
+            "vec": {},
+        }
+        for name in ("x", "h", "f", "g"):
+            bufs[name] = xp.empty((m, d), dtype=xp.int8)
+        for spec in self._specs:
+            if spec.kind == "matrix":
+                out, inp = spec.shape
+                bufs["a"][spec.name] = xp.empty((n_pairs, out), dtype=xp.int8)
+                bufs["b"][spec.name] = xp.empty((n_pairs, inp), dtype=xp.int8)
+            else:
+                bufs["vec"][spec.name] = xp.empty((m, spec.shape[0]), dtype=xp.int8)
+        return bufs
+
+    def _noise(self, pairs_dev: Any, n_pairs: int, a: dict, b: dict, vec: dict) -> None:
+        """Every matrix's a (P, out), b (P, in) and every member's vector parameters (M, n)
+        into the given buffers."""
+        k, es = self.kernels, self.config.es
         kind = np.int32(NOISE_KINDS.index(es.noise))
         shift = np.int32(4 + es.sigma_shift)
-        a, b, vec = {}, {}, {}
         for spec in self._specs:
             tid = np.uint64(spec.tensor_id)
             if spec.kind == "matrix":
                 out, inp = spec.shape
-                a[spec.name] = xp.empty((n_pairs, out), dtype=xp.int8)
-                b[spec.name] = xp.empty((n_pairs, inp), dtype=xp.int8)
                 for start, count, keep, dst in (
                     (0, out, self._keep_rows(spec), a[spec.name]),
                     (out, inp, inp, b[spec.name]),
@@ -396,7 +441,6 @@ class CupyBackend:
                     )
             else:
                 (n,) = spec.shape
-                vec[spec.name] = xp.empty((2 * n_pairs, n), dtype=xp.int8)
                 k(
                     "member_vector",
                     (2 * n_pairs, _cdiv(n, BLOCK)),
@@ -404,26 +448,41 @@ class CupyBackend:
                     *(self._step_key, pairs_dev, tid, np.int32(n), kind, self.w[spec.name]),
                     *(shift, vec[spec.name]),
                 )
-        return a, b, vec
 
     def _forward(self, pairs: np.ndarray) -> np.ndarray:
-        """Integer loss (sum over seq_len tokens) of members 2 p, 2 p + 1 for each pair p."""
-        xp, k, cfg = self.xp, self.kernels, self.config
+        """Integer loss (sum over seq_len tokens) of members 2 p, 2 p + 1 for each pair p:
+        the pairs and their windows into device buffers, then one replay of the pass's
+        launches, captured on the first pass of this many pairs."""
+        xp, n_pairs = self.xp, len(pairs)
+        if n_pairs not in self._forward_graphs:
+            if len(self._forward_graphs) >= FORWARD_GRAPHS:
+                self._forward_graphs.pop(next(iter(self._forward_graphs)))  # the oldest shape
+            bufs = self._forward_buffers(n_pairs)
+            replay = self.kernels.capture(lambda: self._forward_sequence(bufs))
+            self._forward_graphs[n_pairs] = (replay, bufs)
+        replay, bufs = self._forward_graphs[n_pairs]
+        windows = pair_windows(self.config, self.dataset.train, self.step, pairs)
+        bufs["tokens"][...] = xp.asarray(windows.astype(np.int32))
+        bufs["pairs"][...] = xp.asarray(pairs.astype(np.int64))
+        replay()
+        return _host(xp, bufs["loss"])
+
+    def _forward_sequence(self, bufs: dict[str, Any]) -> None:
+        """The launches of one forward pass over bufs: noise, then seq_len token steps of
+        forward_launches(n_layer) kernels each. Every per-pass input is in device memory."""
+        k, cfg = self.kernels, self.config
         d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
-        t_len, n_pairs = cfg.es.seq_len, len(pairs)
+        t_len, n_pairs = cfg.es.seq_len, len(bufs["pairs"])
         m = 2 * n_pairs
         i32 = np.int32
         shift = i32(4 + cfg.es.sigma_shift)
-        windows = pair_windows(cfg, self.dataset.train, self.step, pairs).astype(np.int32)
-        tokens = xp.asarray(windows)
-        a, b, vec = self._noise(xp.asarray(pairs.astype(np.int64)), n_pairs)
-        w = self.w
-        states = xp.zeros((n_layer, m, d), dtype=xp.int8)
-        x, h, f, g = (xp.empty((m, d), dtype=xp.int8) for _ in range(4))
-        hidden = xp.empty((m, 4 * d), dtype=xp.int8)
-        logits = xp.empty((m, v), dtype=xp.int8)
-        xb = [xp.empty(m, dtype=xp.int32) for _ in range(4)]
-        loss = xp.zeros(m, dtype=xp.int64)
+        a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
+        self._noise(bufs["pairs"], n_pairs, a, b, vec)
+        tokens, states, loss, xb = bufs["tokens"], bufs["states"], bufs["loss"], bufs["xb"]
+        x, h, f, g = bufs["x"], bufs["h"], bufs["f"], bufs["g"]
+        hidden, logits, w = bufs["hidden"], bufs["logits"], self.w
+        for zeroed in (states.reshape(-1).view(np.int32), loss.view(np.int32)):
+            k("zero_i32", (_cdiv(zeroed.size, BLOCK),), (BLOCK,), zeroed, i32(zeroed.size))
         rows = (_cdiv(m, 8),)
         sfx = self.suffix
 
@@ -489,7 +548,6 @@ class CupyBackend:
                 *(logits, tokens, i32(t_len + 1), i32(t + 1), i32(m), i32(v)),
                 *(self._exp2, self._log2_th, loss),
             )
-        return _host(xp, loss)
 
     # -------------------------------------------------------------------- update
 
