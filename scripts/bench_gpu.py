@@ -8,6 +8,7 @@ cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when torch is in
 on 8192^3.
 
     python scripts/bench_gpu.py [--populations 32768 262144] [--seq-len 100] [--repeats 2]
+                                [--batch-members 65536]
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def torch_int8_rate(repeats: int) -> float:
     return n**3 / best
 
 
-def bench_population(population: int, seq_len: int, repeats: int) -> dict[str, float]:
+def bench_population(
+    population: int, seq_len: int, repeats: int, batch: int = 65536
+) -> dict[str, float]:
     import cupy
 
     from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
@@ -109,7 +112,7 @@ def bench_population(population: int, seq_len: int, repeats: int) -> dict[str, f
         xp=cupy,
         module_factory=cupy_module,
         stream=cupy.cuda.Stream(non_blocking=True),
-        batch_members=min(population, 65536),
+        batch_members=min(population, batch),
     )
     chunks = [(c * chunk, chunk) for c in range(population // chunk)]
     eval_s = gpu_seconds(lambda: backend.evaluate_chunks(0, chunks), repeats)
@@ -140,6 +143,9 @@ def main() -> None:
     parser.add_argument("--populations", type=int, nargs="+", default=[32768, 262144])
     parser.add_argument("--seq-len", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--batch-members", type=int, default=65536, help="members per forward pass (graph)"
+    )
     args = parser.parse_args()
     from eggroll_dist.worker.backend.cupy_backend import describe_device
 
@@ -157,10 +163,10 @@ def main() -> None:
         rate = cublas_int8_rate(args.repeats, 65536, n, k)
         print(f"cublas gemmEx int8, the forward shape 65536x{n}x{k}: {2 * rate / 1e12:7.1f} TOPS")
     for population in args.populations:
-        r = bench_population(population, args.seq_len, args.repeats)
+        r = bench_population(population, args.seq_len, args.repeats, args.batch_members)
         share = f"{100 * r['macs_per_s'] / ceiling:5.2f}%" if ceiling else "n/a"
         print(
-            f"egg-paper population {population:>7}: "
+            f"egg-paper population {population:>7} (batch {min(population, args.batch_members)}): "
             f"{r['member_tokens_per_s'] / 1e6:8.2f} M member-tokens/s  "
             f"{2 * r['macs_per_s'] / 1e12:7.2f} TOPS useful int8 = {share} of the ceiling  "
             f"[eval {r['eval_s']:.3f} s, update {1e3 * r['update_s']:.1f} ms per step "
