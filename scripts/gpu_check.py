@@ -22,7 +22,7 @@ its log goes to LOG_DIR/<part>.log. The verdict's parts:
              against the chip
   chunk      three steps of a 2-layer, width-256 model (the GEMMs' 16-byte path, several
              tiles) on the device against the NumPy backend: fitness, loss sums, digests
-  mixed      a coordinator, a CuPy and a NumPy worker on loopback; at least MIN_AGREED
+  mixed      a coordinator, a NumPy and then a CuPy worker on loopback; at least MIN_AGREED
              agreed step digests, and any DIVERGED or disagreeing digest fails
   memcheck, racecheck, initcheck, synccheck
              the kernel tests under compute-sanitizer, with CuPy's memory pool off so that
@@ -196,7 +196,7 @@ def _command(module: str) -> list[str]:
     return [sys.executable, "-c", f"from eggroll_dist.{module} import main; main()"]
 
 
-def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool, str]:
+def mixed_run(log_dir: Path, backends: list[str], steps: int = 200) -> tuple[bool, str]:
     """A coordinator and one worker per backend on loopback; no DIVERGED, all steps done."""
     from eggroll_dist.shared.save_dir import Layout, read_digests
     from eggroll_dist.worker.data.build import prepare_data_dir
@@ -243,8 +243,8 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 40) -> tuple[bool
             stderr=subprocess.STDOUT,
         )
 
-    # The first worker (the GPU's, whose kernels compile first) joins before the second
-    # starts, so neither can finish the run alone before the other arrives.
+    # The first worker (the slower CPU one) joins before the second starts, and the run is
+    # long enough that it cannot finish alone before the other arrives.
     workers = [start(0, backends[0])]
     for line in coord.stdout:
         logs["coordinator"].write(line)
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             return preflight()
         if args.name == "chunk":
             return chunk_check()
-        ok, detail = mixed_run(args.log_dir, ["cupy", "numpy"])
+        ok, detail = mixed_run(args.log_dir, ["numpy", "cupy"])
         print(detail)
         return 0 if ok else 1
     args.log_dir.mkdir(parents=True, exist_ok=True)
