@@ -156,12 +156,11 @@ async def _serve(client: WorkerClient) -> None:
 @click.option(
     "--batch-members",
     type=click.IntRange(min=2),
-    default=1024,
-    show_default=True,
+    default=None,
     envvar="EGGROLL_BATCH_MEMBERS",
     show_envvar=True,
-    help="Members per forward sub-batch: lower it if memory runs short (at most 64 on the "
-    "torch backend).",
+    help="Members per forward pass; lower it if memory runs short. Default: the backend's "
+    "own (1024 numpy, 32768 cupy, 64 torch, which takes at most 64).",
 )
 @click.option(
     "--max-retry-s",
@@ -194,7 +193,7 @@ def main(
     tls_cert: Path | None,
     tls_key: Path | None,
     log_format: str,
-    batch_members: int,
+    batch_members: int | None,
     max_retry_s: float,
     goal_dir: Path | None,
     reward_timeout: float,

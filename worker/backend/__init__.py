@@ -209,13 +209,15 @@ def cuda_usable() -> bool:
 
 def get_backend(
     kind: str,
-    batch_members: int = 1024,
+    batch_members: int | None = None,
     threads: int | None = None,
     goal_dir: Path | None = None,
     confined: bool = True,
 ) -> BackendFactory:
     """`auto`, `numpy`, `cupy` or `torch`; BackendUnavailable when the choice cannot run here.
 
+    `batch_members`: members per forward pass (None: the backend's own default, 1,024 for
+    NumPy, 32,768 for CuPy, whose pass is one CUDA graph, and at most 64 for PyTorch).
     `threads`: CPU threads of the backend's compute (None: its own default, which shares
     the usable cores among EGGROLL_WORKERS_PER_HOST workers). `goal_dir`: where an hf run's
     model directory is (the PyTorch backend's), `confined` to it for a worker. `auto` is
@@ -223,15 +225,17 @@ def get_backend(
     if kind == "auto":
         int8 = get_backend("cupy" if cuda_usable() else "numpy", batch_members, threads)
         return _by_family(
-            int8, lambda: _load("torch")(min(batch_members, 64), threads, goal_dir, confined)
+            int8, lambda: _load("torch")(min(batch_members or 64, 64), threads, goal_dir, confined)
         )
     if kind not in _REGISTRY:
         raise BackendUnavailable(f"unknown backend {kind!r}: use auto, numpy, cupy or torch")
     if kind == "torch":
         try:
-            return _load("torch")(min(batch_members, 64), threads, goal_dir, confined)
+            return _load("torch")(min(batch_members or 64, 64), threads, goal_dir, confined)
         except ValueError as exc:  # no torch here: one line naming the extra
             raise BackendUnavailable(str(exc)) from None
+    if batch_members is None:
+        return _load(kind)(threads=threads)
     return _load(kind)(batch_members, threads)
 
 
