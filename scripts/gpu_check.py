@@ -34,6 +34,7 @@ its log goes to LOG_DIR/<part>.log. The verdict's parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -322,15 +323,26 @@ def run_part(name: str, deadline: int, log_dir: Path, wheels: Path | None) -> in
         cmd = part_command(name, log_dir, wheels)
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        try:
-            rc = subprocess.run(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=deadline
-            ).returncode
+        try:  # its own process group: a deadline ends the part and everything it started
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
         except FileNotFoundError as exc:
             out.write(f"{exc}\n")
-            rc = 127
-        except subprocess.TimeoutExpired:
-            rc = 124
+            proc, rc = None, 127
+        if proc is not None:
+            try:
+                rc = proc.wait(timeout=deadline)
+            except subprocess.TimeoutExpired:
+                rc = 124
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the coordinator and workers of mixed too
+            proc.wait()
     lines = [ln for ln in log.read_text().splitlines()[1:] if ln.strip()]  # after the "$ cmd"
     last = "past its deadline" if rc == 124 else (lines[-1] if lines else "")
     if name == "install" and rc == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,3 +58,30 @@ def test_wheelhouse_builds_under_64_mib(tmp_path: Path) -> None:
         assert tags[0] in ("py3", "py2.py3", "cp312", "cp310", "cp311"), (name, tags)
         assert tags[2] == "any" or "x86_64" in tags[2], (name, tags)
     assert sum(w.stat().st_size for w in wheels.values()) < 64 << 20
+
+
+def test_a_part_past_its_deadline_ends_with_everything_it_started(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    pid_file = tmp_path / "child.pid"
+    tree = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(gpu_check, "part_command", lambda *_: [sys.executable, "-c", tree])
+    assert gpu_check.run_part("mixed", 2, tmp_path, None) == 124
+    assert "mixed      FAIL" in capsys.readouterr().out
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        status = Path(f"/proc/{child}/stat").read_text().split()[2]
+        if status == "Z":  # a zombie: dead, waiting for a parent that is gone too
+            break
+        time.sleep(0.1)
+    else:
+        assert not Path(f"/proc/{child}").exists(), "the part's child outlived its deadline"

@@ -456,11 +456,12 @@ class CupyBackend:
         xp, n_pairs = self.xp, len(pairs)
         if n_pairs not in self._forward_graphs:
             if len(self._forward_graphs) >= FORWARD_GRAPHS:
-                self._forward_graphs.pop(next(iter(self._forward_graphs)))  # the oldest shape
+                self._forward_graphs.pop(next(iter(self._forward_graphs)))  # the least recent
             bufs = self._forward_buffers(n_pairs)
             replay = self.kernels.capture(lambda: self._forward_sequence(bufs))
             self._forward_graphs[n_pairs] = (replay, bufs)
-        replay, bufs = self._forward_graphs[n_pairs]
+        replay, bufs = self._forward_graphs.pop(n_pairs)
+        self._forward_graphs[n_pairs] = (replay, bufs)  # the most recently used is kept longest
         windows = pair_windows(self.config, self.dataset.train, self.step, pairs)
         bufs["tokens"][...] = xp.asarray(windows.astype(np.int32))
         bufs["pairs"][...] = xp.asarray(pairs.astype(np.int64))
