@@ -12,7 +12,9 @@ no-ops, an upper bound). Before graphs, every pass paid the first run's cost.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,9 +38,6 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_gpu import synthetic_dataset
 

@@ -200,20 +200,21 @@ class Kernels:
         return replay
 
 
+def _split(length: int, unit: int, blocks: int) -> int:
+    """How much of a summed dimension of `length` each block takes, in whole `unit`s, so that
+    `blocks` blocks of the other dimensions become about Z_GEMM_BLOCKS."""
+    units = _cdiv(length, unit)
+    return _cdiv(units, min(units, max(1, Z_GEMM_BLOCKS // blocks))) * unit
+
+
 def z_split(out: int, inp: int, k: int) -> int:
-    """K words per block of the (out x inp, K = k bytes) Z GEMM: whole stages, enough splits
-    for about Z_GEMM_BLOCKS blocks."""
-    stages = _cdiv(k // 4, STAGE_WORDS)
-    splits = min(stages, max(1, Z_GEMM_BLOCKS // (_cdiv(inp, TILE_N) * _cdiv(out, TILE_M))))
-    return _cdiv(stages, splits) * STAGE_WORDS
+    """K words per block of the (out x inp, K = k bytes) Z GEMM: whole stages."""
+    return _split(k // 4, STAGE_WORDS, _cdiv(inp, TILE_N) * _cdiv(out, TILE_M))
 
 
 def vector_split(n: int, pairs: int) -> int:
-    """Pairs per block row of vector_z for a length-n vector: whole tiles of BLOCK pairs,
-    enough rows for about Z_GEMM_BLOCKS blocks."""
-    tiles = _cdiv(pairs, BLOCK)
-    splits = min(tiles, max(1, Z_GEMM_BLOCKS // _cdiv(n, BLOCK)))
-    return _cdiv(tiles, splits) * BLOCK
+    """Pairs per block row of vector_z for a length-n vector: whole tiles of BLOCK pairs."""
+    return _split(pairs, BLOCK, _cdiv(n, BLOCK))
 
 
 def _host(xp: Any, a: Any) -> np.ndarray:

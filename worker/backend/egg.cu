@@ -342,21 +342,17 @@ __device__ __forceinline__ bool tile_out(int i, int M, int N, int& m, int& n) {
   return m < M && n < N;
 }
 
-// Four K words of `row` from word kw on; zero past `rows` and past kw_end (vec: kw_end and
-// kw are multiples of 4, so a piece is all in or all out).
+// Four K words of `row` from word kw on, each guarded: zero past `rows` and past kw_end (the
+// load path of rows that are not 16-byte aligned).
 __device__ __forceinline__ uint4 load_piece(const u32* base, int rows, int row, int kwords,
-                                            int kw, int kw_end, bool vec) {
+                                            int kw, int kw_end) {
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (row < rows && kw < kw_end) {
     const u32* p = base + (long long)row * kwords + kw;
-    if (vec) {
-      v = *(const uint4*)p;
-    } else {
-      v.x = p[0];
-      if (kw + 1 < kw_end) v.y = p[1];
-      if (kw + 2 < kw_end) v.z = p[2];
-      if (kw + 3 < kw_end) v.w = p[3];
-    }
+    v.x = p[0];
+    if (kw + 1 < kw_end) v.y = p[1];
+    if (kw + 2 < kw_end) v.z = p[2];
+    if (kw + 3 < kw_end) v.w = p[3];
   }
   return v;
 }
@@ -419,7 +415,7 @@ __device__ __forceinline__ void load_stage(u32 (*X)[ROW_W], u32 (*W)[ROW_W], con
       cp_async16(dst[i], in ? base[i] + (long long)row[i] * kwords + kw + lq : base[i],
                  in ? 16 : 0);
     } else {
-      *(uint4*)dst[i] = load_piece(base[i], rows[i], row[i], kwords, kw + lq, kw_end, false);
+      *(uint4*)dst[i] = load_piece(base[i], rows[i], row[i], kwords, kw + lq, kw_end);
     }
   }
 }
@@ -545,6 +541,25 @@ __device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, in
     mm_epilogue<TC, false>(acc, xb, a, M, N, shift, q, res, out);
 }
 
+// The pre-activation the gate and the candidate share, for the W outputs from accumulator i
+// of row m at offsets o (members' arrays) and ao (pairs' a): clip(MM(h, W) + MM(u, U) + b),
+// acc_w / acc_u the GEMMs' accumulators, xbw / xbu and aw / au their rank-1 factors.
+template <bool PAIRS>
+__device__ __forceinline__ void two_mm(const int acc_w[ACC], const int acc_u[ACC], int i, int m,
+                                       long long o, long long ao, const int* xbw, const i8* aw,
+                                       const int* xbu, const i8* au, const i8* bias, int shift,
+                                       Divisor q, int out[2]) {
+  int sw = signed_xb(xbw, m), su = signed_xb(xbu, m), a1[2], a2[2], bv[2];
+  load_bytes<PAIRS>(aw + ao, a1);
+  load_bytes<PAIRS>(au + ao, a2);
+  load_bytes<PAIRS>(bias + o, bv);
+#pragma unroll
+  for (int e = 0; e < (PAIRS ? 2 : 1); e++) {
+    int v = egg_mm(acc_w[i + e], sw, a1[e], shift, q) + egg_mm(acc_u[i + e], su, a2[e], shift, q);
+    out[e] = CLIP8(v + bv[e]);
+  }
+}
+
 // The gate of a layer: f = clip(MM(h, Wf) + MM(s, Uf) + bf_m), g = ((f + 127) s) >> 8.
 template <bool TC, bool PAIRS>
 __device__ __forceinline__ void gate_epilogue(const int acc_h[ACC], const int acc_s[ACC],
@@ -558,19 +573,11 @@ __device__ __forceinline__ void gate_epilogue(const int acc_h[ACC], const int ac
     int m, n;
     if (!tile_out<TC>(i, M, D, m, n)) continue;
     long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
-    int sh = signed_xb(xbh, m), ss = signed_xb(xbs, m);
-    int a1[2], a2[2], bv[2], sv[2], fv[2], gv[2];
-    load_bytes<PAIRS>(af + ao, a1);
-    load_bytes<PAIRS>(au + ao, a2);
-    load_bytes<PAIRS>(bias + o, bv);
+    int sv[2], fv[2], gv[2];
+    two_mm<PAIRS>(acc_h, acc_s, i, m, o, ao, xbh, af, xbs, au, bias, shift, q, fv);
     load_bytes<PAIRS>(s + o, sv);
 #pragma unroll
-    for (int e = 0; e < W; e++) {
-      int v = egg_mm(acc_h[i + e], sh, a1[e], shift, q) +
-              egg_mm(acc_s[i + e], ss, a2[e], shift, q) + bv[e];
-      fv[e] = CLIP8(v);
-      gv[e] = ((fv[e] + 127) * sv[e]) >> 8;
-    }
+    for (int e = 0; e < W; e++) gv[e] = ((fv[e] + 127) * sv[e]) >> 8;
     store_bytes<PAIRS>(f + o, fv);
     store_bytes<PAIRS>(g + o, gv);
   }
@@ -605,20 +612,14 @@ __device__ __forceinline__ void cand_epilogue(const int acc_h[ACC], const int ac
     int m, n;
     if (!tile_out<TC>(i, M, D, m, n)) continue;
     long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
-    int sh = signed_xb(xbh, m), sg = signed_xb(xbg, m);
-    int a1[2], a2[2], bv[2], fv[2], sv[2], xv[2];
-    load_bytes<PAIRS>(ah + ao, a1);
-    load_bytes<PAIRS>(au + ao, a2);
-    load_bytes<PAIRS>(bias + o, bv);
+    int cv[2], fv[2], sv[2], xv[2];
+    two_mm<PAIRS>(acc_h, acc_g, i, m, o, ao, xbh, ah, xbg, au, bias, shift, q, cv);
     load_bytes<PAIRS>(f + o, fv);
     load_bytes<PAIRS>(s + o, sv);
     load_bytes<PAIRS>(x + o, xv);
 #pragma unroll
     for (int e = 0; e < W; e++) {
-      int c = egg_mm(acc_h[i + e], sh, a1[e], shift, q) +
-              egg_mm(acc_g[i + e], sg, a2[e], shift, q) + bv[e];
-      c = CLIP8(c);
-      sv[e] += ((fv[e] + 127) * (c - sv[e])) >> 8;
+      sv[e] += ((fv[e] + 127) * (cv[e] - sv[e])) >> 8;
       xv[e] = CLIP8(xv[e] + sv[e]);
     }
     store_bytes<PAIRS>(s + o, sv);
