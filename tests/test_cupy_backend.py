@@ -29,6 +29,8 @@ from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.sample import Completions, SampleSettings
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
 from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels, forward_launches
+from eggroll_dist.worker.backend.cupy_former import MAX_POSITIONS
+from eggroll_dist.worker.backend.cupy_former import launches as former_launches
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 
 pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
@@ -68,16 +70,31 @@ CONFIGS = {
         fitness=FitnessConfig(chunk_mean_filter=True, adaptive_threshold=True),
         update=UpdateConfig(alpha=1.0),
     ),
+    # the former: heads of 8, a vocabulary above 256 and not a multiple of the tile, a
+    # head bias with token noise (its elements from 40 on get none), the momentum rule
+    "former": RunConfig(
+        model=ModelConfig(
+            arch="former", n_layer=1, d_model=32, n_head=4, vocab_size=300, head_bias="zipf"
+        ),
+        es=ESConfig(population=16, chunk_size=8, seq_len=5, run_seed=2, token_noise_rows=40),
+        update=UpdateConfig(rule="momentum", momentum_shift=1, alpha=4.0, alpha_decay_steps=1),
+    ),
+    # width 36 (partial K stages, heads of 12), 2 layers, gaussian noise, AdamW, no head bias
+    "former-adamw": RunConfig(
+        model=ModelConfig(arch="former", n_layer=2, d_model=36, n_head=3, vocab_size=70),
+        es=ESConfig(population=12, chunk_size=6, seq_len=3, noise="gaussian", run_seed=8),
+        update=UpdateConfig(rule="adamw", lr=4.0, lr_halve_steps=1, weight_decay=0.1),
+    ),
 }
 
 
 def dataset(cfg: RunConfig) -> SimpleNamespace:
     rng = np.random.default_rng(1)
     v = cfg.model.vocab_size
-    train = rng.integers(0, v, size=4000).astype(np.uint8)
+    train = rng.integers(0, v, size=4000).astype(np.uint16)
     train[::37] = 0  # document starts reset the layer states
-    valid = rng.integers(0, v, size=400).astype(np.uint8)
-    pieces = [bytes([i]) * (1 + i % 3) for i in range(v)]  # 1 to 3 bytes per token
+    valid = rng.integers(0, v, size=400).astype(np.uint16)
+    pieces = [bytes([i % 256]) * (1 + i % 3) for i in range(v)]  # 1 to 3 bytes per token
     meta = SimpleNamespace(ids_by_frequency=True)  # what es.token_noise_rows assumes
     return SimpleNamespace(train=train, valid=valid, decoding=pieces, meta=meta)
 
@@ -128,14 +145,19 @@ def test_chunks_and_steps_equal_the_numpy_backend(
         assert gpu.digest() == ref.digest()
     held_out = gpu.validate()
     assert held_out == ref.validate()  # both metrics, per token and per byte
-    assert held_out.streams is not None and held_out.streams.tokens == held_out.windows.tokens
+    if cfg.model.arch == "egg":  # the long streams are a recurrent model's metric
+        assert held_out.streams is not None and held_out.streams.tokens == held_out.windows.tokens
 
 
-def test_a_forward_pass_is_one_replayed_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first pass of a shape captures its launches (the noise, then per token step
-    forward_launches(n_layer) kernels); later passes replay them: one graph launch a pass and
-    no launch through the argument checks."""
-    cfg = CONFIGS["uniform"]
+@pytest.mark.parametrize("name", ["uniform", "former"])
+def test_a_forward_pass_is_one_replayed_sequence(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The first pass of a shape captures its launches (the noise, then for the EGG model
+    forward_launches(n_layer) kernels per token step, for the former former_launches(n_layer)
+    over all positions at once); later passes replay them: one graph launch a pass and no
+    launch through the argument checks."""
+    cfg = CONFIGS[name]
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
     gpu = cupy_backend(cfg, data, VARIANTS[0], True)
@@ -162,7 +184,11 @@ def test_a_forward_pass_is_one_replayed_sequence(monkeypatch: pytest.MonkeyPatch
             (w.fitness.tobytes(), w.loss_sum) for w in want
         ]
         assert gpu.kernels.replays == replays + batches  # one graph launch a forward batch
-        if attempt == 0:  # the captures
+        if attempt == 0 and name == "former":  # the captures
+            model = [n for n in launched if n not in ("noise_rows", "member_vector")]
+            assert len(model) == shapes * former_launches(cfg.model.n_layer)
+            assert launched.count("former_embed") == launched.count("former_loss") == shapes
+        elif attempt == 0:
             noise = {"noise_rows", "member_vector"}
             per_step = [n for n in launched if n not in noise and n != "zero_i32"]
             steps = shapes * cfg.es.seq_len
@@ -206,11 +232,13 @@ def test_adaptive_noise_is_refused_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
-def test_the_former_is_refused_in_one_line() -> None:
-    cfg = CONFIGS["uniform"].replace(model=ModelConfig(arch="former", vocab_size=16, d_model=8))
-    with pytest.raises(BackendUnavailable, match="egg model only") as info:
+def test_a_former_window_past_the_attention_limit_is_refused_in_one_line() -> None:
+    cfg = CONFIGS["former"].replace(
+        es=ESConfig(population=16, chunk_size=8, seq_len=MAX_POSITIONS + 1)
+    )
+    with pytest.raises(BackendUnavailable, match=f"at most {MAX_POSITIONS} positions") as info:
         cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and "es.seq_len" in str(info.value)
 
 
 def test_adamw_from_the_uniform_config() -> None:

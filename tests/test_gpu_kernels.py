@@ -118,15 +118,17 @@ def test_noise_rows_and_member_vectors(k: Kernels, noise: str) -> None:
         if spec.kind != "vector":
             continue
         (n,) = spec.shape
-        got = poisoned((2 * len(pairs), n), np.int8)
-        k(
-            "member_vector",
-            (2 * len(pairs), cdiv(n, 256)),
-            (256,),
-            *(key_dev(cfg, step), dev(pairs), u64(spec.tensor_id), i32(n), kind),
-            *(dev(params[spec.name]), i32(4 + cfg.es.sigma_shift), got),
-        )
-        assert np.array_equal(to_host(got), mn.vectors[spec.name]), spec.name
+        for keep in (n, n // 3):  # token noise: elements from `keep` on get none
+            got = poisoned((2 * len(pairs), n), np.int8)
+            k(
+                "member_vector",
+                (2 * len(pairs), cdiv(n, 256)),
+                (256,),
+                *(key_dev(cfg, step), dev(pairs), u64(spec.tensor_id), i32(n), i32(keep)),
+                *(kind, dev(params[spec.name]), i32(4 + cfg.es.sigma_shift), got),
+            )
+            want = np.where(np.arange(n) < keep, mn.vectors[spec.name], params[spec.name])
+            assert np.array_equal(to_host(got), want), (spec.name, keep)
 
 
 @pytest.mark.parametrize("noise", NOISE_KINDS)
@@ -141,17 +143,23 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
         tid, size = u64(spec.tensor_id), int(np.prod(spec.shape))
         z = poisoned(spec.shape, np.int32)
         if spec.kind == "vector":
-            # all pairs in one block row, and pairs split over block rows (atomics)
-            for per, rows in ((cdiv(cfg.pairs, 256) * 256, 1), (16, cdiv(cfg.pairs, 16))):
+            # all pairs in one block row, and pairs split over block rows (atomics); token
+            # noise: the elements from `keep` on get no vote
+            for per, rows, keep in (
+                (cdiv(cfg.pairs, 256) * 256, 1, size),
+                (16, cdiv(cfg.pairs, 16), size),
+                (16, cdiv(cfg.pairs, 16), size // 3),
+            ):
                 k("zero_i32", (cdiv(size, 256),), (256,), z, i32(size))
                 k(
                     "vector_z",
                     (cdiv(size, 256), rows),
                     (256,),
-                    *(key_dev(cfg, step), tid, i32(size), kind, dev(fitness), i32(cfg.pairs)),
-                    *(i32(per), z),
+                    *(key_dev(cfg, step), tid, i32(size), i32(keep), kind, dev(fitness)),
+                    *(i32(cfg.pairs), i32(per), z),
                 )
-                assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, per)
+                want = np.where(np.arange(size) < keep, want_z[spec.name], 0)
+                assert np.array_equal(to_host(z), want), (spec.name, per, keep)
             continue
         out, inp = spec.shape
         at = poisoned((out, ppad), np.int8)
@@ -322,7 +330,12 @@ def test_norm_rowdot_and_loss(k: Kernels) -> None:
         outs = [poisoned(m, np.int32) for _ in dots]
         pairs_in = [(dev(pn.b[n]), o) for n, o in zip(dots, outs, strict=True)]
         extra = [a for pair in pairs_in + [(null8, null32)] * (2 - len(dots)) for a in pair]
-        k("mav_norm", (cdiv(m, 8),), (256,), dev(x), dev(w_ln), i32(m), i32(d), h, *extra)
+        k(
+            "mav_norm",
+            (cdiv(m, 8),),
+            (256,),
+            *(dev(x), dev(w_ln), null8, i32(m), i32(1), i32(d), h, *extra),
+        )
         assert np.array_equal(to_host(h), want_h), dots
         for name, out in zip(dots, outs, strict=True):
             want = (want_h.astype(np.int64) * np.repeat(pn.b[name], 2, axis=0)).sum(axis=1)
@@ -332,7 +345,7 @@ def test_norm_rowdot_and_loss(k: Kernels) -> None:
         src = rng.integers(-127, 128, size=(m, k_in)).astype(np.int8)
         xb = poisoned(m, np.int32)
         b = dev(pn.b[name])
-        k("rowdot", (cdiv(m, 8),), (256,), dev(src), b, i32(m), i32(k_in), xb)
+        k("rowdot", (cdiv(m, 8),), (256,), dev(src), b, i32(m), i32(1), i32(k_in), xb)
         want = (src.astype(np.int64) * np.repeat(pn.b[name], 2, axis=0)).sum(axis=1)
         assert np.array_equal(to_host(xb), want.astype(np.int32)), name
     v = 203
@@ -521,11 +534,11 @@ def test_launch_checks_dtypes_and_contiguity(k: Kernels) -> None:
     a = xp.zeros((4, 8), dtype=xp.int8)
     xb = xp.zeros(4, dtype=xp.int32)
     with pytest.raises(TypeError, match="int32 device array"):
-        k("rowdot", (1,), (256,), a, a, i32(4), i32(8), xp.zeros(4, dtype=xp.int64))
+        k("rowdot", (1,), (256,), a, a, i32(4), i32(1), i32(8), xp.zeros(4, dtype=xp.int64))
     with pytest.raises(TypeError, match="not C-contiguous"):
-        k("rowdot", (1,), (256,), a[:, :4], a, i32(4), i32(4), xb)
+        k("rowdot", (1,), (256,), a[:, :4], a, i32(4), i32(1), i32(4), xb)
     with pytest.raises(TypeError, match="NumPy int32 scalar"):
-        k("rowdot", (1,), (256,), a, a, 4, i32(8), xb)
+        k("rowdot", (1,), (256,), a, a, i32(4), 1, i32(8), xb)
 
 
 @pytest.mark.skipif(ON_GPU or SANITIZE, reason="runs the sanitizer build of the CPU kernels")
@@ -533,7 +546,11 @@ def test_kernels_under_the_undefined_behaviour_sanitizer() -> None:
     """These tests and the whole-backend ones, kernels built with -fsanitize=undefined (any
     report aborts the run)."""
     env = {**os.environ, "EGGROLL_CUDAEMU_SANITIZE": "1"}
-    tests = [__file__, str(Path(__file__).with_name("test_cupy_backend.py"))]
+    here = Path(__file__)
+    tests = [
+        __file__,
+        *(str(here.with_name(f)) for f in ("test_former_kernels.py", "test_cupy_backend.py")),
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
         env=env,

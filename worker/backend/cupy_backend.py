@@ -47,10 +47,11 @@ from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
 from ...shared.sample import Completions
 from ...shared.window import pair_windows
-from . import BackendFactory, BackendUnavailable, ChunkResult, Validation, check_chunk
+from . import BackendFactory, BackendUnavailable, ChunkResult, Validation, check_chunk, cupy_former
 from .numpy_backend import NumpyBackend
 
-SOURCE_FILE = "egg.cu"
+# One module from these sources in this order: former.cu uses egg.cu's helpers.
+SOURCE_FILES = ("egg.cu", "former.cu")
 ALIGN = 16  # byte alignment of each tensor in the flat weight buffer
 BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
 TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
@@ -76,11 +77,14 @@ _GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I
 _CAND = (*_GATE[:-2], I8, I8, I8)
 _ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I32)
 _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
+_SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, the divisor
+_FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I8, I32, I8, I32)
+_FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32)
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8),
     "noise_cols": (U64, "uint64", "uint32", "int32", "int32", "int32", I8, "int32", "int32", I8),
-    "member_vector": (U64, I64, "uint64", "int32", "int32", I8, "int32", I8),
-    "vector_z": (U64, "uint64", "int32", "int32", I8, "int32", "int32", I32),
+    "member_vector": (U64, I64, "uint64", "int32", "int32", "int32", I8, "int32", I8),
+    "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, "int32", "int32", I32),
     "zero_i32": (I32, "int32"),
     "embed": (
         I32,
@@ -97,8 +101,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int32",
         I8,
     ),
-    "mav_norm": (I8, I8, "int32", "int32", I8, I8, I32, I8, I32),
-    "rowdot": (I8, I8, "int32", "int32", I32),
+    "mav_norm": (I8, I8, I8, "int32", "int32", "int32", I8, I8, I32, I8, I32),
+    "rowdot": (I8, I8, "int32", "int32", "int32", I32),
     "mm_tc": _MM,
     "mm_dp4a": _MM,
     "gate_tc": _GATE,
@@ -111,6 +115,15 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "ztest_apply": (I32, I64, "int32", I8, U64),
     "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64),
     "adamw_apply": (*(I32, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT),
+    # the former (former.cu)
+    "former_embed": (I32, "int32", I8, I8, I8, I8, "int32", "int32", "int32", I8),
+    "former_mm_tc": _FORMER_MM,
+    "former_mm_dp4a": _FORMER_MM,
+    "former_head_tc": _FORMER_HEAD,
+    "former_head_dp4a": _FORMER_HEAD,
+    "former_loss": (U64, I32, "int32", "int32", I64, I64),
+    "former_renorm": (I32, "int32", "int32", "int32", "int32", I32, I32, I8),
+    "former_attention": (I8, I8, I8, "int32", "int32", "int32", I32, I8),
 }
 # Each rule's state kinds resident on the device (their names: shared/rules/<rule>.py).
 OPT_KINDS: dict[str, tuple[tuple[str, Any], ...]] = {
@@ -118,7 +131,7 @@ OPT_KINDS: dict[str, tuple[tuple[str, Any], ...]] = {
     "momentum": (("momentum", np.int32),),
     "adamw": (("adamw.m", np.int32), ("adamw.v", np.int64), ("adamw.acc", np.int32)),
 }
-TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc")
+TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc", "former_mm_tc", "former_head_tc")
 # Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
 # compile check adds the same). Integer-only code: no float flags matter.
 NVRTC_OPTIONS: tuple[str, ...] = ()
@@ -127,8 +140,9 @@ ModuleFactory = Callable[[str, tuple[str, ...]], Any]
 
 
 def kernel_source() -> str:
-    """The CUDA source of every kernel (package data)."""
-    return resources.files(__package__).joinpath(SOURCE_FILE).read_text()
+    """The CUDA source of every kernel (package data), one module."""
+    files = resources.files(__package__)
+    return "\n".join(files.joinpath(name).read_text() for name in SOURCE_FILES)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -243,22 +257,18 @@ class CupyBackend:
         d = cfg.model.d_model
         if d % 4:
             raise BackendUnavailable(f"the CuPy backend needs model.d_model % 4 == 0, got {d}")
-        if cfg.model.arch != "egg":
+        if cfg.model.arch not in ("egg", "former"):
             raise BackendUnavailable(
-                f"the CuPy backend has kernels for the egg model only, not model.arch = "
-                f"{cfg.model.arch!r}: use --backend numpy"
+                f"the CuPy backend has kernels for the egg and former models, not model.arch = "
+                f"{cfg.model.arch!r}: use --backend torch"
             )
+        former = cfg.model.arch == "former"
+        if former and (why := cupy_former.check(cfg)):
+            raise BackendUnavailable(why)
         if cfg.es.adaptive_noise:
             raise BackendUnavailable(
                 "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
                 "noise): use --backend numpy"
-            )
-        if cfg.es.token_noise_rows and any(
-            s.name in TOKEN_TENSORS and s.kind != "matrix" for s in param_specs(cfg.model)
-        ):
-            raise BackendUnavailable(
-                "the CuPy backend applies es.token_noise_rows to token matrices only, not to a "
-                "head bias: use --backend numpy"
             )
         vmax = max_abs(cfg.es.noise)
         if cfg.pairs * vmax * vmax >= 1 << 31:
@@ -269,8 +279,13 @@ class CupyBackend:
         self.device = device
         self.xp = xp
         self.batch_members = max(2, batch_members - batch_members % 2)
+        if former:
+            self.batch_members = cupy_former.batch_members(cfg.es.seq_len, self.batch_members)
         self.suffix = "_tc" if tensor_cores else "_dp4a"
         self.kernels = Kernels(xp, module_factory, stream)
+        self.tile = (TILE_M, TILE_N)
+        heads = cfg.model.heads
+        self.tables = cupy_former.tables(xp, cfg.es.seq_len, d // heads) if former else {}
         self.stream = stream
         self._specs = param_specs(cfg.model)
         self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -302,8 +317,8 @@ class CupyBackend:
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
         self._exp2 = xp.asarray(exp2_table())
         self._log2_th = xp.asarray(log2_thresholds())
-        self._null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
-        self._null32 = xp.zeros(0, dtype=xp.int32)
+        self.null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
+        self.null32 = xp.zeros(0, dtype=xp.int32)
         self._update_graph: Callable[[], None] | None = None
         # captured forward passes by pair count, with their buffers (the last partial batch
         # of a step has its own shape)
@@ -344,9 +359,10 @@ class CupyBackend:
                 flat[...] = self.xp.asarray(values)
         self._state = state
 
-    def _keep_rows(self, spec: ParamSpec) -> int:
-        """The rows of a matrix's a that get noise: all, or under es.token_noise_rows the
-        commonest tokens' (factor 64 below it, 0 above: `perturb.token_row_factors`)."""
+    def _keep(self, spec: ParamSpec) -> int:
+        """The rows of a matrix's a (the elements of a vector) that get noise: all, or under
+        es.token_noise_rows the commonest tokens' (factor 64 below it, 0 above:
+        `perturb.token_row_factors`)."""
         rows = spec.shape[0]
         token_rows = self.config.es.token_noise_rows
         return min(rows, token_rows) if token_rows and spec.name in TOKEN_TENSORS else rows
@@ -404,22 +420,26 @@ class CupyBackend:
             "logits": xp.empty((m, v), dtype=xp.int8),
             "xb": [xp.empty(m, dtype=xp.int32) for _ in range(4)],
             "loss": xp.zeros(m, dtype=xp.int64),
-            "a": {},
-            "b": {},
-            "vec": {},
         }
         for name in ("x", "h", "f", "g"):
             bufs[name] = xp.empty((m, d), dtype=xp.int8)
-        for spec in self._specs:
-            if spec.kind == "matrix":
-                out, inp = spec.shape
-                bufs["a"][spec.name] = xp.empty((n_pairs, out), dtype=xp.int8)
-                bufs["b"][spec.name] = xp.empty((n_pairs, inp), dtype=xp.int8)
-            else:
-                bufs["vec"][spec.name] = xp.empty((m, spec.shape[0]), dtype=xp.int8)
+        bufs.update(self.noise_buffers(n_pairs))
         return bufs
 
-    def _noise(self, pairs_dev: Any, n_pairs: int, a: dict, b: dict, vec: dict) -> None:
+    def noise_buffers(self, n_pairs: int) -> dict[str, dict[str, Any]]:
+        """The noise of n_pairs pairs: "a" (P, out) and "b" (P, in) per matrix, "vec" the
+        members' (M, n) per vector parameter."""
+        xp, out = self.xp, {"a": {}, "b": {}, "vec": {}}
+        for spec in self._specs:
+            if spec.kind == "matrix":
+                rows, cols = spec.shape
+                out["a"][spec.name] = xp.empty((n_pairs, rows), dtype=xp.int8)
+                out["b"][spec.name] = xp.empty((n_pairs, cols), dtype=xp.int8)
+            else:
+                out["vec"][spec.name] = xp.empty((2 * n_pairs, spec.shape[0]), dtype=xp.int8)
+        return out
+
+    def noise(self, pairs_dev: Any, n_pairs: int, a: dict, b: dict, vec: dict) -> None:
         """Every matrix's a (P, out), b (P, in) and every member's vector parameters (M, n)
         into the given buffers."""
         k, es = self.kernels, self.config.es
@@ -430,7 +450,7 @@ class CupyBackend:
             if spec.kind == "matrix":
                 out, inp = spec.shape
                 for start, count, keep, dst in (
-                    (0, out, self._keep_rows(spec), a[spec.name]),
+                    (0, out, self._keep(spec), a[spec.name]),
                     (out, inp, inp, b[spec.name]),
                 ):
                     k(
@@ -446,7 +466,8 @@ class CupyBackend:
                     "member_vector",
                     (2 * n_pairs, _cdiv(n, BLOCK)),
                     (BLOCK,),
-                    *(self._step_key, pairs_dev, tid, np.int32(n), kind, self.w[spec.name]),
+                    *(self._step_key, pairs_dev, tid, np.int32(n), np.int32(self._keep(spec))),
+                    *(kind, self.w[spec.name]),
                     *(shift, vec[spec.name]),
                 )
 
@@ -458,8 +479,12 @@ class CupyBackend:
         if n_pairs not in self._forward_graphs:
             if len(self._forward_graphs) >= FORWARD_GRAPHS:
                 self._forward_graphs.pop(next(iter(self._forward_graphs)))  # the least recent
-            bufs = self._forward_buffers(n_pairs)
-            replay = self.kernels.capture(lambda: self._forward_sequence(bufs))
+            if self.config.model.arch == "former":
+                bufs = cupy_former.buffers(self, n_pairs)
+                replay = self.kernels.capture(lambda: cupy_former.sequence(self, bufs))
+            else:
+                bufs = self._forward_buffers(n_pairs)
+                replay = self.kernels.capture(lambda: self._forward_sequence(bufs))
             self._forward_graphs[n_pairs] = (replay, bufs)
         replay, bufs = self._forward_graphs.pop(n_pairs)
         self._forward_graphs[n_pairs] = (replay, bufs)  # the most recently used is kept longest
@@ -479,7 +504,7 @@ class CupyBackend:
         i32 = np.int32
         shift = i32(4 + cfg.es.sigma_shift)
         a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
-        self._noise(bufs["pairs"], n_pairs, a, b, vec)
+        self.noise(bufs["pairs"], n_pairs, a, b, vec)
         tokens, states, loss, xb = bufs["tokens"], bufs["states"], bufs["loss"], bufs["xb"]
         x, h, f, g = bufs["x"], bufs["h"], bufs["f"], bufs["g"]
         hidden, logits, w = bufs["hidden"], bufs["logits"], self.w
@@ -489,15 +514,20 @@ class CupyBackend:
         sfx = self.suffix
 
         def rowdot(src: Any, name: str, out: Any) -> Any:
-            k("rowdot", rows, (BLOCK,), src, b[name], i32(m), i32(src.shape[1]), out)
+            k("rowdot", rows, (BLOCK,), src, b[name], i32(m), i32(1), i32(src.shape[1]), out)
             return out
 
         def norm(vector: str, dots: tuple[str, ...]) -> None:
             """h = the norm of x; with it the rank-1 dots of h for the tensors `dots`
             (into xb[0], then xb[2]: the slots the next kernels read)."""
             args = [(b[n], xb[slot]) for n, slot in zip(dots, (0, 2)[: len(dots)], strict=True)]
-            args += [(self._null8, self._null32)] * (2 - len(args))
-            k("mav_norm", rows, (BLOCK,), x, vec[vector], i32(m), i32(d), h, *args[0], *args[1])
+            args += [(self.null8, self.null32)] * (2 - len(args))
+            k(
+                "mav_norm",
+                rows,
+                (BLOCK,),
+                *(x, vec[vector], self.null8, i32(m), i32(1), i32(d), h, *args[0], *args[1]),
+            )
 
         def mm(src: Any, name: str, src_xb: Any, res: Any, out: Any) -> None:
             n_out, k_in = w[name].shape
@@ -539,10 +569,10 @@ class CupyBackend:
                     *(i32(m), i32(d), shift, div_d, vec[p + "bh"], f, s, x),
                 )
                 norm(p + "ln2", (p + "w1",))
-                mm(h, p + "w1", xb[0], self._null8, hidden)
+                mm(h, p + "w1", xb[0], self.null8, hidden)
                 mm(hidden, p + "w2", rowdot(hidden, p + "w2", xb[0]), x, x)
             norm("ln_out", ("head",))
-            mm(h, "head", xb[0], self._null8, logits)
+            mm(h, "head", xb[0], self.null8, logits)
             k(
                 "token_loss",
                 rows,
@@ -580,8 +610,8 @@ class CupyBackend:
                 bt = buf["bt"][: inp * ppad].reshape(inp, ppad)
                 # Z = (F a)^T b: the fitness weighs a only (null: b unweighted).
                 for start, count, keep, weight, dst in (
-                    (0, out, self._keep_rows(spec), self._fitness, at),
-                    (out, inp, inp, self._null8, bt),
+                    (0, out, self._keep(spec), self._fitness, at),
+                    (out, inp, inp, self.null8, bt),
                 ):
                     k(
                         "noise_cols",
@@ -605,7 +635,8 @@ class CupyBackend:
                     "vector_z",
                     (_cdiv(size, BLOCK), _cdiv(pairs, per)),
                     (BLOCK,),
-                    *(self._step_key, tid, np.int32(size), kind, self._fitness),
+                    *(self._step_key, tid, np.int32(size), np.int32(self._keep(spec)), kind),
+                    self._fitness,
                     *(np.int32(pairs), np.int32(per), z),
                 )
             w, n, grid = self.w[spec.name].reshape(-1), np.int32(size), (_cdiv(size, BLOCK),)

@@ -174,30 +174,31 @@ extern "C" __global__ void noise_cols(const u64* base, u64 tensor_id, u32 start,
 }
 
 // A vector parameter as member m sees it: clip(param + ((sign * u1 * u2) >> shift)), with
-// u1 = noise index j and u2 = noise index n + j of the member's pair. out is (M, n).
+// u1 = noise index j and u2 = noise index n + j of the member's pair, for j < keep (token
+// noise: the elements from keep on get none). out is (M, n).
 // Launch: grid (M, ceil(n / 256)), block (256).
 extern "C" __global__ void member_vector(const u64* base, const long long* pairs,
-                                         u64 tensor_id, int n, int kind, const i8* param,
-                                         int shift, i8* out) {
+                                         u64 tensor_id, int n, int keep, int kind,
+                                         const i8* param, int shift, i8* out) {
   __shared__ u64 key;
   int m = blockIdx.x;
   if (threadIdx.x == 0) key = pair_key(*base, (u64)pairs[m >> 1], tensor_id);
   __syncthreads();
   int j = blockIdx.y * blockDim.x + threadIdx.x;
   if (j < n) {
-    int u = noise_value(key, j, kind) * noise_value(key, n + j, kind);
+    int u = j < keep ? noise_value(key, j, kind) * noise_value(key, n + j, kind) : 0;
     int v = param[j] + (((m & 1) ? -u : u) >> shift);
     out[(long long)m * n + j] = (i8)CLIP8(v);
   }
 }
 
 // Z[j] += sum_p fitness[p] u1_p[j] u2_p[j] over pairs [y per, (y + 1) per) for block row y,
-// for a vector parameter of length n; z starts zeroed (zero_i32) and the block rows add with
+// for a vector parameter of length n (0 from keep on: token noise); z starts zeroed (zero_i32) and the block rows add with
 // integer atomics (exact in any order), so a short vector still spreads over the device.
 // Launch: grid (ceil(n / 256), ceil(pairs / per)), block (256); the backend makes per whole
 // tiles of 256 pairs, each block walking its pairs a tile at a time, a tile's keys computed
 // once (one per thread) and shared.
-extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int kind,
+extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int keep, int kind,
                                     const i8* fitness, int pairs, int per, int* z) {
   __shared__ u64 keys[256];
   __shared__ int fit[256];
@@ -210,7 +211,7 @@ extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int k
     keys[threadIdx.x] = pair_key(*base, (u64)p, tensor_id);
     __syncthreads();
     int tile = min(256, end - p0);
-    if (j < n)
+    if (j < keep)
       for (int q = 0; q < tile; q++)
         if (fit[q])
           acc += fit[q] * noise_value(keys[q], j, kind) * noise_value(keys[q], n + j, kind);
@@ -241,20 +242,24 @@ extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const i8*
   }
 }
 
-// The mean-absolute-value norm with the member's vector w (M, D):
-// out[m, n] = clip(floor(x[m, n] w[m, n] / max(sum_k |x[m, k]| // D, 1))), and with it the
-// rank-1 dot products of the normed row that the next GEMMs need: xb1[m] = out[m, :] .
-// b1[m >> 1, :] (and xb2 with b2) where b1 (b2) is given, so out is not read back.
+// The mean-absolute-value norm of row r of x (R, D) with its member's vectors w and bias
+// (members', (R / per, D); bias may be null), the member being r / per:
+// out[r, n] = clip(floor(x[r, n] w[n] / max(sum_k |x[r, k]| // D, 1)) + bias[n]), and with it
+// the rank-1 dot products of the normed row that the next GEMMs need: xb1[r] = out[r, :] .
+// b1[pair, :] (and xb2 with b2) where b1 (b2) is given, so out is not read back.
 // D % 4 == 0, rows read and written as 32-bit words.
-// Launch: grid (ceil(M / 8)), block (256): one warp per row, butterfly and shuffle sums.
-extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* out,
-                                    const i8* b1, int* xb1, const i8* b2, int* xb2) {
+// Launch: grid (ceil(R / 8)), block (256): one warp per row, butterfly and shuffle sums.
+extern "C" __global__ void mav_norm(const i8* x, const i8* w, const i8* bias, int R, int per,
+                                    int D, i8* out, const i8* b1, int* xb1, const i8* b2,
+                                    int* xb2) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform: the whole warp leaves together
+  if (row >= R) return;  // warp-uniform: the whole warp leaves together
   int words = D / 4;
+  long long member = row / per;
   const u32* xr = (const u32*)(x + (long long)row * D);
-  const u32* wr = (const u32*)(w + (long long)row * D);
+  const u32* wr = (const u32*)(w + member * D);
+  const u32* br = bias ? (const u32*)(bias + member * D) : 0;
   u32* orow = (u32*)(out + (long long)row * D);
   int total = 0;
   for (int k = lane; k < words; k += 32) {
@@ -266,13 +271,14 @@ extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* 
   }
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
   Divisor mav = make_divisor(max(total / D, 1));  // one reciprocal per row, not per element
-  const u32* b1r = b1 ? (const u32*)(b1 + (long long)(row >> 1) * D) : 0;
-  const u32* b2r = b2 ? (const u32*)(b2 + (long long)(row >> 1) * D) : 0;
+  const u32* b1r = b1 ? (const u32*)(b1 + (member >> 1) * D) : 0;
+  const u32* b2r = b2 ? (const u32*)(b2 + (member >> 1) * D) : 0;
   int d1 = 0, d2 = 0;
   for (int k = lane; k < words; k += 32) {
-    u32 xv = xr[k], wv = wr[k], hv = 0;
+    u32 xv = xr[k], wv = wr[k], bv = br ? br[k] : 0u, hv = 0;
     for (int j = 0; j < 4; j++) {
       int q = floor_by((signed char)(xv >> (8 * j)) * (signed char)(wv >> (8 * j)), mav);
+      q += (signed char)(bv >> (8 * j));
       hv |= (u32)(CLIP8(q) & 0xff) << (8 * j);
     }
     orow[k] = hv;
@@ -287,14 +293,15 @@ extern "C" __global__ void mav_norm(const i8* x, const i8* w, int M, int D, i8* 
   if (lane == 0 && xb2) xb2[row] = d2;
 }
 
-// The rank-1 dot product of each member: xb[m] = x[m, :] . b[m >> 1, :], K % 4 == 0.
-// Launch: grid (ceil(M / 8)), block (256): one warp per row, dp4a over words, a shuffle tree.
-extern "C" __global__ void rowdot(const i8* x, const i8* b, int M, int K, int* xb) {
+// The rank-1 dot product of each row: xb[r] = x[r, :] . b[pair, :], the row's member being
+// r / per and its pair member >> 1; K % 4 == 0.
+// Launch: grid (ceil(R / 8)), block (256): one warp per row, dp4a over words, a shuffle tree.
+extern "C" __global__ void rowdot(const i8* x, const i8* b, int R, int per, int K, int* xb) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
-  if (row >= M) return;
+  if (row >= R) return;
   const int* xr = (const int*)(x + (long long)row * K);
-  const int* br = (const int*)(b + (long long)(row >> 1) * K);
+  const int* br = (const int*)(b + (long long)(row / per >> 1) * K);
   int acc = 0;
   for (int k = lane; k < K / 4; k += 32) acc = dp4a_s8(xr[k], br[k], acc);
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
@@ -704,6 +711,16 @@ extern "C" __global__ void __launch_bounds__(256) zgemm_dp4a(ZGEMM_PARAMS) { zge
 
 // ------------------------------------------------------------------------- the loss
 
+// floor(16 log2(total)) for 0 < total < 2**53: the exponent, then the mantissa's sixteenth
+// by the reference's thresholds log2_th (15, int64).
+__device__ __forceinline__ long long log2_16(long long total, const long long* log2_th) {
+  int e = 63 - __clzll(total);
+  u64 mant = e > 31 ? (u64)total >> (e - 31) : (u64)total << (31 - e);
+  int j = 0;
+  while (j < 15 && log2_th[j] <= (long long)mant) j++;
+  return 16LL * e + j;
+}
+
 // loss[m] += floor(16 log2(sum_j EXP2[l[m, j] + 128])) - 64 - (l[m, target] + 128), the
 // target being column t of the member's pair window. exp2_table (256) int32, log2_th (15) int64
 // are the reference's tables. Launch: grid (ceil(M / 8)), block (256): one warp per row.
@@ -717,13 +734,9 @@ extern "C" __global__ void token_loss(const i8* logits, const int* tokens, int t
   long long total = 0;
   for (int j = lane; j < V; j += 32) total += exp2_table[l[j] + 128];
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  if (lane == 0) {
-    int e = 63 - __clzll(total);  // floor(log2 total); total >= 16 V > 0
-    u64 mant = e > 31 ? (u64)total >> (e - 31) : (u64)total << (31 - e);
-    int j = 0;
-    while (j < 15 && log2_th[j] <= (long long)mant) j++;
+  if (lane == 0) {  // total >= 16 V > 0
     int target = tokens[(long long)(row >> 1) * t_cols + t];
-    loss[row] += 16LL * e + j - 64 - (l[target] + 128);
+    loss[row] += log2_16(total, log2_th) - 64 - (l[target] + 128);
   }
 }
 

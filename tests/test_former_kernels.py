@@ -1,0 +1,270 @@
+"""Every kernel of former.cu equals its piece of the NumPy reference (shared/former.py), byte
+for byte, on (member, position) rows: several positions per member, partial tiles, odd
+divisors, clipping at both ends, a vocabulary over several head tiles.
+
+Runs where tests/test_gpu_kernels.py runs (kernel_target.py): the CPU build of the kernels in
+every thread order by default, a GPU with EGGROLL_KERNEL_TARGET=cupy.
+"""
+
+from __future__ import annotations
+
+import sys
+from math import isqrt
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_target import CPU_BUILD_MISSING, VARIANTS, array_module, kernels, to_host
+
+from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.former import (
+    FormerModel,
+    attention,
+    gelu_table,
+    renorm,
+    rope,
+    rope_table,
+    softmax_table,
+)
+from eggroll_dist.shared.loss import exp2_table, log2_thresholds, token_loss
+from eggroll_dist.shared.model import init_params, param_specs
+from eggroll_dist.shared.perturb import member_noise, pair_noise
+from eggroll_dist.worker.backend.cupy_backend import TILE_M, TILE_N, Kernels
+
+pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
+xp = array_module()
+i32 = np.int32
+GEMM_SUFFIXES = ("_tc", "_dp4a")
+T = 5  # positions per member: rows of one member straddle the GEMM tiles' edges
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def k(request: pytest.FixtureRequest) -> Kernels:
+    return kernels(request.param)
+
+
+def cfg_for(d: int = 36, heads: int = 3, vocab: int = 300, head_bias: str = "zipf") -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(
+            arch="former", n_layer=1, d_model=d, n_head=heads, vocab_size=vocab,
+            head_bias=head_bias,
+        ),
+        es=ESConfig(
+            population=64, chunk_size=64, seq_len=T, sigma_shift=3, noise="gaussian", run_seed=4
+        ),  # the kernels get the shift 4 + 3
+    )  # fmt: skip
+
+
+def batch(cfg: RunConfig, n_pairs: int = 14):
+    """Pairs (28 members, 140 rows: two row tiles), their weights, noise and windows."""
+    pairs = np.arange(3, 3 + n_pairs, dtype=np.int64)
+    params = init_params(cfg.model)
+    pn = pair_noise(cfg, param_specs(cfg.model), 2, pairs)
+    mn = member_noise(pn, params, cfg.es.sigma_shift)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, cfg.model.vocab_size, size=(n_pairs, T + 1)).astype(np.int32)
+    return params, pn, mn, tokens, FormerModel(cfg, params)
+
+
+def dev(a: np.ndarray):
+    return xp.array(np.ascontiguousarray(a))
+
+
+def poisoned(shape, dtype):
+    return xp.asarray(np.full(shape, 99, dtype=dtype))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rows_of(a: np.ndarray) -> np.ndarray:
+    """(M, T, n) -> (M T, n): the kernels' (member, position) rows."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def test_embed_is_the_tied_streams_row_plus_the_bias(k: Kernels) -> None:
+    cfg = cfg_for()
+    params, pn, mn, tokens, model = batch(cfg)
+    m, d, v = 2 * len(tokens), cfg.model.d_model, cfg.model.vocab_size
+    x = poisoned((m * T, d), np.int8)
+    k(
+        "former_embed",
+        (m * T,),
+        (128,),
+        *(dev(tokens), i32(T), dev(params["emb"]), dev(pn.a["emb"]), dev(pn.b["emb"])),
+        *(dev(mn.vectors["emb_bias"].astype(np.int8)), i32(d), i32(v), i32(7), x),
+    )
+    want = model._embed(np.repeat(tokens[:, :T], 2, axis=0), mn)
+    assert np.array_equal(to_host(x), rows_of(want))
+
+
+def test_norm_with_the_members_gain_bias_and_dots(k: Kernels) -> None:
+    cfg = cfg_for()
+    _, pn, mn, _, model = batch(cfg)
+    m, d = 2 * len(pn.pairs), cfg.model.d_model
+    rng = np.random.default_rng(8)
+    x = rng.integers(-127, 128, size=(m, T, d)).astype(np.int8)
+    x[0, 0], x[1, 2] = 0, 127  # mav 0 -> 1, and the largest products
+    name = "layers.0.ln1"
+    gain = mn.vectors[name].astype(np.int8)
+    bias = (mn.vectors[name + "_bias"] + 90).clip(-127, 127).astype(np.int8)  # clips both ways
+    mn.vectors[name + "_bias"] = bias.astype(np.int32)
+    want = rows_of(model._norm(x.astype(np.int32), name, mn))
+    h = poisoned((m * T, d), np.int8)
+    dots = [poisoned(m * T, np.int32) for _ in range(2)]
+    wq, wk = (pn.b[f"layers.0.{w}"] for w in ("wq", "wk"))
+    k(
+        "mav_norm",
+        (cdiv(m * T, 8),),
+        (256,),
+        *(dev(rows_of(x)), dev(gain), dev(bias), i32(m * T), i32(T), i32(d), h),
+        *(dev(wq), dots[0], dev(wk), dots[1]),
+    )
+    assert np.array_equal(to_host(h), want)
+    for b, got in ((wq, dots[0]), (wk, dots[1])):
+        b_rows = np.repeat(b, 2 * T, axis=0).astype(np.int64)
+        assert np.array_equal(to_host(got), (want.astype(np.int64) * b_rows).sum(axis=1))
+    xb = poisoned(m * T, np.int32)
+    k("rowdot", (cdiv(m * T, 8),), (256,), dev(rows_of(x)), dev(wq), i32(m * T), i32(T), i32(d), xb)
+    want_xb = (rows_of(x).astype(np.int64) * np.repeat(wq, 2 * T, axis=0)).sum(axis=1)
+    assert np.array_equal(to_host(xb), want_xb)
+
+
+def former_mm(k: Kernels, suffix: str, x, name: str, params, pn, *, bias=None, res=None,
+              gelu=None) -> tuple:  # fmt: skip
+    """One former_mm launch over rows x (R, K); returns (out8, out32) on the host."""
+    n_out, k_in = params[name].shape
+    r = len(x)
+    xb = (x.astype(np.int64) * np.repeat(pn.b[name], 2 * T, axis=0)).sum(axis=1)
+    null8, null32 = xp.zeros(0, dtype=xp.int8), xp.zeros(0, dtype=xp.int32)
+    out8 = poisoned((r, n_out), np.int8) if gelu is not None else null8
+    out32 = poisoned((r, n_out), np.int32) if gelu is None else null32
+    k(
+        "former_mm" + suffix,
+        (cdiv(n_out, TILE_N), cdiv(r, TILE_M)),
+        (256,),
+        *(dev(x), dev(params[name]), dev(xb.astype(np.int32)), dev(pn.a[name]), i32(r)),
+        *(i32(n_out), i32(k_in), i32(T), i32(7), i32(16 * isqrt(k_in))),
+        *(null8 if bias is None else dev(bias), null8 if res is None else dev(res)),
+        *(null32 if gelu is None else dev(gelu), out8, out32),
+    )
+    return to_host(out8), to_host(out32)
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+def test_mm_epilogues_plain_gelu_and_residual(k: Kernels, suffix: str) -> None:
+    cfg = cfg_for()
+    params, pn, mn, _, model = batch(cfg)
+    m, d = 2 * len(pn.pairs), cfg.model.d_model
+    rng = np.random.default_rng(9)
+    x = rng.integers(-127, 128, size=(m, T, d)).astype(np.int8)
+    x[0] = 127  # MM clips high, the bias adds past it
+    plain = model._mm(x.astype(np.int32), "layers.0.wq", mn)
+    assert np.array_equal(former_mm(k, suffix, rows_of(x), "layers.0.wq", params, pn)[1],
+                          rows_of(plain))  # fmt: skip
+    # the MLP's up projection: GELU[clip(MM + up_bias) + 128]
+    up_bias = mn.vectors["layers.0.up_bias"] + rng.integers(-60, 61, size=(m, 4 * d))
+    up_bias = up_bias.clip(-127, 127)
+    up = model._mm(model._norm(x.astype(np.int32), "layers.0.ln2", mn), "layers.0.up", mn)
+    normed = rows_of(model._norm(x.astype(np.int32), "layers.0.ln2", mn)).astype(np.int8)
+    want = gelu_table()[(up + up_bias[:, None, :]).clip(-127, 127) + 128]
+    got8, _ = former_mm(k, suffix, normed, "layers.0.up", params, pn,
+                        bias=up_bias.astype(np.int8), gelu=gelu_table())  # fmt: skip
+    assert np.array_equal(got8, rows_of(want))
+    # the MLP's down projection: MM + x + down_bias, before the renorm
+    hidden = rng.integers(-3, 128, size=(m, T, 4 * d)).astype(np.int8)
+    down_bias = mn.vectors["layers.0.down_bias"].astype(np.int8)
+    down = model._mm(hidden.astype(np.int32), "layers.0.down", mn)
+    want32 = down + x.astype(np.int32) + down_bias[:, None, :]
+    _, got32 = former_mm(k, suffix, rows_of(hidden), "layers.0.down", params, pn,
+                         bias=down_bias, res=rows_of(x))  # fmt: skip
+    assert np.array_equal(got32, rows_of(want32))
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_renorm_with_and_without_rope(k: Kernels, heads: int) -> None:
+    d = 36
+    rng = np.random.default_rng(10)
+    m = 9
+    v = rng.integers(-381, 382, size=(m, T, d)).astype(np.int32)
+    v[0] = 0  # the max is 0 -> 1
+    v[1, 1, :4] = [381, -381, 1, -1]
+    cos, sin = rope_table(T, d // heads)
+    cases = (
+        (np.clip(v, -127, 127), True),  # q and k: clipped MM outputs, rotated
+        (v, False),  # v and the residual sums
+    )
+    for src, rotate in cases:
+        want = src.reshape(m, T, heads, d // heads)
+        want = rope(want, cos, sin) if rotate else want
+        want = renorm(want.reshape(m, T, d))
+        got = poisoned((m * T, d), np.int8)
+        tables = (dev(cos), dev(sin)) if rotate else (xp.zeros(0, dtype=xp.int32),) * 2
+        k(
+            "former_renorm",
+            (cdiv(m * T, 8),),
+            (256,),
+            *(dev(rows_of(src)), i32(m * T), i32(T), i32(d), i32(d // heads), *tables, got),
+        )
+        assert np.array_equal(to_host(got), rows_of(want)), rotate
+
+
+@pytest.mark.parametrize("t, heads, dh", [(T, 3, 12), (130, 1, 6)], ids=["short", "long"])
+def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int) -> None:
+    """130 positions: more keys than the block has threads."""
+    rng = np.random.default_rng(11)
+    m = 4
+    q, kk, v = (rng.integers(-127, 128, size=(m, t, heads, dh)).astype(np.int8) for _ in "qkv")
+    q[0], kk[0] = 127, 127  # the largest scores; far keys get weight 0
+    q[1, :, :, 0], kk[1, :, :, 0] = 127, -127 * (np.arange(t) % 2)[:, None]
+    want = attention(*(a.astype(np.int32) for a in (q, kk, v)))
+    out = poisoned((m * t, heads * dh), np.int8)
+    k(
+        "former_attention",
+        (m, heads),
+        (128,),
+        *(dev(q.reshape(m * t, -1)), dev(kk.reshape(m * t, -1)), dev(v.reshape(m * t, -1))),
+        *(i32(t), i32(heads * dh), i32(dh), dev(softmax_table().astype(np.int32)), out),
+    )
+    assert np.array_equal(to_host(out), want.reshape(m * t, -1))
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+@pytest.mark.parametrize("head_bias", ["zipf", "none"])
+def test_head_fused_with_the_loss(k: Kernels, suffix: str, head_bias: str) -> None:
+    cfg = cfg_for(head_bias=head_bias)
+    params, pn, mn, tokens, model = batch(cfg)
+    m, d, v = 2 * len(tokens), cfg.model.d_model, cfg.model.vocab_size
+    rng = np.random.default_rng(12)
+    h = rng.integers(-127, 128, size=(m, T, d)).astype(np.int8)
+    h[2] = 127  # logits clip at both ends of the tables
+    h[3] = -127
+    logits = model.head(h.astype(np.int32), mn).reshape(-1, v)
+    targets = np.repeat(tokens[:, 1:], 2, axis=0).reshape(-1)
+    want = token_loss(logits, targets).reshape(m, T).sum(axis=1)
+    xb = (rows_of(h).astype(np.int64) * np.repeat(pn.b["emb"], 2 * T, axis=0)).sum(axis=1)
+    total, target, loss = (poisoned(m * T, np.uint64), poisoned(m * T, np.int32),
+                           poisoned(m, np.int64))  # fmt: skip
+    total[...] = 0
+    bias = mn.vectors["head_bias"].astype(np.int8) if head_bias != "none" else None
+    k(
+        "former_head" + suffix,
+        (cdiv(v, TILE_N), cdiv(m * T, TILE_M)),
+        (256,),
+        *(dev(rows_of(h)), dev(params["emb"]), dev(xb.astype(np.int32)), dev(pn.a["emb"])),
+        *(i32(m * T), i32(v), i32(d), i32(T), i32(7), i32(16 * isqrt(d))),
+        *(xp.zeros(0, dtype=xp.int8) if bias is None else dev(bias), dev(tokens)),
+        *(dev(exp2_table()), total, target),
+    )
+    assert np.array_equal(to_host(target), logits[np.arange(m * T), targets])
+    k(
+        "former_loss",
+        (cdiv(m, 256),),
+        (256,),
+        *(total, target, i32(m), i32(T), dev(log2_thresholds()), loss),
+    )
+    assert np.array_equal(to_host(loss), want)

@@ -1,0 +1,219 @@
+// Kernels of the former's forward pass (shared/former.py), matching it bit for bit. They are
+// compiled in one module after egg.cu and use its noise, divisor, GEMM core and loss helpers.
+//
+// Rows: member m's T positions are rows m T .. m T + T - 1 of every (R, n) activation, R = M T;
+// kernels take per = T. A row's member is r / per, its pair member >> 1, its sign the member's
+// parity (even +, odd -). Windows are (P, T + 1) int32 per pair: row r reads the token at
+// column t = r % T and predicts the one at t + 1. Vector parameters come per member, (M, n).
+
+// x[r] = clip(EMB[tok] + ((sign * a_emb[pair, tok] * b_emb[pair, :]) >> shift) + bias[m, :]):
+// the tied embedding's one noise stream, row tok of the perturbed matrix, plus emb_bias.
+// Launch: grid (R), block (128).
+extern "C" __global__ void former_embed(const int* tokens, int per, const i8* emb,
+                                        const i8* a_emb, const i8* b_emb, const i8* bias,
+                                        int D, int V, int shift, i8* x) {
+  long long r = blockIdx.x;
+  long long m = r / per, pair = m >> 1;
+  int tok = tokens[pair * (per + 1) + (r - m * per)];
+  int a = a_emb[pair * V + tok];
+  if (m & 1) a = -a;
+  for (int n = threadIdx.x; n < D; n += blockDim.x) {
+    int v = emb[(long long)tok * D + n] + ((a * b_emb[pair * D + n]) >> shift) + bias[m * D + n];
+    x[r * D + n] = (i8)CLIP8(v);
+  }
+}
+
+// The former's MM for one output from its GEMM accumulator: row r's member by the magic
+// number of per, the rank-1 correction with the member's sign, clipped (egg_mm).
+__device__ __forceinline__ int former_mm_out(int acc, int r, int n, int N, const int* xb,
+                                             const i8* a, Divisor per, int shift, Divisor q,
+                                             long long& member) {
+  member = floor_by(r, per);
+  int sxb = (member & 1) ? -xb[r] : xb[r];
+  return egg_mm(acc, sxb, a[(member >> 1) * N + n], shift, q);
+}
+
+// MM(x, W) for rows of x (R, K), W (N, K), with xb (R) the rows' dots with b and a (P, N).
+//   gelu given (the MLP's up projection): out8 = GELU[clip(MM + bias[m]) + 128];
+//   else out32 = MM + res (R, N) + bias[m] where given (the renorm kernel takes it from there).
+// Launch: grid (ceil(N / TILE_N), ceil(R / TILE_M)), block (256).
+template <bool TC>
+__device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
+                               int N, int K, int per, int shift, int div, const i8* bias,
+                               const i8* res, const int* gelu, i8* out8, int* out32) {
+  int acc[ACC];
+  tile_gemm<TC>(x, w, R, N, K, 0, K / 4, acc);
+  Divisor q = make_divisor(div), rows = make_divisor(per);
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    int r, n;
+    if (!tile_out<TC>(i, R, N, r, n)) continue;
+    long long m, o = (long long)r * N + n;
+    int v = former_mm_out(acc[i], r, n, N, xb, a, rows, shift, q, m);
+    if (gelu) {
+      out8[o] = (i8)gelu[CLIP8(v + bias[m * N + n]) + 128];
+    } else {
+      if (res) v += res[o];
+      if (bias) v += bias[m * N + n];
+      out32[o] = v;
+    }
+  }
+}
+
+// The tied head fused with the loss: the logits l = MM(x, EMB) (+ the member's head bias,
+// clipped) of rows x (R, D) are never stored. total[r] += sum over this tile's columns of
+// EXP2[l + 128] (u64, zeroed before the launch: integer atomics, exact in any order) and
+// target[r] = l at the column of the row's next token. former_loss finishes the rows.
+// Launch: grid (ceil(V / TILE_N), ceil(R / TILE_M)), block (256).
+template <bool TC>
+__device__ void former_head_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
+                                 int V, int K, int per, int shift, int div, const i8* bias,
+                                 const int* tokens, const int* exp2_table, u64* total,
+                                 int* target) {
+  __shared__ u32 row_sum[TILE_M];  // < 64 columns * 2**20: a tile's sums fit 32 bits
+  for (int i = threadIdx.x; i < TILE_M; i += blockDim.x) row_sum[i] = 0;
+  int acc[ACC];
+  tile_gemm<TC>(x, w, R, V, K, 0, K / 4, acc);  // its barriers order the zeroing too
+  Divisor q = make_divisor(div), rows = make_divisor(per);
+  int m0 = blockIdx.y * TILE_M;
+#pragma unroll
+  for (int i = 0; i < ACC; i++) {
+    int r, n;
+    if (!tile_out<TC>(i, R, V, r, n)) continue;
+    long long m;
+    int l = former_mm_out(acc[i], r, n, V, xb, a, rows, shift, q, m);
+    if (bias) l = CLIP8(l + bias[m * V + n]);
+    atomicAdd(&row_sum[r - m0], (u32)exp2_table[l + 128]);
+    if (n == tokens[(m >> 1) * (per + 1) + (r - m * per) + 1]) target[r] = l;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < TILE_M; i += blockDim.x)
+    if (m0 + i < R && row_sum[i]) atomicAdd(total + m0 + i, (u64)row_sum[i]);
+}
+
+#define FORMER_MM_PARAMS                                                                     \
+  const i8 *x, const i8 *w, const int *xb, const i8 *a, int R, int N, int K, int per,       \
+      int shift, int div, const i8 *bias, const i8 *res, const int *gelu, i8 *out8, int *out32
+#define FORMER_HEAD_PARAMS                                                                  \
+  const i8 *x, const i8 *w, const int *xb, const i8 *a, int R, int V, int K, int per,      \
+      int shift, int div, const i8 *bias, const int *tokens, const int *exp2_table,         \
+      u64 *total, int *target
+
+extern "C" __global__ void __launch_bounds__(256) former_mm_tc(FORMER_MM_PARAMS) {
+  former_mm_body<true>(x, w, xb, a, R, N, K, per, shift, div, bias, res, gelu, out8, out32);
+}
+extern "C" __global__ void __launch_bounds__(256) former_mm_dp4a(FORMER_MM_PARAMS) {
+  former_mm_body<false>(x, w, xb, a, R, N, K, per, shift, div, bias, res, gelu, out8, out32);
+}
+extern "C" __global__ void __launch_bounds__(256) former_head_tc(FORMER_HEAD_PARAMS) {
+  former_head_body<true>(x, w, xb, a, R, V, K, per, shift, div, bias, tokens, exp2_table, total,
+                         target);
+}
+extern "C" __global__ void __launch_bounds__(256) former_head_dp4a(FORMER_HEAD_PARAMS) {
+  former_head_body<false>(x, w, xb, a, R, V, K, per, shift, div, bias, tokens, exp2_table,
+                          total, target);
+}
+
+// loss[m] = sum over the member's T rows of floor(16 log2(total[r])) - 64 - (target[r] + 128):
+// the reference's token_loss per position, summed. Launch: grid (ceil(M / 256)), block (256).
+extern "C" __global__ void former_loss(const u64* total, const int* target, int M, int per,
+                                       const long long* log2_th, long long* loss) {
+  int m = blockIdx.x * blockDim.x + threadIdx.x;
+  if (m >= M) return;
+  long long sum = 0;
+  for (long long r = (long long)m * per; r < (long long)(m + 1) * per; r++)
+    sum += log2_16((long long)total[r], log2_th) - 64 - (target[r] + 128);
+  loss[m] = sum;
+}
+
+// The value at column n of row r before the renorm: in[r, n], or with the RoPE tables (cos,
+// sin: (T, dh / 2), 1/2**14) the rotated pair (2i, 2i + 1) of its head at position r % per.
+__device__ __forceinline__ int rope_value(const int* row, int n, int t, int dh, const int* cos,
+                                          const int* sin) {
+  if (!cos) return row[n];
+  int half = dh / 2, i = (n % dh) / 2, e = row[n & ~1], o = row[n | 1];
+  int c = cos[t * half + i], s = sin[t * half + i];
+  return ((n & 1) ? e * s + o * c : e * c - o * s) + (1 << 13) >> 14;
+}
+
+// R: out[r] = (254 v + mx) // (2 mx), mx = max(max_n |v|, 1), v the row of in (R, D) int32,
+// optionally rotated first (RoPE of q and k). Launch: grid (ceil(R / 8)), block (256): one
+// warp per row.
+extern "C" __global__ void former_renorm(const int* in, int R, int per, int D, int dh,
+                                         const int* cos, const int* sin, i8* out) {
+  int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= R) return;  // warp-uniform
+  const int* src = in + (long long)row * D;
+  int t = row % per, top = 0;
+  for (int n = lane; n < D; n += 32) {
+    int v = rope_value(src, n, t, dh, cos, sin);
+    top = max(top, v < 0 ? -v : v);
+  }
+  for (int off = 16; off > 0; off >>= 1) top = max(top, __shfl_xor_sync(0xffffffffu, top, off));
+  top = max(top, 1);
+  Divisor q = make_divisor(2 * top);
+  for (int n = lane; n < D; n += 32)
+    out[(long long)row * D + n] = (i8)floor_by(254 * rope_value(src, n, t, dh, cos, sin) + top, q);
+}
+
+// The block's maximum (int) and sum (int64) of one value per thread; every thread gets it.
+// blockDim.x is a multiple of 32, at most 1024; scratch holds a value per warp.
+__device__ __forceinline__ int block_max(int v, int* scratch) {
+  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = max(v, scratch[w]);
+  __syncthreads();  // scratch is free again
+  return v;
+}
+__device__ __forceinline__ long long block_sum(long long v, long long* scratch) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += scratch[w];
+  __syncthreads();
+  return v;
+}
+
+#define MAX_POSITIONS 1024  // the attention's scores of one query live in shared memory
+
+// Causal attention of member m's head h over its T = per positions, q, k, v, out (R, D) int8:
+// for query t, s_c = q_t . k_c (c <= t), e_c = min((max s - s_c) >> 8, 255),
+// w_c = SOFTMAX[e_c], out = (2 sum w_c v_c + sum w_c) // (2 sum w_c) in int64.
+// Launch: grid (M, heads), block (128); per <= MAX_POSITIONS.
+extern "C" __global__ void former_attention(const i8* q, const i8* k, const i8* v, int per,
+                                            int D, int dh, const int* softmax, i8* out) {
+  __shared__ int w[MAX_POSITIONS];
+  __shared__ int imax[32];
+  __shared__ long long lsum[32];
+  long long base = (long long)blockIdx.x * per * D + (long long)blockIdx.y * dh;
+  for (int t = 0; t < per; t++) {
+    const i8* qt = q + base + (long long)t * D;
+    int top = -2147483647 - 1;
+    for (int c = threadIdx.x; c <= t; c += blockDim.x) {
+      const i8* kc = k + base + (long long)c * D;
+      int s = 0;
+      for (int j = 0; j < dh; j++) s += qt[j] * kc[j];
+      w[c] = s;
+      top = max(top, s);
+    }
+    top = block_max(top, imax);
+    long long den = 0;
+    for (int c = threadIdx.x; c <= t; c += blockDim.x) {
+      int weight = softmax[min((top - w[c]) >> 8, 255)];
+      w[c] = weight;
+      den += weight;
+    }
+    den = block_sum(den, lsum);  // >= 2**18: the top key's weight; its barriers publish w
+    for (int j = threadIdx.x; j < dh; j += blockDim.x) {
+      long long num = 0;
+      for (int c = 0; c <= t; c++) num += (long long)w[c] * v[base + (long long)c * D + j];
+      long long a = 2 * num + den, b = 2 * den, fq = a / b;
+      out[base + (long long)t * D + j] = (i8)(fq - (a % b != 0 && a < 0));  // floor
+    }
+    __syncthreads();  // w is rewritten by the next query
+  }
+}
