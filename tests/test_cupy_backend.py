@@ -79,11 +79,28 @@ CONFIGS = {
         es=ESConfig(population=16, chunk_size=8, seq_len=5, run_seed=2, token_noise_rows=40),
         update=UpdateConfig(rule="momentum", momentum_shift=1, alpha=4.0, alpha_decay_steps=1),
     ),
-    # width 36 (partial K stages, heads of 12), 2 layers, gaussian noise, AdamW, no head bias
-    "former-adamw": RunConfig(
+    # d-eggs' settings at width 36 (partial K stages, heads of 12), 2 layers: AdamW, adaptive
+    # noise (the overlays resident on the device, moved after each update), its fitness
+    # filters; no head bias
+    "former-d-eggs": RunConfig(
         model=ModelConfig(arch="former", n_layer=2, d_model=36, n_head=3, vocab_size=70),
-        es=ESConfig(population=12, chunk_size=6, seq_len=3, noise="gaussian", run_seed=8),
-        update=UpdateConfig(rule="adamw", lr=4.0, lr_halve_steps=1, weight_decay=0.1),
+        es=ESConfig(population=12, chunk_size=6, seq_len=3, run_seed=8, adaptive_noise=True),
+        fitness=FitnessConfig(chunk_mean_filter=True, adaptive_threshold=True),
+        update=UpdateConfig(rule="adamw", lr=0.5, weight_decay=0.1),
+    ),
+    # the EGG model with adaptive noise and token noise together (factors multiply)
+    "egg-adaptive": RunConfig(
+        model=ModelConfig(n_layer=1, d_model=32, vocab_size=64, init_seed=9),
+        es=ESConfig(
+            population=16,
+            chunk_size=8,
+            seq_len=4,
+            noise="gaussian",
+            run_seed=6,
+            adaptive_noise=True,
+            token_noise_rows=40,
+        ),
+        update=UpdateConfig(alpha=4.0, alpha_decay_steps=1),
     ),
 }
 
@@ -143,6 +160,9 @@ def test_chunks_and_steps_equal_the_numpy_backend(
         assert gpu.apply_step(fitness) == changed  # step 2+ replays the captured update
         assert gpu.step == ref.step == step + 1
         assert gpu.digest() == ref.digest()
+    if cfg.es.adaptive_noise:  # steps 2 and 3 ran on scaled noise: overlays below 64
+        overlays = [v for name, v in gpu.state.opt.items() if name.startswith("overlay.")]
+        assert any((v < 64).any() for v in overlays) and any((v > 64).any() for v in overlays)
     held_out = gpu.validate()
     assert held_out == ref.validate()  # both metrics, per token and per byte
     if cfg.model.arch == "egg":  # the long streams are a recurrent model's metric
@@ -221,15 +241,6 @@ def test_unsupported_width_is_a_clear_error() -> None:
     cfg = RunConfig(model=ModelConfig(d_model=30), es=ESConfig(population=4, chunk_size=4))
     with pytest.raises(BackendUnavailable, match="d_model % 4"):
         cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
-
-
-def test_adaptive_noise_is_refused_in_one_line() -> None:
-    cfg = CONFIGS["uniform"].replace(
-        es=ESConfig(population=16, chunk_size=8, seq_len=4, adaptive_noise=True)
-    )
-    with pytest.raises(BackendUnavailable, match=r"cannot run es\.adaptive_noise") as info:
-        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
-    assert "\n" not in str(info.value)
 
 
 def test_a_former_window_past_the_attention_limit_is_refused_in_one_line() -> None:

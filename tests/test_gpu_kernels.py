@@ -7,6 +7,7 @@ small but cover partial tiles, odd divisors, clipping at both ends and both nois
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -33,7 +34,15 @@ from eggroll_dist.shared.egg import EggModel
 from eggroll_dist.shared.loss import exp2_table, log2_thresholds, token_loss
 from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key
-from eggroll_dist.shared.perturb import member_noise, pair_noise
+from eggroll_dist.shared.perturb import (
+    TOKEN_TENSORS,
+    ParamSpec,
+    member_noise,
+    noise_scales,
+    overlay_specs,
+    pair_noise,
+    update_overlays,
+)
 from eggroll_dist.shared.update import accumulate_z
 from eggroll_dist.worker.backend.cupy_backend import (
     PAIR_PAD,
@@ -90,62 +99,110 @@ def zgemm(k: Kernels, suffix: str, x, w, k_split: int, z) -> None:
 # ------------------------------------------------------------------------------ noise
 
 
+def scaled_cfg(noise: str) -> RunConfig:
+    """cfg_for with adaptive noise and token noise (the 20 commonest tokens' rows)."""
+    cfg = cfg_for(noise)
+    return cfg.replace(es=dataclasses.replace(cfg.es, adaptive_noise=True, token_noise_rows=20))
+
+
+def random_overlays(cfg: RunConfig) -> dict[str, np.ndarray]:
+    """Overlays anywhere in their range: factors clip at 0 and at 64."""
+    rng = np.random.default_rng(21)
+    return {
+        s.name: rng.integers(-127, 128, size=s.shape).astype(np.int8)
+        for s in overlay_specs(param_specs(cfg.model))
+    }
+
+
+def overlay_of(overlays: dict, name: str):
+    return dev(overlays[name]) if name in overlays else xp.zeros(0, dtype=xp.int8)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["full", "scaled"])
 @pytest.mark.parametrize("noise", NOISE_KINDS)
-def test_noise_rows_and_member_vectors(k: Kernels, noise: str) -> None:
-    cfg, step = cfg_for(noise), 7
+def test_noise_rows_and_member_vectors(k: Kernels, noise: str, scaled: bool) -> None:
+    """Every tensor's noise, and with scales (adaptive overlays, token rows) each value
+    scaled by its row's, column's or element's factor."""
+    cfg, step = (scaled_cfg if scaled else cfg_for)(noise), 7
+    specs = param_specs(cfg.model)
+    overlays = random_overlays(cfg) if scaled else {}
+    scales = noise_scales(cfg, specs, overlays)
     pairs = np.array([0, 3, 1 << 20, 12345, 35], dtype=np.int64)
-    pn = pair_noise(cfg, param_specs(cfg.model), step, pairs)
+    pn = pair_noise(cfg, specs, step, pairs, scales)
     params = init_params(cfg.model)
     params["layers.0.bf"] = np.arange(-18, 18, dtype=np.int8) * 7  # clipping at both ends
     mn = member_noise(pn, params, cfg.es.sigma_shift)
     kind = i32(NOISE_KINDS.index(noise))
-    for name in ("emb", "layers.0.w1", "head"):
-        out, inp = params[name].shape
-        tid = u64(param_specs(cfg.model)[list(params).index(name)].tensor_id)
-        for start, count, want in ((0, out, pn.a[name]), (out, inp, pn.b[name])):
-            for keep in (count, count // 3):  # token noise: rows from `keep` on get none
+    token_rows = cfg.es.token_noise_rows or 1 << 30
+    for spec in specs:
+        tid = u64(spec.tensor_id)
+        if spec.kind == "matrix":
+            out, inp = spec.shape
+            kept = min(out, token_rows) if spec.name in TOKEN_TENSORS else out
+            for start, count, keep, axis, want in (
+                (0, out, kept, "rows", pn.a[spec.name]),
+                (out, inp, inp, "cols", pn.b[spec.name]),
+            ):
                 got = poisoned((len(pairs), count), np.int8)
                 k(
                     "noise_rows",
                     (len(pairs), cdiv(count, 256)),
                     (256,),
                     *(key_dev(cfg, step), dev(pairs), tid, u32(start), i32(count), i32(keep)),
-                    *(kind, got),
+                    *(kind, overlay_of(overlays, f"overlay.{axis}.{spec.name}"), got),
                 )
-                kept = np.where(np.arange(count) < keep, want, 0)
-                assert np.array_equal(to_host(got), kept), (name, keep)
-    for spec in param_specs(cfg.model):
-        if spec.kind != "vector":
+                assert np.array_equal(to_host(got), want), (spec.name, axis)
             continue
         (n,) = spec.shape
-        for keep in (n, n // 3):  # token noise: elements from `keep` on get none
-            got = poisoned((2 * len(pairs), n), np.int8)
-            k(
-                "member_vector",
-                (2 * len(pairs), cdiv(n, 256)),
-                (256,),
-                *(key_dev(cfg, step), dev(pairs), u64(spec.tensor_id), i32(n), i32(keep)),
-                *(kind, dev(params[spec.name]), i32(4 + cfg.es.sigma_shift), got),
-            )
-            want = np.where(np.arange(n) < keep, mn.vectors[spec.name], params[spec.name])
-            assert np.array_equal(to_host(got), want), (spec.name, keep)
+        got = poisoned((2 * len(pairs), n), np.int8)
+        k(
+            "member_vector",
+            (2 * len(pairs), cdiv(n, 256)),
+            (256,),
+            *(key_dev(cfg, step), dev(pairs), tid, i32(n), i32(n), kind),
+            *(overlay_of(overlays, f"overlay.{spec.name}"), dev(params[spec.name])),
+            *(i32(4 + cfg.es.sigma_shift), got),
+        )
+        assert np.array_equal(to_host(got), mn.vectors[spec.name]), spec.name
+    # token noise on a vector (a head bias's elements): none from `keep` on
+    spec = next(s for s in specs if s.kind == "vector")
+    (n,) = spec.shape
+    got = poisoned((2 * len(pairs), n), np.int8)
+    k(
+        "member_vector",
+        (2 * len(pairs), cdiv(n, 256)),
+        (256,),
+        *(key_dev(cfg, step), dev(pairs), u64(spec.tensor_id), i32(n), i32(n // 3), kind),
+        *(overlay_of(overlays, f"overlay.{spec.name}"), dev(params[spec.name])),
+        *(i32(4 + cfg.es.sigma_shift), got),
+    )
+    want = np.where(np.arange(n) < n // 3, mn.vectors[spec.name], params[spec.name])
+    assert np.array_equal(to_host(got), want)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["full", "scaled"])
 @pytest.mark.parametrize("noise", NOISE_KINDS)
-def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
-    cfg, step = cfg_for(noise), 3
+def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str, scaled: bool) -> None:
+    """Z of every tensor from the same (scaled) noise the members saw."""
+    cfg, step = (scaled_cfg if scaled else cfg_for)(noise), 3
+    specs = param_specs(cfg.model)
+    overlays = random_overlays(cfg) if scaled else {}
+    scales = noise_scales(cfg, specs, overlays)
     rng = np.random.default_rng(5)
     fitness = rng.choice(np.array([-1, 0, 1], dtype=np.int8), size=cfg.pairs)
-    want_z = accumulate_z(cfg, step, fitness)
+    want_z = accumulate_z(cfg, step, fitness, scales)
     kind = i32(NOISE_KINDS.index(noise))
     ppad = cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
-    for spec in param_specs(cfg.model):
+    token_rows = cfg.es.token_noise_rows or 1 << 30
+    for spec in specs:
         tid, size = u64(spec.tensor_id), int(np.prod(spec.shape))
         z = poisoned(spec.shape, np.int32)
+        rows = spec.shape[0]
+        kept = min(rows, token_rows) if spec.name in TOKEN_TENSORS else rows
         if spec.kind == "vector":
             # all pairs in one block row, and pairs split over block rows (atomics); token
             # noise: the elements from `keep` on get no vote
-            for per, rows, keep in (
+            for per, block_rows, keep in (
                 (cdiv(cfg.pairs, 256) * 256, 1, size),
                 (16, cdiv(cfg.pairs, 16), size),
                 (16, cdiv(cfg.pairs, 16), size // 3),
@@ -153,9 +210,10 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
                 k("zero_i32", (cdiv(size, 256),), (256,), z, i32(size))
                 k(
                     "vector_z",
-                    (cdiv(size, 256), rows),
+                    (cdiv(size, 256), block_rows),
                     (256,),
-                    *(key_dev(cfg, step), tid, i32(size), i32(keep), kind, dev(fitness)),
+                    *(key_dev(cfg, step), tid, i32(size), i32(keep), kind),
+                    *(overlay_of(overlays, f"overlay.{spec.name}"), dev(fitness)),
                     *(i32(cfg.pairs), i32(per), z),
                 )
                 want = np.where(np.arange(size) < keep, want_z[spec.name], 0)
@@ -164,24 +222,58 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str) -> None:
         out, inp = spec.shape
         at = poisoned((out, ppad), np.int8)
         bt = poisoned((inp, ppad), np.int8)
-        for start, count, weight, dst in (
-            (0, out, dev(fitness), at),
-            (out, inp, xp.zeros(0, dtype=xp.int8), bt),
+        for start, count, keep, axis, weight, dst in (
+            (0, out, kept, "rows", dev(fitness), at),
+            (out, inp, inp, "cols", xp.zeros(0, dtype=xp.int8), bt),
         ):
             k(
                 "noise_cols",
                 (cdiv(ppad, 128), cdiv(count, 64)),
                 (128,),
-                *(key_dev(cfg, step), tid, u32(start), i32(count), i32(count), kind, weight),
+                *(key_dev(cfg, step), tid, u32(start), i32(count), i32(keep), kind),
+                *(overlay_of(overlays, f"overlay.{axis}.{spec.name}"), weight),
                 *(i32(cfg.pairs), i32(ppad), dst),
             )
-        pn = pair_noise(cfg, param_specs(cfg.model), step, np.arange(cfg.pairs))
+        pn = pair_noise(cfg, specs, step, np.arange(cfg.pairs), scales)
         want_at = np.zeros((out, ppad), np.int8)
         want_at[:, : cfg.pairs] = (pn.a[spec.name] * fitness[:, None]).T
         assert np.array_equal(to_host(at), want_at), spec.name
         for suffix in GEMM_SUFFIXES:
             zgemm(k, suffix, at, bt, STAGE_WORDS, z)
             assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, suffix)
+
+
+def test_overlay_step_is_the_reference(k: Kernels) -> None:
+    """overlay_step after an update that moved some weights: rows and columns (a matrix)
+    and elements (a vector) rise where anything moved, fall elsewhere, within +-127."""
+    rng = np.random.default_rng(22)
+    specs = (
+        ParamSpec("m", (70, 300), "matrix", "zero", 0),
+        ParamSpec("v", (300,), "vector", "zero", 1),
+    )
+    old = {s.name: rng.integers(-127, 128, size=s.shape).astype(np.int8) for s in specs}
+    new = {name: w.copy() for name, w in old.items()}
+    new["m"][rng.random((70, 300)) < 0.002] += 1  # a few rows and columns move
+    new["v"][::7] -= 1
+    state = {
+        s.name: rng.choice(np.array([-127, -126, 0, 64, 123, 126, 127], np.int8), size=s.shape)
+        for s in overlay_specs(specs)
+    }
+    want = update_overlays(specs, old, new, state)
+    for spec in specs:
+        moved = dev((new[spec.name] != old[spec.name]).astype(np.int8))
+        if spec.kind == "matrix":
+            rows, cols = spec.shape
+            ovs = [dev(state[f"overlay.{a}.m"]) for a in ("rows", "cols")]
+        else:
+            rows, cols = spec.shape[0], 1
+            ovs = [dev(state["overlay.v"]), xp.zeros(0, dtype=xp.int8)]
+        k("overlay_step", (cdiv(rows + cols, 256),), (256,), moved, i32(rows), i32(cols), *ovs)
+        if spec.kind == "matrix":
+            assert np.array_equal(to_host(ovs[0]), want["overlay.rows.m"])
+            assert np.array_equal(to_host(ovs[1]), want["overlay.cols.m"])
+        else:
+            assert np.array_equal(to_host(ovs[0]), want["overlay.v"])
 
 
 def test_ztest_apply_with_changed_count(k: Kernels) -> None:
@@ -193,14 +285,15 @@ def test_ztest_apply_with_changed_count(k: Kernels) -> None:
     w[50:100], w[100:150] = 127, -127
     threshold = 77
     want = np.clip(w + np.where(np.abs(z) >= threshold, np.sign(z), 0), -127, 127)
-    got, changed = dev(w), xp.zeros(1, dtype=xp.uint64)
+    got, changed, moved = dev(w), xp.zeros(1, dtype=xp.uint64), poisoned(n, np.int8)
     k(
         "ztest_apply",
         (cdiv(n, 256),),
         (256,),
-        *(dev(z), dev(np.array([threshold], np.int64)), i32(n), got, changed),
+        *(dev(z), dev(np.array([threshold], np.int64)), i32(n), got, changed, moved),
     )
     assert np.array_equal(to_host(got), want.astype(np.int8))
+    assert np.array_equal(to_host(moved), (want != w).astype(np.int8))
     assert int(to_host(changed)[0]) == np.count_nonzero(want != w)
 
 
@@ -225,7 +318,7 @@ def test_momentum_apply_is_the_rule(k: Kernels, monkeypatch: pytest.MonkeyPatch)
         (cdiv(n, 256),),
         (256,),
         *(dev(z), dev(np.array([threshold], np.int64)), i32(shift), i32(n), got_m, got_w),
-        changed,
+        *(changed, xp.zeros(0, dtype=xp.int8)),
     )
     assert np.array_equal(to_host(got_w), new["x"])
     assert np.array_equal(to_host(got_m), state["momentum.x"])
@@ -271,7 +364,7 @@ def test_adamw_apply_is_the_rule(k: Kernels, decay: int) -> None:
         (cdiv(n, 256),),
         (256,),
         *(dev(z), dev(scalars), *betas, np.int64(fixed16(up.weight_decay))),
-        *(i32(gs), i32(decay), i32(n), *got, changed),
+        *(i32(gs), i32(decay), i32(n), *got, changed, xp.zeros(0, dtype=xp.int8)),
     )
     assert np.array_equal(to_host(got[3]), new["x"])
     for arr, key in zip(got[:3], ("adamw.m.x", "adamw.v.x", "adamw.acc.x"), strict=True):

@@ -39,7 +39,7 @@ from ...shared.fitness import pair_fitness
 from ...shared.loss import exp2_table, log2_thresholds
 from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
-from ...shared.perturb import TOKEN_TENSORS, ParamSpec
+from ...shared.perturb import TOKEN_TENSORS, ParamSpec, overlay_specs
 from ...shared.replica import ReplicaState
 from ...shared.rules.adamw import bias_correction, grad_shift, lr_at
 from ...shared.rules.fixedpoint import fixed16
@@ -81,10 +81,22 @@ _SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, t
 _FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I8, I32, I8, I32)
 _FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32)
 SIGNATURES: dict[str, tuple[str, ...]] = {
-    "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8),
-    "noise_cols": (U64, "uint64", "uint32", "int32", "int32", "int32", I8, "int32", "int32", I8),
-    "member_vector": (U64, I64, "uint64", "int32", "int32", "int32", I8, "int32", I8),
-    "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, "int32", "int32", I32),
+    "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8, I8),
+    "noise_cols": (
+        U64,
+        "uint64",
+        "uint32",
+        "int32",
+        "int32",
+        "int32",
+        I8,
+        I8,
+        "int32",
+        "int32",
+        I8,
+    ),
+    "member_vector": (U64, I64, "uint64", "int32", "int32", "int32", I8, I8, "int32", I8),
+    "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, I8, "int32", "int32", I32),
     "zero_i32": (I32, "int32"),
     "embed": (
         I32,
@@ -112,9 +124,10 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "zgemm_tc": _ZGEMM,
     "zgemm_dp4a": _ZGEMM,
     "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
-    "ztest_apply": (I32, I64, "int32", I8, U64),
-    "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64),
-    "adamw_apply": (*(I32, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT),
+    "ztest_apply": (I32, I64, "int32", I8, U64, I8),
+    "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64, I8),
+    "adamw_apply": (*(I32, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT, I8),
+    "overlay_step": (I8, "int32", "int32", I8, I8),
     # the former (former.cu)
     "former_embed": (I32, "int32", I8, I8, I8, I8, "int32", "int32", "int32", I8),
     "former_mm_tc": _FORMER_MM,
@@ -265,11 +278,6 @@ class CupyBackend:
         former = cfg.model.arch == "former"
         if former and (why := cupy_former.check(cfg)):
             raise BackendUnavailable(why)
-        if cfg.es.adaptive_noise:
-            raise BackendUnavailable(
-                "the CuPy backend cannot run es.adaptive_noise (its kernels draw unscaled "
-                "noise): use --backend numpy"
-            )
         vmax = max_abs(cfg.es.noise)
         if cfg.pairs * vmax * vmax >= 1 << 31:
             raise BackendUnavailable(
@@ -310,6 +318,17 @@ class CupyBackend:
             f"{kind}.{name}": flat[o : o + int(np.prod(shape))].reshape(shape)
             for kind, flat in self._opt_flat.items()
             for name, (o, shape) in self._layout.items()
+        }
+        # The adaptive-noise overlays (int8 per matrix row and column, per vector element),
+        # resident in one buffer: the noise kernels scale by them, overlay_step moves them.
+        self._overlay_layout: dict[str, tuple[int, int]] = {}
+        at = 0
+        for ov in overlay_specs(self._specs) if cfg.es.adaptive_noise else ():
+            self._overlay_layout[ov.name] = (at, ov.shape[0])
+            at += _cdiv(ov.shape[0], ALIGN) * ALIGN
+        self._overlay_flat = xp.zeros(at, dtype=xp.int8)
+        self.overlay = {
+            name: self._overlay_flat[o : o + n] for name, (o, n) in self._overlay_layout.items()
         }
         self._step_scalars = xp.zeros(2, dtype=xp.int64)  # adamw: LR_t, K_t
         self._step_key = xp.zeros(1, dtype=xp.uint64)
@@ -357,6 +376,11 @@ class CupyBackend:
                 for name, (o, shape) in self._layout.items():
                     values[o : o + int(np.prod(shape))] = state.opt[f"{kind}.{name}"].reshape(-1)
                 flat[...] = self.xp.asarray(values)
+            if self.overlay:
+                values = np.zeros(self._overlay_flat.size, dtype=np.int8)
+                for name, (o, n) in self._overlay_layout.items():
+                    values[o : o + n] = state.opt[name]
+                self._overlay_flat[...] = self.xp.asarray(values)
         self._state = state
 
     def _keep(self, spec: ParamSpec) -> int:
@@ -366,6 +390,10 @@ class CupyBackend:
         rows = spec.shape[0]
         token_rows = self.config.es.token_noise_rows
         return min(rows, token_rows) if token_rows and spec.name in TOKEN_TENSORS else rows
+
+    def noise_overlay(self, name: str) -> Any:
+        """The overlay `name` (adaptive noise) on the device, or the null pointer without one."""
+        return self.overlay.get(name, self.null8)
 
     def _put_step_key(self, step: int) -> None:
         """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it."""
@@ -449,16 +477,17 @@ class CupyBackend:
             tid = np.uint64(spec.tensor_id)
             if spec.kind == "matrix":
                 out, inp = spec.shape
-                for start, count, keep, dst in (
-                    (0, out, self._keep(spec), a[spec.name]),
-                    (out, inp, inp, b[spec.name]),
+                for start, count, keep, axis, dst in (
+                    (0, out, self._keep(spec), "rows", a[spec.name]),
+                    (out, inp, inp, "cols", b[spec.name]),
                 ):
                     k(
                         "noise_rows",
                         (n_pairs, _cdiv(count, BLOCK)),
                         (BLOCK,),
                         *(self._step_key, pairs_dev, tid, np.uint32(start), np.int32(count)),
-                        *(np.int32(keep), kind, dst),
+                        *(np.int32(keep), kind, self.noise_overlay(f"overlay.{axis}.{spec.name}")),
+                        dst,
                     )
             else:
                 (n,) = spec.shape
@@ -467,7 +496,7 @@ class CupyBackend:
                     (2 * n_pairs, _cdiv(n, BLOCK)),
                     (BLOCK,),
                     *(self._step_key, pairs_dev, tid, np.int32(n), np.int32(self._keep(spec))),
-                    *(kind, self.w[spec.name]),
+                    *(kind, self.noise_overlay(f"overlay.{spec.name}"), self.w[spec.name]),
                     *(shift, vec[spec.name]),
                 )
 
@@ -591,10 +620,14 @@ class CupyBackend:
         buf = self._update_buffers
         buf["at"] = xp.empty(max(out for out, _ in matrices) * ppad, dtype=xp.int8)
         buf["bt"] = xp.empty(max(inp for _, inp in matrices) * ppad, dtype=xp.int8)
-        buf["z"] = xp.empty(max(int(np.prod(s.shape)) for s in self._specs), dtype=xp.int32)
+        largest = max(int(np.prod(s.shape)) for s in self._specs)
+        buf["z"] = xp.empty(largest, dtype=xp.int32)
+        # which weights the apply kernel moved, for the overlays' update (adaptive noise)
+        buf["moved"] = xp.empty(largest, dtype=xp.int8) if self.overlay else self.null8
 
     def _update_sequence(self) -> None:
-        """Z for every tensor, then the rule's apply kernel: launches only, every per-step
+        """Per tensor: Z, the rule's apply kernel, and with adaptive noise the overlays' step
+        (after Z, which reads them as the members saw them): launches only, every per-step
         scalar read from device memory."""
         k, cfg = self.kernels, self.config
         kind = np.int32(NOISE_KINDS.index(cfg.es.noise))
@@ -609,16 +642,17 @@ class CupyBackend:
                 at = buf["at"][: out * ppad].reshape(out, ppad)
                 bt = buf["bt"][: inp * ppad].reshape(inp, ppad)
                 # Z = (F a)^T b: the fitness weighs a only (null: b unweighted).
-                for start, count, keep, weight, dst in (
-                    (0, out, self._keep(spec), self._fitness, at),
-                    (out, inp, inp, self.null8, bt),
+                for start, count, keep, axis, weight, dst in (
+                    (0, out, self._keep(spec), "rows", self._fitness, at),
+                    (out, inp, inp, "cols", self.null8, bt),
                 ):
                     k(
                         "noise_cols",
                         (_cdiv(ppad, 128), _cdiv(count, 64)),
                         (128,),
                         *(self._step_key, tid, np.uint32(start), np.int32(count)),
-                        *(np.int32(keep), kind, weight, np.int32(pairs), np.int32(ppad), dst),
+                        *(np.int32(keep), kind, self.noise_overlay(f"overlay.{axis}.{spec.name}")),
+                        *(weight, np.int32(pairs), np.int32(ppad), dst),
                     )
                 k_split = z_split(out, inp, ppad)
                 k("zero_i32", (_cdiv(size, BLOCK),), (BLOCK,), z, np.int32(size))
@@ -636,10 +670,11 @@ class CupyBackend:
                     (_cdiv(size, BLOCK), _cdiv(pairs, per)),
                     (BLOCK,),
                     *(self._step_key, tid, np.int32(size), np.int32(self._keep(spec)), kind),
-                    self._fitness,
+                    *(self.noise_overlay(f"overlay.{spec.name}"), self._fitness),
                     *(np.int32(pairs), np.int32(per), z),
                 )
             w, n, grid = self.w[spec.name].reshape(-1), np.int32(size), (_cdiv(size, BLOCK),)
+            moved = buf["moved"][:size] if self.overlay else self.null8
             opt = {kind: self.opt[f"{kind}.{spec.name}"].reshape(-1) for kind in self._opt_flat}
             if self._rule == "momentum":
                 k(
@@ -647,7 +682,7 @@ class CupyBackend:
                     grid,
                     (BLOCK,),
                     *(z, self._threshold, np.int32(cfg.update.momentum_shift), n),
-                    *(opt["momentum"], w, self._changed),
+                    *(opt["momentum"], w, self._changed, moved),
                 )
             elif self._rule == "adamw":
                 up = cfg.update
@@ -658,14 +693,26 @@ class CupyBackend:
                     (BLOCK,),
                     *(z, self._step_scalars, *betas, np.int64(fixed16(up.weight_decay))),
                     *(np.int32(grad_shift(cfg)), np.int32(spec.kind == "matrix"), n),
-                    *(opt["adamw.m"], opt["adamw.v"], opt["adamw.acc"], w, self._changed),
+                    *(opt["adamw.m"], opt["adamw.v"], opt["adamw.acc"], w, self._changed, moved),
                 )
             else:
                 k(
                     "ztest_apply",
                     (_cdiv(size, BLOCK),),
                     (BLOCK,),
-                    *(z, self._threshold, np.int32(size), w, self._changed),
+                    *(z, self._threshold, np.int32(size), w, self._changed, moved),
+                )
+            if self.overlay:
+                rows, cols = spec.shape if spec.kind == "matrix" else (size, 1)
+                names = (f"overlay.rows.{spec.name}", f"overlay.cols.{spec.name}")
+                if spec.kind != "matrix":
+                    names = (f"overlay.{spec.name}", "")
+                k(
+                    "overlay_step",
+                    (_cdiv(rows + cols, BLOCK),),
+                    (BLOCK,),
+                    *(moved, np.int32(rows), np.int32(cols)),
+                    *(self.noise_overlay(names[0]), self.noise_overlay(names[1])),
                 )
 
     def apply_step(self, fitness: np.ndarray) -> int:
@@ -690,6 +737,7 @@ class CupyBackend:
             self._update_graph()
             host = _host(xp, self._flat)  # the weights' copy back of the step
             state = {kind: _host(xp, flat) for kind, flat in self._opt_flat.items()}  # the rule's
+            overlays = _host(xp, self._overlay_flat)
         params = {
             name: host[o : o + int(np.prod(shape))].reshape(shape).copy()
             for name, (o, shape) in self._layout.items()
@@ -700,6 +748,8 @@ class CupyBackend:
             for kind, flat in state.items()
             for name, (o, shape) in self._layout.items()
         }
+        for name, (o, n) in self._overlay_layout.items():
+            opt[name] = overlays[o : o + n].copy()
         self._state = ReplicaState(cfg, self.step + 1, params, opt)
         return changed
 

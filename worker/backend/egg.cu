@@ -142,68 +142,96 @@ __device__ __forceinline__ int noise_value(u64 key, u32 index, int kind) {
   return d < 0 ? -mag : mag;
 }
 
-// out[r, j] = noise(pairs[r], tensor_id, start + j) for j < keep, 0 for keep <= j < count
-// (token noise: only the rows of the commonest tokens get noise), r < rows (P).
+// Noise scales (perturb.py): index j's factor in 1/64 is 0 from keep on (token noise), else
+// clip(overlay[j], 0, 64) with an adaptive-noise overlay, else 64 (full scale).
+__device__ __forceinline__ int noise_factor(const i8* overlay, int j, int keep) {
+  if (j >= keep) return 0;
+  if (!overlay) return 64;
+  int f = overlay[j];
+  return f < 0 ? 0 : (f > 64 ? 64 : f);
+}
+// sign(v) ((|v| f) >> 6): symmetric, so a pair's members stay exact mirrors.
+__device__ __forceinline__ int scale_noise(int v, int f) {
+  int mag = ((v < 0 ? -v : v) * f) >> 6;
+  return v < 0 ? -mag : mag;
+}
+
+// out[r, j] = noise(pairs[r], tensor_id, start + j) scaled by index j's factor (noise_factor
+// of overlay, null without adaptive noise, and keep), r < rows (P).
 // Launch: grid (rows, ceil(count / 256)), block (256). The pair's key is computed once per
 // block by thread 0 and shared.
 extern "C" __global__ void noise_rows(const u64* base, const long long* pairs, u64 tensor_id,
-                                      u32 start, int count, int keep, int kind, i8* out) {
+                                      u32 start, int count, int keep, int kind,
+                                      const i8* overlay, i8* out) {
   __shared__ u64 key;
   if (threadIdx.x == 0) key = pair_key(*base, (u64)pairs[blockIdx.x], tensor_id);
   __syncthreads();
   int j = blockIdx.y * blockDim.x + threadIdx.x;
-  if (j < count)
-    out[(long long)blockIdx.x * count + j] = (i8)(j < keep ? noise_value(key, start + j, kind) : 0);
+  if (j < count) {
+    int f = noise_factor(overlay, j, keep);
+    out[(long long)blockIdx.x * count + j] = (i8)(f ? scale_noise(noise_value(key, start + j, kind), f) : 0);
+  }
 }
 
 // The transposed noise of all pairs for the update GEMM: out[j, p] = fitness[p] *
-// noise(p, tensor_id, start + j) for p < pairs (fitness null: weight 1) and j < keep, 0 for
-// keep <= j < count (token noise) and for pairs <= p < ppad (zero padding of the GEMM's K).
+// noise(p, tensor_id, start + j) scaled as noise_rows scales it, for p < pairs (fitness
+// null: weight 1), 0 for pairs <= p < ppad (zero padding of the GEMM's K).
 // Launch: grid (ceil(ppad / 128), ceil(count / 64)), block (128): a thread owns one pair
 // (one key) and 64 indices.
 extern "C" __global__ void noise_cols(const u64* base, u64 tensor_id, u32 start, int count,
-                                      int keep, int kind, const i8* fitness, int pairs,
-                                      int ppad, i8* out) {
+                                      int keep, int kind, const i8* overlay, const i8* fitness,
+                                      int pairs, int ppad, i8* out) {
   int p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= ppad) return;
   int f = p < pairs ? (fitness ? fitness[p] : 1) : 0;
   u64 key = pair_key(*base, (u64)p, tensor_id);
   int j_end = min(count, (int)(blockIdx.y + 1) * 64);
-  for (int j = blockIdx.y * 64; j < j_end; j++)
-    out[(long long)j * ppad + p] = (i8)(f && j < keep ? f * noise_value(key, start + j, kind) : 0);
+  for (int j = blockIdx.y * 64; j < j_end; j++) {
+    int scale = f ? noise_factor(overlay, j, keep) : 0;
+    out[(long long)j * ppad + p] =
+        (i8)(scale ? f * scale_noise(noise_value(key, start + j, kind), scale) : 0);
+  }
 }
 
-// A vector parameter as member m sees it: clip(param + ((sign * u1 * u2) >> shift)), with
-// u1 = noise index j and u2 = noise index n + j of the member's pair, for j < keep (token
-// noise: the elements from keep on get none). out is (M, n).
-// Launch: grid (M, ceil(n / 256)), block (256).
+// u1 u2 of element j of a vector parameter's stream (indices j and n + j), scaled by its
+// factor (noise_factor).
+__device__ __forceinline__ int vector_noise(u64 key, int j, int n, int kind, const i8* overlay,
+                                            int keep) {
+  int f = noise_factor(overlay, j, keep);
+  return f ? scale_noise(noise_value(key, j, kind) * noise_value(key, n + j, kind), f) : 0;
+}
+
+// A vector parameter as member m sees it: clip(param + ((sign * u) >> shift)), u the pair's
+// vector_noise. out is (M, n). Launch: grid (M, ceil(n / 256)), block (256).
 extern "C" __global__ void member_vector(const u64* base, const long long* pairs,
                                          u64 tensor_id, int n, int keep, int kind,
-                                         const i8* param, int shift, i8* out) {
+                                         const i8* overlay, const i8* param, int shift, i8* out) {
   __shared__ u64 key;
   int m = blockIdx.x;
   if (threadIdx.x == 0) key = pair_key(*base, (u64)pairs[m >> 1], tensor_id);
   __syncthreads();
   int j = blockIdx.y * blockDim.x + threadIdx.x;
   if (j < n) {
-    int u = j < keep ? noise_value(key, j, kind) * noise_value(key, n + j, kind) : 0;
+    int u = vector_noise(key, j, n, kind, overlay, keep);
     int v = param[j] + (((m & 1) ? -u : u) >> shift);
     out[(long long)m * n + j] = (i8)CLIP8(v);
   }
 }
 
-// Z[j] += sum_p fitness[p] u1_p[j] u2_p[j] over pairs [y per, (y + 1) per) for block row y,
-// for a vector parameter of length n (0 from keep on: token noise); z starts zeroed (zero_i32) and the block rows add with
+// Z[j] += sum_p fitness[p] u_p[j] (vector_noise) over pairs [y per, (y + 1) per) for block
+// row y, for a vector parameter of length n; z starts zeroed (zero_i32) and the block rows add with
 // integer atomics (exact in any order), so a short vector still spreads over the device.
 // Launch: grid (ceil(n / 256), ceil(pairs / per)), block (256); the backend makes per whole
 // tiles of 256 pairs, each block walking its pairs a tile at a time, a tile's keys computed
 // once (one per thread) and shared.
 extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int keep, int kind,
-                                    const i8* fitness, int pairs, int per, int* z) {
+                                    const i8* overlay, const i8* fitness, int pairs, int per,
+                                    int* z) {
   __shared__ u64 keys[256];
   __shared__ int fit[256];
   int j = blockIdx.x * blockDim.x + threadIdx.x;
   int begin = blockIdx.y * per, end = min(pairs, begin + per);
+  int f = j < n ? noise_factor(overlay, j, keep) : 0;  // the element's scale (vector_noise)
   int acc = 0;
   for (int p0 = begin; p0 < end; p0 += 256) {
     int p = p0 + threadIdx.x;
@@ -211,10 +239,11 @@ extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int k
     keys[threadIdx.x] = pair_key(*base, (u64)p, tensor_id);
     __syncthreads();
     int tile = min(256, end - p0);
-    if (j < keep)
+    if (f)
       for (int q = 0; q < tile; q++)
         if (fit[q])
-          acc += fit[q] * noise_value(keys[q], j, kind) * noise_value(keys[q], n + j, kind);
+          acc += fit[q] * scale_noise(
+                              noise_value(keys[q], j, kind) * noise_value(keys[q], n + j, kind), f);
     __syncthreads();
   }
   if (j < n && acc) atomicAdd(z + j, acc);
@@ -743,12 +772,16 @@ extern "C" __global__ void token_loss(const i8* logits, const int* tokens, int t
 // ------------------------------------------------------------------ the ztest apply
 
 // The apply kernels' count of changed weights: a block sums its warps' ballots in shared
-// memory, then adds once to *changed. Every thread of the block calls both (no early exit).
+// memory, then adds once to *changed; with adaptive noise each weight's flag also goes to
+// moved_mask (the overlays' update reads it). Every thread of the block calls both (no
+// early exit).
 __device__ __forceinline__ void start_count(u32* block_changed) {
   if (threadIdx.x == 0) *block_changed = 0;
   __syncthreads();
 }
-__device__ __forceinline__ void count_changed(int moved, u32* block_changed, u64* changed) {
+__device__ __forceinline__ void count_changed(int moved, int i, int n, i8* moved_mask,
+                                              u32* block_changed, u64* changed) {
+  if (moved_mask && i < n) moved_mask[i] = (i8)moved;
   u32 ballot = __ballot_sync(0xffffffffu, moved);
   if ((threadIdx.x & 31) == 0) atomicAdd(block_changed, (u32)__popc(ballot));
   if (__syncthreads_or(moved) && threadIdx.x == 0) atomicAdd(changed, (u64)*block_changed);
@@ -757,7 +790,7 @@ __device__ __forceinline__ void count_changed(int moved, u32* block_changed, u64
 // w = clip(w + sign(z)) where |z| >= *threshold, in place; *changed += weights that changed.
 // Launch: grid (ceil(n / 256)), block (256).
 extern "C" __global__ void ztest_apply(const int* z, const long long* threshold, int n, i8* w,
-                                       u64* changed) {
+                                       u64* changed, i8* moved_mask) {
   __shared__ u32 block_changed;
   start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -771,7 +804,7 @@ extern "C" __global__ void ztest_apply(const int* z, const long long* threshold,
     w[i] = (i8)v;
     moved = v != old;
   }
-  count_changed(moved, &block_changed, changed);
+  count_changed(moved, i, n, moved_mask, &block_changed, changed);
 }
 
 // ---------------------------------------------------------------- the momentum apply
@@ -780,7 +813,7 @@ extern "C" __global__ void ztest_apply(const int* z, const long long* threshold,
 // +-(2**31 - 1)); where |M| >= *threshold, w = clip(w + sign(M)) and M -= sign(M) *
 // *threshold; *changed += weights that changed. Launch: grid (ceil(n / 256)), block (256).
 extern "C" __global__ void momentum_apply(const int* z, const long long* threshold, int shift,
-                                          int n, int* m, i8* w, u64* changed) {
+                                          int n, int* m, i8* w, u64* changed, i8* moved_mask) {
   __shared__ u32 block_changed;
   start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -800,7 +833,7 @@ extern "C" __global__ void momentum_apply(const int* z, const long long* thresho
     m[i] = (int)(v - dir * t);
     moved = nw != old;
   }
-  count_changed(moved, &block_changed, changed);
+  count_changed(moved, i, n, moved_mask, &block_changed, changed);
 }
 
 // ------------------------------------------------------------------- the adamw apply
@@ -816,7 +849,8 @@ __device__ __forceinline__ long long sshift64(long long x, int s) {
 
 extern "C" __global__ void adamw_apply(const int* z, const long long* scalars, long long b1,
                                        long long b2, long long wd, int gs, int decay, int n,
-                                       int* m, long long* v, int* acc, i8* w, u64* changed) {
+                                       int* m, long long* v, int* acc, i8* w, u64* changed,
+                                       i8* moved_mask) {
   __shared__ u32 block_changed;
   start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -849,5 +883,31 @@ extern "C" __global__ void adamw_apply(const int* z, const long long* scalars, l
     acc[i] = (int)a;
     moved = dir != 0;
   }
-  count_changed(moved, &block_changed, changed);
+  count_changed(moved, i, n, moved_mask, &block_changed, changed);
+}
+
+// ------------------------------------------------------------- the adaptive-noise overlays
+
+// perturb.update_overlays for one tensor after its apply kernel: the overlay of each row (and
+// column) whose weights moved (moved_mask, (rows, cols) int8 flags) rises by 5 up to 127, the
+// others fall by 1 down to -127. A vector is rows = n, cols = 1, ov_cols null.
+// Launch: grid (ceil((rows + cols) / 256)), block (256): a thread per row, then per column.
+extern "C" __global__ void overlay_step(const i8* moved_mask, int rows, int cols, i8* ov_rows,
+                                        i8* ov_cols) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int any = 0;
+  i8* ov;
+  if (i < rows) {
+    const i8* row = moved_mask + (long long)i * cols;
+    for (int c = 0; c < cols && !any; c++) any = row[c];
+    ov = ov_rows + i;
+  } else if (i < rows + cols && ov_cols) {
+    int c = i - rows;
+    for (int r = 0; r < rows && !any; r++) any = moved_mask[(long long)r * cols + c];
+    ov = ov_cols + c;
+  } else {
+    return;
+  }
+  int v = *ov;
+  *ov = (i8)(any ? min(v + 5, 127) : max(v - 1, -127));
 }
