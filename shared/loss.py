@@ -6,7 +6,9 @@ logits that are base-2 log-odds in 1/16 bit, through two exact tables (no libm).
     LOG2(s)    = floor(16 * log2(s))                   exact for positive s < 2**53
 
 `true_bits` is the exact float64 softmax loss of the same logits, for reporting only: no
-replica ever depends on it. The CuPy backend loads the same two tables onto the device.
+replica ever depends on it. Both follow from a row's 256 logit counts (`logit_histogram`),
+which is what a device returns for held-out scores. The CuPy backend loads the same two
+tables onto the device.
 """
 
 from __future__ import annotations
@@ -67,10 +69,37 @@ def token_loss(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def true_bits(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """The exact -log2 softmax of logits/16 (base 2), in float64: reporting only."""
-    z = logits.astype(np.float64) / 16.0
-    top = z.max(axis=1)
-    log_total = top + np.log2(np.exp2(z - top[:, None]).sum(axis=1))
-    return log_total - z[np.arange(len(targets)), targets]
+    target = logits[np.arange(len(targets)), targets]
+    return histogram_bits(logit_histogram(logits), target)
+
+
+# A row's losses depend on its logits only through how many take each value (and the
+# target's): a device returns these 256 counts per row instead of the row, and both losses
+# follow from them here, the same on every backend.
+
+
+def logit_histogram(logits: np.ndarray) -> np.ndarray:
+    """Counts (rows, 256) int64: [r, l + 128] = how many logits of row r equal l."""
+    rows = len(logits)
+    flat = (logits.astype(np.int64) + 128) + 256 * np.arange(rows, dtype=np.int64)[:, None]
+    return np.bincount(flat.reshape(-1), minlength=256 * rows).reshape(rows, 256)
+
+
+def histogram_loss(hist: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """token_loss from each row's logit counts and target logit: exact integers."""
+    total = hist.astype(np.int64) @ exp2_table().astype(np.int64)
+    return floor_log2_16(total) - 64 - (target.astype(np.int64) + 128)
+
+
+def histogram_bits(hist: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """true_bits from each row's logit counts and target logit: top + log2(sum over values
+    of count * 2**((l - top) / 16)) - target / 16, with top the row's largest logit / 16.
+    A fixed-length sum per row, so the value is the same for any batch and vocabulary order."""
+    values = np.arange(256, dtype=np.int64) - 128
+    top = np.where(hist > 0, values, -256).max(axis=1)
+    scaled = np.exp2((values[None, :] - top[:, None]) / 16.0)
+    total = (hist * scaled).sum(axis=1)
+    return (top + 16.0 * np.log2(total) - target) / 16.0
 
 
 @cache

@@ -28,6 +28,7 @@ from eggroll_dist.shared.config import (
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.sample import Completions, SampleSettings
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
+from eggroll_dist.worker.backend import cupy_backend as cupy_backend_module
 from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels, forward_launches
 from eggroll_dist.worker.backend.cupy_former import MAX_POSITIONS
 from eggroll_dist.worker.backend.cupy_former import launches as former_launches
@@ -71,12 +72,20 @@ CONFIGS = {
         update=UpdateConfig(alpha=1.0),
     ),
     # the former: heads of 8, a vocabulary above 256 and not a multiple of the tile, a
-    # head bias with token noise (its elements from 40 on get none), the momentum rule
+    # head bias with token noise (its elements from 40 on get none) and adaptive noise
+    # (factors multiply), the momentum rule (its apply kernel flags the moved weights)
     "former": RunConfig(
         model=ModelConfig(
             arch="former", n_layer=1, d_model=32, n_head=4, vocab_size=300, head_bias="zipf"
         ),
-        es=ESConfig(population=16, chunk_size=8, seq_len=5, run_seed=2, token_noise_rows=40),
+        es=ESConfig(
+            population=16,
+            chunk_size=8,
+            seq_len=5,
+            run_seed=2,
+            token_noise_rows=40,
+            adaptive_noise=True,
+        ),
         update=UpdateConfig(rule="momentum", momentum_shift=1, alpha=4.0, alpha_decay_steps=1),
     ),
     # d-eggs' settings at width 36 (partial K stages, heads of 12), 2 layers: AdamW, adaptive
@@ -219,6 +228,22 @@ def test_a_forward_pass_is_one_replayed_sequence(
             assert launched == []
 
 
+@pytest.mark.parametrize("name", ["uniform", "former"])
+def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Both metrics from the device's logit counts, in passes of at most 40 positions (the
+    last one partial), after a step: the NumPy reference's figures exactly."""
+    monkeypatch.setattr(cupy_backend_module, "HELD_OUT_ROWS", 40)
+    cfg = CONFIGS[name]
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[-1], True)
+    fitness = np.concatenate([ref.evaluate_chunk(0, c * 8, 8).fitness for c in range(2)])
+    ref.apply_step(fitness)
+    gpu.apply_step(fitness)
+    assert gpu.validate() == ref.validate()
+    assert gpu.kernels.replays > 3
+
+
 def test_load_state_and_range_checks() -> None:
     cfg = CONFIGS["uniform"]
     data = dataset(cfg)
@@ -250,6 +275,22 @@ def test_a_former_window_past_the_attention_limit_is_refused_in_one_line() -> No
     with pytest.raises(BackendUnavailable, match=f"at most {MAX_POSITIONS} positions") as info:
         cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
     assert "\n" not in str(info.value) and "es.seq_len" in str(info.value)
+
+
+def test_a_former_batch_past_the_memory_bound_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any allocation; a config that fits gets batches within the bound."""
+    from eggroll_dist.worker.backend import cupy_former
+
+    cfg = CONFIGS["former"]
+    need = cupy_former.member_bytes(cfg)
+    monkeypatch.setattr(cupy_former, "BATCH_BYTES", 2 * need - 1)
+    with pytest.raises(BackendUnavailable, match=r"lower es\.seq_len or model\.d_model") as info:
+        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(cupy_former, "BATCH_BYTES", 4 * need + 1)
+    assert cupy_backend(cfg, dataset(cfg), VARIANTS[0], True).batch_members == 4
 
 
 def test_adamw_from_the_uniform_config() -> None:
@@ -307,33 +348,51 @@ def test_compute_capability_majors_of_two_digits() -> None:
     ]
 
 
-@pytest.mark.parametrize("rule", ["momentum", "adamw"])
-def test_rules_with_state_never_run_the_host_update(
-    rule: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Z and the update of every rule are the device's: with the host's update machinery
-    made to raise, the backend still reaches the reference's digest each step."""
+@pytest.mark.parametrize("name", ["momentum", "adamw", "egg-adaptive", "former-d-eggs"])
+def test_no_replica_maths_on_the_host(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation, the update of every rule (Z, the rule, the overlays) and both held-out
+    metrics are the device's: with the host's models, noise, update and losses made to raise,
+    the backend still gives the reference's fitness, changed counts, digests and scores."""
+    from eggroll_dist.shared import egg, former, loss, perturb
     from eggroll_dist.shared import update as host_update
     from eggroll_dist.shared.rules import RULES
 
-    cfg = CONFIGS["momentum"]
-    if rule == "adamw":
-        cfg = cfg.replace(update=UpdateConfig(rule="adamw", lr=4.0, lr_halve_steps=1))
+    cfg = CONFIGS[name]
+    if name == "adamw":
+        cfg = CONFIGS["momentum"].replace(update=UpdateConfig(rule="adamw", lr=4.0))
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    size = cfg.es.chunk_size
+    chunks = [(c * size, size) for c in range(cfg.chunks)]
     steps = []
     for step in range(3):
-        fitness = np.concatenate([ref.evaluate_chunk(step, c * 8, 8).fitness for c in range(2)])
-        steps.append((fitness, ref.apply_step(fitness), ref.digest()))
+        results = [ref.evaluate_chunk(step, *c) for c in chunks]
+        fitness = np.concatenate([r.fitness for r in results])
+        steps.append((results, fitness, ref.apply_step(fitness), ref.digest()))
+    held_out = ref.validate()
     gpu = cupy_backend(cfg, data, VARIANTS[0], True)
 
     def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the host computed an update")
+        raise AssertionError("the host computed what the device must")
 
-    for name in ("apply_update", "accumulate_z", "update_from_z"):
-        monkeypatch.setattr(host_update, name, refuse)
-    monkeypatch.setattr(RULES[rule], "update", refuse)
-    for fitness, changed, digest in steps:
+    for module, names in (
+        (host_update, ("apply_update", "accumulate_z", "update_from_z")),
+        (perturb, ("pair_noise", "member_noise", "noise_scales", "update_overlays")),
+        (loss, ("token_loss", "true_bits", "logit_histogram")),
+    ):
+        for fn in names:
+            monkeypatch.setattr(module, fn, refuse)
+    monkeypatch.setattr(RULES[cfg.update.rule], "update", refuse)
+    for model in (egg.EggModel, former.FormerModel):
+        for method in ("__init__", "forward", "position_losses"):
+            monkeypatch.setattr(model, method, refuse)
+    monkeypatch.setattr(NumpyBackend, "__init__", refuse)
+    for step, (results, fitness, changed, digest) in enumerate(steps):
+        got = gpu.evaluate_chunks(step, chunks)
+        assert [(g.fitness.tobytes(), g.loss_sum) for g in got] == [
+            (r.fitness.tobytes(), r.loss_sum) for r in results
+        ]
         assert gpu.apply_step(fitness) == changed
         assert gpu.digest() == digest
+    assert gpu.validate() == held_out
     assert any(v.any() for v in gpu.state.opt.values())

@@ -29,7 +29,7 @@ from eggroll_dist.shared.former import (
     rope_table,
     softmax_table,
 )
-from eggroll_dist.shared.loss import exp2_table, log2_thresholds, token_loss
+from eggroll_dist.shared.loss import exp2_table, log2_thresholds, logit_histogram, token_loss
 from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.perturb import member_noise, pair_noise
 from eggroll_dist.worker.backend.cupy_backend import TILE_M, TILE_N, Kernels
@@ -235,7 +235,10 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int)
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
 @pytest.mark.parametrize("head_bias", ["zipf", "none"])
-def test_head_fused_with_the_loss(k: Kernels, suffix: str, head_bias: str) -> None:
+@pytest.mark.parametrize("counts", [False, True], ids=["loss", "held-out"])
+def test_head_fused_with_the_loss(k: Kernels, suffix: str, head_bias: str, counts: bool) -> None:
+    """The member's integer loss summed over its positions; held out: the even members'
+    logit counts per position instead, from which the host finishes both losses."""
     cfg = cfg_for(head_bias=head_bias)
     params, pn, mn, tokens, model = batch(cfg)
     m, d, v = 2 * len(tokens), cfg.model.d_model, cfg.model.vocab_size
@@ -250,6 +253,7 @@ def test_head_fused_with_the_loss(k: Kernels, suffix: str, head_bias: str) -> No
     total, target, loss = (poisoned(m * T, np.uint64), poisoned(m * T, np.int32),
                            poisoned(m, np.int64))  # fmt: skip
     total[...] = 0
+    hist = xp.zeros((m // 2 * T, 256), dtype=xp.int32) if counts else xp.zeros(0, dtype=xp.int32)
     bias = mn.vectors["head_bias"].astype(np.int8) if head_bias != "none" else None
     k(
         "former_head" + suffix,
@@ -258,9 +262,16 @@ def test_head_fused_with_the_loss(k: Kernels, suffix: str, head_bias: str) -> No
         *(dev(rows_of(h)), dev(params["emb"]), dev(xb.astype(np.int32)), dev(pn.a["emb"])),
         *(i32(m * T), i32(v), i32(d), i32(T), i32(7), i32(16 * isqrt(d))),
         *(xp.zeros(0, dtype=xp.int8) if bias is None else dev(bias), dev(tokens)),
-        *(dev(exp2_table()), total, target),
+        *(dev(exp2_table()), total, target, hist),
     )
-    assert np.array_equal(to_host(target), logits[np.arange(m * T), targets])
+    target_logits = logits[np.arange(m * T), targets]
+    if counts:  # the even members' rows: pair p's position t at p T + t
+        even = (np.arange(m * T) // T) % 2 == 0
+        assert np.array_equal(to_host(hist), logit_histogram(logits[even]))
+        assert np.array_equal(to_host(target)[: m // 2 * T], target_logits[even])
+        assert not to_host(total).any()
+        return
+    assert np.array_equal(to_host(target), target_logits)
     k(
         "former_loss",
         (cdiv(m, 256),),

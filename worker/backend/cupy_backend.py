@@ -26,6 +26,7 @@ steps) runs the NumPy reference on the host copy of the weights.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from importlib import resources
 from math import isqrt
@@ -36,7 +37,7 @@ import numpy as np
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.loss import exp2_table, log2_thresholds
+from ...shared.loss import exp2_table, histogram_bits, histogram_loss, log2_thresholds
 from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.perturb import TOKEN_TENSORS, ParamSpec, overlay_specs
@@ -46,8 +47,16 @@ from ...shared.rules.fixedpoint import fixed16
 from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
 from ...shared.sample import Completions
-from ...shared.window import pair_windows
-from . import BackendFactory, BackendUnavailable, ChunkResult, Validation, check_chunk, cupy_former
+from ...shared.window import pair_windows, validation_streams, validation_windows
+from . import (
+    BackendFactory,
+    BackendUnavailable,
+    ChunkResult,
+    HeldOut,
+    Validation,
+    check_chunk,
+    cupy_former,
+)
 from .numpy_backend import NumpyBackend
 
 # One module from these sources in this order: former.cu uses egg.cu's helpers.
@@ -61,6 +70,7 @@ PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
 # is 8 tiles, far too few for a GPU of 100+ multiprocessors.
 Z_GEMM_BLOCKS = 512
 FORWARD_GRAPHS = 2  # captured forward shapes kept (each holds its buffers)
+HELD_OUT_ROWS = 1 << 16  # held-out positions per pass: bounds the logit counts' 1 KiB each
 
 
 def forward_launches(n_layer: int) -> int:
@@ -79,7 +89,7 @@ _ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I32)
 _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
 _SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, the divisor
 _FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I8, I32, I8, I32)
-_FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32)
+_FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32, I32)
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8, I8),
     "noise_cols": (
@@ -124,6 +134,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "zgemm_tc": _ZGEMM,
     "zgemm_dp4a": _ZGEMM,
     "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
+    "token_histogram": (I8, I32, "int32", "int32", "int32", "int32", I32, I32),
     "ztest_apply": (I32, I64, "int32", I8, U64, I8),
     "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64, I8),
     "adamw_apply": (*(I32, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT, I8),
@@ -288,7 +299,7 @@ class CupyBackend:
         self.xp = xp
         self.batch_members = max(2, batch_members - batch_members % 2)
         if former:
-            self.batch_members = cupy_former.batch_members(cfg.es.seq_len, self.batch_members)
+            self.batch_members = cupy_former.batch_members(cfg, self.batch_members)
         self.suffix = "_tc" if tensor_cores else "_dp4a"
         self.kernels = Kernels(xp, module_factory, stream)
         self.tile = (TILE_M, TILE_N)
@@ -342,6 +353,10 @@ class CupyBackend:
         # captured forward passes by pair count, with their buffers (the last partial batch
         # of a step has its own shape)
         self._forward_graphs: dict[int, tuple[Callable[[], None], dict[str, Any]]] = {}
+        # the held-out passes by (pairs, steps)
+        self._held_out_graphs: dict[tuple[int, int], tuple[Callable[[], None], dict]] = {}
+        # bytes each token id decodes to, for bits per byte of the held-out text
+        self.piece_bytes = np.array([len(piece) for piece in dataset.decoding], dtype=np.int64)
         self._update_buffers: dict[str, Any] = {}
         self.load_state(state)
 
@@ -434,15 +449,18 @@ class CupyBackend:
             at += count
         return results
 
-    def _forward_buffers(self, n_pairs: int) -> dict[str, Any]:
-        """Everything a forward pass of n_pairs pairs reads and writes, allocated once per
-        shape (its captured launches point at these)."""
+    def _forward_buffers(
+        self, n_pairs: int, steps: int | None = None, held_out: bool = False
+    ) -> dict[str, Any]:
+        """Everything a forward pass of n_pairs pairs over `steps` tokens (seq_len) reads and
+        writes, allocated once per shape (its captured launches point at these); held out:
+        with each step's logit counts of the even members (steps, P, 256) and targets."""
         xp, cfg = self.xp, self.config
         d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
-        m = 2 * n_pairs
+        m, steps = 2 * n_pairs, steps or cfg.es.seq_len
         bufs: dict[str, Any] = {
             "pairs": xp.zeros(n_pairs, dtype=xp.int64),
-            "tokens": xp.zeros((n_pairs, cfg.es.seq_len + 1), dtype=xp.int32),
+            "tokens": xp.zeros((n_pairs, steps + 1), dtype=xp.int32),
             "states": xp.zeros((n_layer, m, d), dtype=xp.int8),
             "hidden": xp.empty((m, 4 * d), dtype=xp.int8),
             "logits": xp.empty((m, v), dtype=xp.int8),
@@ -451,6 +469,9 @@ class CupyBackend:
         }
         for name in ("x", "h", "f", "g"):
             bufs[name] = xp.empty((m, d), dtype=xp.int8)
+        if held_out:
+            bufs["hist"] = xp.zeros((steps, n_pairs, 256), dtype=xp.int32)
+            bufs["target"] = xp.zeros((steps, n_pairs), dtype=xp.int32)
         bufs.update(self.noise_buffers(n_pairs))
         return bufs
 
@@ -523,21 +544,26 @@ class CupyBackend:
         replay()
         return _host(xp, bufs["loss"])
 
-    def _forward_sequence(self, bufs: dict[str, Any]) -> None:
-        """The launches of one forward pass over bufs: noise, then seq_len token steps of
-        forward_launches(n_layer) kernels each. Every per-pass input is in device memory."""
+    def _forward_sequence(self, bufs: dict[str, Any], held_out: bool = False) -> None:
+        """The launches of one forward pass over bufs: noise, then a token step of
+        forward_launches(n_layer) kernels per column of the windows. Every per-pass input is
+        in device memory. Held out: the unperturbed model (bufs' noise is zero, its vectors
+        the weights'), each row a pair of identical members, the logits of each step counted
+        into bufs["hist"] instead of scored."""
         k, cfg = self.kernels, self.config
         d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
-        t_len, n_pairs = cfg.es.seq_len, len(bufs["pairs"])
+        t_len, n_pairs = bufs["tokens"].shape[1] - 1, len(bufs["pairs"])
         m = 2 * n_pairs
         i32 = np.int32
         shift = i32(4 + cfg.es.sigma_shift)
         a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
-        self.noise(bufs["pairs"], n_pairs, a, b, vec)
+        if not held_out:
+            self.noise(bufs["pairs"], n_pairs, a, b, vec)
         tokens, states, loss, xb = bufs["tokens"], bufs["states"], bufs["loss"], bufs["xb"]
         x, h, f, g = bufs["x"], bufs["h"], bufs["f"], bufs["g"]
         hidden, logits, w = bufs["hidden"], bufs["logits"], self.w
-        for zeroed in (states.reshape(-1).view(np.int32), loss.view(np.int32)):
+        scores = bufs["hist"] if held_out else loss.view(np.int32)
+        for zeroed in (states.reshape(-1).view(np.int32), scores.reshape(-1)):
             k("zero_i32", (_cdiv(zeroed.size, BLOCK),), (BLOCK,), zeroed, i32(zeroed.size))
         rows = (_cdiv(m, 8),)
         sfx = self.suffix
@@ -602,6 +628,15 @@ class CupyBackend:
                 mm(hidden, p + "w2", rowdot(hidden, p + "w2", xb[0]), x, x)
             norm("ln_out", ("head",))
             mm(h, "head", xb[0], self.null8, logits)
+            if held_out:
+                k(
+                    "token_histogram",
+                    rows,
+                    (BLOCK,),
+                    *(logits, tokens, i32(t_len + 1), i32(t + 1), i32(m), i32(v)),
+                    *(bufs["hist"][t], bufs["target"][t]),
+                )
+                continue
             k(
                 "token_loss",
                 rows,
@@ -754,8 +789,67 @@ class CupyBackend:
         return changed
 
     def validate(self) -> Validation:
-        """Both held-out metrics, by the NumPy reference on the host copy of the weights."""
-        return NumpyBackend(self.dataset, self._state).validate()
+        """Both held-out metrics of the unperturbed model (the windows; for the EGG model
+        also the long streams, state carried) on the device; only each position's logit
+        counts come back, from which shared/loss.py finishes both losses."""
+        cfg, valid = self.config, self.dataset.valid
+        with self._scope():
+            short = self._held_out(validation_windows(cfg, valid), None)
+            if cfg.model.arch == "former":  # reads each window whole: no state to carry
+                return Validation(short, None)
+            return Validation(short, self._held_out(*validation_streams(cfg, valid)))
+
+    def _held_out(self, rows: np.ndarray, lengths: np.ndarray | None) -> HeldOut:
+        """One metric over rows (N, L + 1) of held-out tokens, row i predicting
+        rows[i, 1 : lengths[i] + 1] (lengths None: all L), in batches of at most
+        HELD_OUT_ROWS positions."""
+        steps = rows.shape[1] - 1
+        per_batch = max(1, HELD_OUT_ROWS // steps)
+        loss, bits, text_bytes, n = 0, [], 0, 0
+        for lo in range(0, len(rows), per_batch):
+            part = rows[lo : lo + per_batch]
+            hist, target = self._held_out_counts(part)  # (P, L, 256), (P, L)
+            reading = np.ones(target.shape, dtype=bool)
+            if lengths is not None:
+                reading = np.arange(steps)[None, :] < lengths[lo : lo + per_batch, None]
+            hist, target = hist[reading], target[reading]
+            loss += int(histogram_loss(hist, target).sum())
+            bits.append(histogram_bits(hist, target))
+            text_bytes += int(self.piece_bytes[part[:, 1:][reading]].sum())
+            n += int(reading.sum())
+        return HeldOut(n, text_bytes, loss / n, math.fsum(np.concatenate(bits)) / n)
+
+    def _held_out_counts(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The logit counts (P, L, 256) and target logits (P, L) of the unperturbed model
+        over rows (P, L + 1), each row a pair of identical members: one replay of a pass
+        captured per shape, after the weights are copied into its vector buffers."""
+        xp, n_pairs, steps = self.xp, len(rows), rows.shape[1] - 1
+        former = self.config.model.arch == "former"
+        key = (n_pairs, steps)
+        if key not in self._held_out_graphs:
+            if len(self._held_out_graphs) >= 2 * FORWARD_GRAPHS:
+                self._held_out_graphs.pop(next(iter(self._held_out_graphs)))
+            if former:
+                bufs = cupy_former.buffers(self, n_pairs, held_out=True)
+                run = lambda: cupy_former.sequence(self, bufs, held_out=True)  # noqa: E731
+            else:
+                bufs = self._forward_buffers(n_pairs, steps, held_out=True)
+                run = lambda: self._forward_sequence(bufs, held_out=True)  # noqa: E731
+            for noise in (*bufs["a"].values(), *bufs["b"].values()):
+                noise[...] = 0  # the unperturbed model: no rank-1 correction
+            self._held_out_graphs[key] = (self.kernels.capture(run), bufs)
+        replay, bufs = self._held_out_graphs[key]
+        for name, vector in bufs["vec"].items():
+            vector[...] = self.w[name]  # every member's vector is the weights' own
+        bufs["tokens"][...] = xp.asarray(rows.astype(np.int32))
+        replay()
+        if former:
+            hist = _host(xp, bufs["hist"]).reshape(n_pairs, steps, 256)
+            target = _host(xp, bufs["target"])[: n_pairs * steps].reshape(n_pairs, steps)
+        else:
+            hist = _host(xp, bufs["hist"]).transpose(1, 0, 2)
+            target = _host(xp, bufs["target"]).T
+        return hist, target
 
     def complete(
         self, step: int, members: tuple[int, int] | None, request: Completions

@@ -12,6 +12,8 @@ the loss, so a chunk's logits are never stored.
 
 from __future__ import annotations
 
+import re
+from importlib import resources
 from math import isqrt
 from typing import TYPE_CHECKING, Any
 
@@ -19,28 +21,50 @@ import numpy as np
 
 from ...shared.former import gelu_table, rope_table, softmax_table
 from ...shared.loss import exp2_table, log2_thresholds
+from ...shared.model import param_specs
 
 if TYPE_CHECKING:
+    from ...shared.config import RunConfig
     from .cupy_backend import CupyBackend
 
-MAX_POSITIONS = 1024  # former.cu's attention keeps a query's scores in shared memory
-ROWS = 1 << 20  # (member, position) rows per forward batch: bounds its buffers
+# former.cu's attention keeps a query's scores in shared memory: its own limit, read here
+_SOURCE = resources.files(__package__).joinpath("former.cu").read_text()
+MAX_POSITIONS = int(re.search(r"#define MAX_POSITIONS (\d+)", _SOURCE).group(1))
+BATCH_BYTES = 1 << 32  # device memory of one forward batch's buffers (two shapes are kept)
 ATTENTION_THREADS = 128
 
 
-def check(backend_config: Any) -> str | None:
-    """Why the kernels cannot run this former config, or None."""
-    if backend_config.es.seq_len > MAX_POSITIONS:
+def check(cfg: RunConfig) -> str | None:
+    """Why the kernels cannot run this former config, or None (before any allocation)."""
+    if cfg.es.seq_len > MAX_POSITIONS:
         return (
             f"the CuPy backend's former attention holds at most {MAX_POSITIONS} positions, "
-            f"es.seq_len is {backend_config.es.seq_len}: lower it or use --backend numpy"
+            f"es.seq_len is {cfg.es.seq_len}: lower it or use --backend numpy"
+        )
+    if 2 * member_bytes(cfg) > BATCH_BYTES:
+        return (
+            f"a pair of former members needs {2 * member_bytes(cfg) >> 20} MiB of device "
+            f"buffers, over the {BATCH_BYTES >> 20} MiB of a forward batch: lower es.seq_len "
+            "or model.d_model"
         )
     return None
 
 
-def batch_members(seq_len: int, members: int) -> int:
-    """Members per forward batch: at most `members`, and at most ROWS rows."""
-    return max(2, min(members, ROWS // seq_len) // 2 * 2)
+def member_bytes(cfg: RunConfig) -> int:
+    """Device bytes of one member in a forward batch: its seq_len rows of activations
+    (x, h, q, k, v, att, the 4D hidden, the int32 GEMM output, three dots, the loss sums),
+    its half of its pair's noise and window, its own vector parameters."""
+    d, t = cfg.model.d_model, cfg.es.seq_len
+    rows = t * (6 * d + 4 * d + 4 * d + 3 * 4 + 8 + 4)
+    noise = sum(
+        sum(s.shape) // 2 if s.kind == "matrix" else s.shape[0] for s in param_specs(cfg.model)
+    )
+    return rows + noise + 2 * (t + 1) + 4 + 8
+
+
+def batch_members(cfg: RunConfig, members: int) -> int:
+    """Members per forward batch: at most `members`, and at most BATCH_BYTES of buffers."""
+    return max(2, min(members, BATCH_BYTES // member_bytes(cfg)) // 2 * 2)
 
 
 def tables(xp: Any, seq_len: int, head_dim: int) -> dict[str, Any]:
@@ -58,8 +82,9 @@ def tables(xp: Any, seq_len: int, head_dim: int) -> dict[str, Any]:
     } | {"log2_th": xp.asarray(log2_thresholds())}
 
 
-def buffers(backend: CupyBackend, n_pairs: int) -> dict[str, Any]:
-    """Everything a forward pass of n_pairs pairs reads and writes."""
+def buffers(backend: CupyBackend, n_pairs: int, held_out: bool = False) -> dict[str, Any]:
+    """Everything a forward pass of n_pairs pairs reads and writes; held out: with the even
+    members' logit counts (P T, 256)."""
     xp, cfg = backend.xp, backend.config
     d, t = cfg.model.d_model, cfg.es.seq_len
     m = 2 * n_pairs
@@ -76,12 +101,16 @@ def buffers(backend: CupyBackend, n_pairs: int) -> dict[str, Any]:
     }
     for name in ("x", "h", "q", "k", "v", "att"):
         bufs[name] = xp.empty((r, d), dtype=xp.int8)
+    if held_out:
+        bufs["hist"] = xp.zeros((n_pairs * t, 256), dtype=xp.int32)
     bufs.update(backend.noise_buffers(n_pairs))
     return bufs
 
 
-def sequence(backend: CupyBackend, bufs: dict[str, Any]) -> None:
-    """The launches of one forward pass over bufs: the noise, then the model."""
+def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False) -> None:
+    """The launches of one forward pass over bufs: the noise, then the model. Held out: the
+    unperturbed model (bufs' noise is zero, its vectors the weights'), each window a pair of
+    identical members, the head counting the even members' logits into bufs["hist"]."""
     k, cfg, w, tab = backend.kernels, backend.config, backend.w, backend.tables
     d, v, t = cfg.model.d_model, cfg.model.vocab_size, cfg.es.seq_len
     heads = cfg.model.heads
@@ -91,7 +120,8 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any]) -> None:
     i32 = np.int32
     per, shift, rows = i32(t), i32(4 + cfg.es.sigma_shift), (-(-r // 8),)
     a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
-    backend.noise(bufs["pairs"], n_pairs, a, b, vec)
+    if not held_out:
+        backend.noise(bufs["pairs"], n_pairs, a, b, vec)
     x, h, acc, xb, hidden = bufs["x"], bufs["h"], bufs["acc"], bufs["xb"], bufs["hidden"]
     null8, null32 = backend.null8, backend.null32
     sfx, block = backend.suffix, (256,)
@@ -168,16 +198,19 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any]) -> None:
         attention(f"layers.{i}.")
         mlp(f"layers.{i}.", "ln2")
     norm("ln_f", ("emb",))
-    total = bufs["total"].view(np.int32)
-    k("zero_i32", (-(-total.size // 256),), block, total, i32(total.size))
+    hist = bufs["hist"] if held_out else null32
+    zeroed = (hist if held_out else bufs["total"].view(np.int32)).reshape(-1)
+    k("zero_i32", (-(-zeroed.size // 256),), block, zeroed, i32(zeroed.size))
     k(
         "former_head" + sfx,
         (-(-v // tile_n), -(-r // tile_m)),
         block,
         *(h, w["emb"], xb[0], a["emb"], i32(r), i32(v), i32(d), per, shift, i32(16 * isqrt(d))),
         *(vec.get("head_bias", null8), bufs["tokens"], tab["exp2"], bufs["total"]),
-        bufs["target"],
+        *(bufs["target"], hist),
     )
+    if held_out:
+        return
     k(
         "former_loss",
         (-(-m // 256),),

@@ -769,6 +769,21 @@ extern "C" __global__ void token_loss(const i8* logits, const int* tokens, int t
   }
 }
 
+// Held-out scores (the unperturbed model, each window or stream a pair of identical
+// members): for the even row 2 p, hist[p, l + 128] += 1 for each logit l of the row and
+// target[p] = the logit of column t's token; hist starts zeroed. The host finishes both
+// losses from these counts (shared/loss.py). Launch: grid (ceil(M / 8)), block (256).
+extern "C" __global__ void token_histogram(const i8* logits, const int* tokens, int t_cols, int t,
+                                           int M, int V, int* hist, int* target) {
+  int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= M || (row & 1)) return;  // warp-uniform
+  long long p = row >> 1;
+  const i8* l = logits + (long long)row * V;
+  for (int j = lane; j < V; j += 32) atomicAdd(hist + p * 256 + l[j] + 128, 1);
+  if (lane == 0) target[p] = l[tokens[p * t_cols + t]];
+}
+
 // ------------------------------------------------------------------ the ztest apply
 
 // The apply kernels' count of changed weights: a block sums its warps' ballots in shared

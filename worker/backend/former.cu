@@ -64,12 +64,15 @@ __device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8
 // clipped) of rows x (R, D) are never stored. total[r] += sum over this tile's columns of
 // EXP2[l + 128] (u64, zeroed before the launch: integer atomics, exact in any order) and
 // target[r] = l at the column of the row's next token. former_loss finishes the rows.
+// With hist (held-out scores, each window a pair of identical members), the even members'
+// rows count their logits instead: hist[r', l + 128] += 1 (zeroed before), r' = pair T + t,
+// and target[r'] = l; the host finishes both losses from the counts (shared/loss.py).
 // Launch: grid (ceil(V / TILE_N), ceil(R / TILE_M)), block (256).
 template <bool TC>
 __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
                                  int V, int K, int per, int shift, int div, const i8* bias,
                                  const int* tokens, const int* exp2_table, u64* total,
-                                 int* target) {
+                                 int* target, int* hist) {
   __shared__ u32 row_sum[TILE_M];  // < 64 columns * 2**20: a tile's sums fit 32 bits
   for (int i = threadIdx.x; i < TILE_M; i += blockDim.x) row_sum[i] = 0;
   int acc[ACC];
@@ -83,8 +86,15 @@ __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const 
     long long m;
     int l = former_mm_out(acc[i], r, n, V, xb, a, rows, shift, q, m);
     if (bias) l = CLIP8(l + bias[m * V + n]);
-    atomicAdd(&row_sum[r - m0], (u32)exp2_table[l + 128]);
-    if (n == tokens[(m >> 1) * (per + 1) + (r - m * per) + 1]) target[r] = l;
+    long long t = r - m * per, at = r;
+    if (hist) {
+      if (m & 1) continue;
+      at = (m >> 1) * per + t;
+      atomicAdd(hist + at * 256 + l + 128, 1);
+    } else {
+      atomicAdd(&row_sum[r - m0], (u32)exp2_table[l + 128]);
+    }
+    if (n == tokens[(m >> 1) * (per + 1) + t + 1]) target[at] = l;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < TILE_M; i += blockDim.x)
@@ -97,7 +107,7 @@ __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const 
 #define FORMER_HEAD_PARAMS                                                                  \
   const i8 *x, const i8 *w, const int *xb, const i8 *a, int R, int V, int K, int per,      \
       int shift, int div, const i8 *bias, const int *tokens, const int *exp2_table,         \
-      u64 *total, int *target
+      u64 *total, int *target, int *hist
 
 extern "C" __global__ void __launch_bounds__(256) former_mm_tc(FORMER_MM_PARAMS) {
   former_mm_body<true>(x, w, xb, a, R, N, K, per, shift, div, bias, res, gelu, out8, out32);
@@ -107,11 +117,11 @@ extern "C" __global__ void __launch_bounds__(256) former_mm_dp4a(FORMER_MM_PARAM
 }
 extern "C" __global__ void __launch_bounds__(256) former_head_tc(FORMER_HEAD_PARAMS) {
   former_head_body<true>(x, w, xb, a, R, V, K, per, shift, div, bias, tokens, exp2_table, total,
-                         target);
+                         target, hist);
 }
 extern "C" __global__ void __launch_bounds__(256) former_head_dp4a(FORMER_HEAD_PARAMS) {
   former_head_body<false>(x, w, xb, a, R, V, K, per, shift, div, bias, tokens, exp2_table,
-                          total, target);
+                          total, target, hist);
 }
 
 // loss[m] = sum over the member's T rows of floor(16 log2(total[r])) - 64 - (target[r] + 128):
