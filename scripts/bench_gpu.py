@@ -1,14 +1,17 @@
 """Benchmark the CuPy backend against this GPU's best int8 GEMM rate, measured in the same run.
 
-Prints, for `egg-paper` (6 layers, width 256, T = 100) at each population: member-tokens/s
-of a whole-population evaluation (all chunks in one pass), the update time per step (the
-captured graph plus the one copy of the weights back), and the useful int8 MACs per second
-(12 D^2 per layer + V D per member-token) as a fraction of the int8 ceiling: the best of
-cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when torch is installed)
-on 8192^3.
+Prints, for each preset (default `egg-paper`: 6 layers, width 256, T = 100, at populations
+32,768 and 262,144; and `d-eggs`: the former, 4 layers, width 256, T = 64, vocabulary 8192,
+adaptive noise and AdamW, at its own 327,680): member-tokens/s of a whole-population
+evaluation (all chunks of a step, as the worker's evaluate_chunks runs them), the update time
+per step (the captured graph plus the copy of the weights and state back), and the useful
+int8 MACs per second of the GEMMs per member-token (EGG: 12 D^2 per layer + V D; former:
+12 D^2 per layer + 8 D^2 for the embedding MLP + V D) as a fraction of the int8 ceiling: the
+best of cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when torch is
+installed) on 8192^3.
 
-    python scripts/bench_gpu.py [--populations 32768 262144] [--seq-len 100] [--repeats 2]
-                                [--batch-members 65536]
+    python scripts/bench_gpu.py [--presets egg-paper d-eggs] [--populations N ...]
+                                [--seq-len T] [--repeats 2] [--batch-members 65536]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from eggroll_dist.shared.config import ESConfig, preset
+from eggroll_dist.shared.config import ESConfig, RunConfig, preset
 from eggroll_dist.shared.data import DataMeta, Dataset
 from eggroll_dist.shared.replica import ReplicaState
 
@@ -28,8 +31,9 @@ GEMM_SIZE = 8192
 
 def synthetic_dataset(vocab: int, tokens: int = 1 << 22) -> Dataset:
     rng = np.random.default_rng(0)
-    train = rng.integers(1, vocab, size=tokens).astype(np.uint8)
-    valid = rng.integers(1, vocab, size=4096).astype(np.uint8)
+    dtype = np.uint8 if vocab <= 256 else np.uint16
+    train = rng.integers(1, vocab, size=tokens).astype(dtype)
+    valid = rng.integers(1, vocab, size=4096).astype(dtype)
     meta = DataMeta(1, vocab, len(train), len(valid), "0" * 64, "bench", 1, 1, {})
     return Dataset(train, valid, [bytes([i]) for i in range(vocab)], meta, bytes(32))
 
@@ -95,16 +99,29 @@ def torch_int8_rate(repeats: int) -> float:
     return n**3 / best
 
 
+DEFAULT_POPULATIONS = {"egg-paper": [32768, 262144]}  # else the preset's own
+
+
+def useful_macs(cfg: RunConfig) -> int:
+    """The GEMMs' multiply-adds per member-token."""
+    d, v, layers = cfg.model.d_model, cfg.model.vocab_size, cfg.model.n_layer
+    embedding_mlp = 8 * d * d if cfg.model.arch == "former" else 0
+    return layers * 12 * d * d + embedding_mlp + v * d
+
+
 def bench_population(
-    population: int, seq_len: int, repeats: int, batch: int = 65536
+    name: str, population: int, seq_len: int | None, repeats: int, batch: int = 65536
 ) -> dict[str, float]:
     import cupy
 
     from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
 
-    base = preset("egg-paper")
-    chunk = base.es.chunk_size
-    es = ESConfig(**{**base.es.__dict__, "population": population, "seq_len": seq_len})
+    base = preset(name)
+    seq_len = seq_len or base.es.seq_len
+    chunk = min(base.es.chunk_size, population)
+    es = ESConfig(
+        **{**base.es.__dict__, "population": population, "chunk_size": chunk, "seq_len": seq_len}
+    )
     cfg = base.replace(es=es)
     backend = CupyBackend(
         synthetic_dataset(cfg.model.vocab_size),
@@ -126,11 +143,11 @@ def bench_population(
         backend.load_state(ReplicaState(cfg, 0, backend.state.params, backend.state.opt))
     # the update's device part alone: the captured graph (Z GEMMs, noise, apply kernels)
     graph_s = gpu_seconds(backend._update_graph, repeats)
-    d, v, layers = cfg.model.d_model, cfg.model.vocab_size, cfg.model.n_layer
     member_tokens = population * seq_len
     return {
+        "batch": backend.batch_members,
         "member_tokens_per_s": member_tokens / eval_s,
-        "macs_per_s": member_tokens * (layers * 12 * d * d + v * d) / eval_s,
+        "macs_per_s": member_tokens * useful_macs(cfg) / eval_s,
         "eval_s": eval_s,
         "update_s": min(update[1:]),
         "graph_s": graph_s,
@@ -140,8 +157,12 @@ def bench_population(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--populations", type=int, nargs="+", default=[32768, 262144])
-    parser.add_argument("--seq-len", type=int, default=100)
+    parser.add_argument("--presets", nargs="+", default=["egg-paper", "d-eggs"])
+    parser.add_argument(
+        "--populations", type=int, nargs="+", help="default: 32768 262144 for egg-paper, "
+        "else the preset's own"
+    )  # fmt: skip
+    parser.add_argument("--seq-len", type=int, help="default: the preset's")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--batch-members", type=int, default=65536, help="members per forward pass (graph)"
@@ -162,11 +183,17 @@ def main() -> None:
     for n, k in ((d, d), (4 * d, d), (d, 4 * d)):  # the forward's GEMM shapes at 65536 rows
         rate = cublas_int8_rate(args.repeats, 65536, n, k)
         print(f"cublas gemmEx int8, the forward shape 65536x{n}x{k}: {2 * rate / 1e12:7.1f} TOPS")
-    for population in args.populations:
-        r = bench_population(population, args.seq_len, args.repeats, args.batch_members)
+    runs = [
+        (name, population)
+        for name in args.presets
+        for population in args.populations
+        or DEFAULT_POPULATIONS.get(name, [preset(name).es.population])
+    ]
+    for name, population in runs:
+        r = bench_population(name, population, args.seq_len, args.repeats, args.batch_members)
         share = f"{100 * r['macs_per_s'] / ceiling:5.2f}%" if ceiling else "n/a"
         print(
-            f"egg-paper population {population:>7} (batch {min(population, args.batch_members)}): "
+            f"{name} population {population:>7} (batch {r['batch']}): "
             f"{r['member_tokens_per_s'] / 1e6:8.2f} M member-tokens/s  "
             f"{2 * r['macs_per_s'] / 1e12:7.2f} TOPS useful int8 = {share} of the ceiling  "
             f"[eval {r['eval_s']:.3f} s, update {1e3 * r['update_s']:.1f} ms per step "

@@ -45,9 +45,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PARITY_TESTS = ["tests/test_gpu_kernels.py", "tests/test_cupy_backend.py"]
+PARITY_TESTS = [
+    "tests/test_gpu_kernels.py",
+    "tests/test_former_kernels.py",
+    "tests/test_cupy_backend.py",
+]
+KERNEL_TESTS = PARITY_TESTS[:2]  # what the sanitizers run
 MIN_AGREED = 5  # steps whose digest both workers reported, at the least
 MIXED_CONFIG = """\
 preset = "tiny"
@@ -87,7 +93,8 @@ WHEEL_DEPS = [
 ]
 WHEELHOUSE_LIMIT = 64 << 20
 PACKAGE_FILES = ("pyproject.toml", "README.md", "coordinator", "protocol", "shared", "worker")
-SANITIZED_TESTS = "gemm or mm_ or gate or update_noise or apply"
+SANITIZED_TESTS = "gemm or mm_ or gate or update_noise or apply or overlay or attention or head"
+RACE_TESTS = "gemm_tiles or attention or head_fused"  # shared memory between threads
 
 
 def wheelhouse(out: Path) -> int:
@@ -149,11 +156,33 @@ def preflight() -> int:
 
 
 def chunk_check() -> int:
-    """Whole chunks at width 256 on the device against the NumPy backend, three steps."""
+    """Whole chunks at width 256 on the device against the NumPy backend, three steps and
+    the held-out scores: the EGG model, and the former with d-eggs' settings."""
+    from eggroll_dist.shared.config import (
+        ESConfig,
+        FitnessConfig,
+        ModelConfig,
+        RunConfig,
+        UpdateConfig,
+    )
+
+    egg = RunConfig(
+        model=ModelConfig(n_layer=2, d_model=256, vocab_size=256),
+        es=ESConfig(population=512, chunk_size=128, seq_len=8),
+    )
+    former = RunConfig(
+        model=ModelConfig(arch="former", n_layer=2, d_model=256, n_head=4, vocab_size=600),
+        es=ESConfig(population=512, chunk_size=128, seq_len=16, adaptive_noise=True),
+        fitness=FitnessConfig(chunk_mean_filter=True, adaptive_threshold=True),
+        update=UpdateConfig(rule="adamw"),
+    )
+    return max(_chunk_check(name, cfg) for name, cfg in (("egg", egg), ("former", former)))
+
+
+def _chunk_check(name: str, cfg: Any) -> int:
     import cupy
     import numpy as np
 
-    from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
     from eggroll_dist.shared.replica import ReplicaState
     from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
     from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
@@ -161,11 +190,7 @@ def chunk_check() -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_gpu import synthetic_dataset
 
-    cfg = RunConfig(
-        model=ModelConfig(n_layer=2, d_model=256, vocab_size=256),
-        es=ESConfig(population=512, chunk_size=128, seq_len=8),
-    )
-    data = synthetic_dataset(256, 1 << 16)
+    data = synthetic_dataset(cfg.model.vocab_size, 1 << 16)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
     gpu = CupyBackend(
         data,
@@ -181,14 +206,18 @@ def chunk_check() -> int:
         got = gpu.evaluate_chunks(step, chunks)
         for i, (w, g) in enumerate(zip(want, got, strict=True)):
             if (g.fitness.tobytes(), g.loss_sum) != (w.fitness.tobytes(), w.loss_sum):
-                print(f"step {step} chunk {i}: the device's fitness or loss differs")
+                print(f"{name} step {step} chunk {i}: the device's fitness or loss differs")
                 return 1
         fitness = np.concatenate([w.fitness for w in want])
         changed = ref.apply_step(fitness)
         if gpu.apply_step(fitness) != changed or gpu.digest() != ref.digest():
-            print(f"step {step}: the device's update differs ({changed} weights moved)")
+            print(f"{name} step {step}: the device's update differs ({changed} weights moved)")
             return 1
-        print(f"step {step}: {len(chunks)} chunks and the update equal, {changed} weights moved")
+        print(f"{name} step {step}: {len(chunks)} chunks and the update equal, {changed} moved")
+    if gpu.validate() != ref.validate():
+        print(f"{name}: the device's held-out scores differ")
+        return 1
+    print(f"{name}: held-out scores equal")
     return 0
 
 
@@ -286,10 +315,10 @@ def mixed_run(log_dir: Path, backends: list[str], steps: int = 200) -> tuple[boo
 def _sanitizer(tool: str) -> list[str]:
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     extra = ["--racecheck-report=all"] if tool == "racecheck" else []
-    tests = ["-k", "gemm_tiles"] if tool == "racecheck" else ["-k", SANITIZED_TESTS]
+    tests = ["-k", RACE_TESTS if tool == "racecheck" else SANITIZED_TESTS]
     return [
         *(exe, f"--tool={tool}", "--error-exitcode=3", *extra, sys.executable, "-m", "pytest"),
-        *("-q", "-x", "-p", "no:cacheprovider", PARITY_TESTS[0], *tests),
+        *("-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS, *tests),
     ]
 
 
