@@ -7,6 +7,7 @@ forward pass, and steps applied through the captured update (the replica digest 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_target import CPU_BUILD_MISSING, ON_GPU, VARIANTS, array_module, module_factory
 
 from eggroll_dist.shared.config import (
+    PRESETS,
     ESConfig,
     FitnessConfig,
     ModelConfig,
@@ -176,6 +178,40 @@ def test_chunks_and_steps_equal_the_numpy_backend(
     assert held_out == ref.validate()  # both metrics, per token and per byte
     if cfg.model.arch == "egg":  # the long streams are a recurrent model's metric
         assert held_out.streams is not None and held_out.streams.tokens == held_out.windows.tokens
+
+
+def reduced(name: str) -> RunConfig:
+    """A preset at test size (2 layers, width 36 with heads of 12, 16 members, windows of 4),
+    every other setting its own: noise, scales, fitness filters, rule."""
+    cfg = PRESETS[name]
+    vocab = min(cfg.model.vocab_size, 300)
+    model = dataclasses.replace(cfg.model, n_layer=2, d_model=36, n_head=3, vocab_size=vocab)
+    token_rows = min(cfg.es.token_noise_rows, vocab // 3)
+    es = dataclasses.replace(
+        cfg.es, population=16, chunk_size=8, seq_len=4, token_noise_rows=token_rows
+    )
+    return cfg.replace(model=model, es=es)
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "dp4a"])
+@pytest.mark.parametrize("name", ["tiny", "egg-paper", "former-tiny", "d-eggs"])
+def test_every_preset_equals_the_numpy_backend(name: str, tensor_cores: bool) -> None:
+    """Each preset's own settings at reduced sizes: chunks, two steps, held-out scores."""
+    cfg = reduced(name)
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[-1], tensor_cores)
+    chunks = [(c * 8, 8) for c in range(2)]
+    for step in range(2):
+        want = [ref.evaluate_chunk(step, *c) for c in chunks]
+        got = gpu.evaluate_chunks(step, chunks)
+        assert [(g.fitness.tobytes(), g.loss_sum) for g in got] == [
+            (w.fitness.tobytes(), w.loss_sum) for w in want
+        ]
+        fitness = np.concatenate([w.fitness for w in want])
+        assert gpu.apply_step(fitness) == ref.apply_step(fitness)
+        assert gpu.digest() == ref.digest()
+    assert gpu.validate() == ref.validate()
 
 
 @pytest.mark.parametrize("name", ["uniform", "former"])
