@@ -4,18 +4,21 @@ checkpoint file format.
 The state at step s is a pure function of (run config, fitness of steps 0..s-1): `replay`
 says so in code, and the digest proves two replicas agree. It is BLAKE2b-64 of
 
-    b"eggroll-replica/1" | config digest (32 B) | step (u64 BE) |
-    for each tensor in param_specs order: its bytes (C order, little-endian: int8 weights,
-        or the hf family's int64 accumulators) |
-    for each optimizer-state tensor in state_specs order: its little-endian bytes (C order)
+    b"eggroll-replica/2" | config digest (32 B) | step (u64 BE) |
+    for each tensor in param_specs order, then each state tensor in state_specs order:
+        the BLAKE2b-256 of each DIGEST_LEAF-byte piece of its bytes (C order,
+        little-endian: int8 weights, the hf family's int64 accumulators, the rule's state)
 
-(a stateless rule such as `ztest` adds nothing, so its digests are those of format 1).
+A tree of one level, so that a device hashes the leaves where the tensors live, in
+parallel, and hands back 32 bytes a leaf instead of the state (worker/backend/digest.cu).
+Checkpoints of formats 1 and 2 carry digest 1: BLAKE2b-64 of b"eggroll-replica/1", the
+config digest, the step and the tensors' bytes themselves in the same order.
 
 Checkpoint file (all integers big-endian):
 
     offset  size  field
     0       8     magic b"EGGCKPT\\0"
-    8       4     format version (2; version 1, weights only, still loads)
+    8       4     format version (3; 2, the same with digest 1, and 1, weights only, load)
     12      4     config length C
     16      C     canonical run-config bytes
     16+C    8     step
@@ -48,7 +51,8 @@ from .model import init_params, param_specs
 from .update import apply_update, initial_opt_state, state_specs
 
 MAGIC = b"EGGCKPT\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+DIGEST_LEAF = 1 << 16  # bytes of a tensor per leaf of the digest
 _DTYPES = {1: np.dtype(np.int8), 2: np.dtype("<i2"), 3: np.dtype("<i4"), 4: np.dtype("<i8")}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
@@ -72,7 +76,14 @@ class ReplicaState:
         return cls(config, 0, init_params(config.model), initial_opt_state(config))
 
     def digest(self) -> int:
-        return _digest(self, self.config.digest())
+        leaves = b"".join(leaf_digests(tensor) for tensor in self.tensors())
+        return digest_of_leaves(self.config.digest(), self.step, leaves)
+
+    def tensors(self) -> list[np.ndarray]:
+        """Every tensor in digest and checkpoint order, little-endian and C-contiguous."""
+        params = [(self.params[s.name], s.dtype) for s in param_specs(self.config.model)]
+        state = [(self.opt[s.name], s.dtype) for s in state_specs(self.config)]
+        return [np.ascontiguousarray(t, dtype=_le(dtype)) for t, dtype in params + state]
 
     def digest_hex(self) -> str:
         return f"{self.digest():016x}"
@@ -89,7 +100,32 @@ def replay(state: ReplicaState, fitness: Iterable[np.ndarray]) -> ReplicaState:
     return ReplicaState(cfg, step, params, opt)
 
 
-def _digest(state: ReplicaState, config_digest: bytes) -> int:
+def leaf_digests(tensor: np.ndarray) -> bytes:
+    """The BLAKE2b-256 of each DIGEST_LEAF-byte piece of a tensor's bytes, concatenated."""
+    data = memoryview(tensor).cast("B")
+    return b"".join(
+        hashlib.blake2b(data[lo : lo + DIGEST_LEAF], digest_size=32).digest()
+        for lo in range(0, max(len(data), 1), DIGEST_LEAF)
+    )
+
+
+def leaf_count(nbytes: int) -> int:
+    """Leaves of a tensor of nbytes bytes (an empty one has one, of no bytes)."""
+    return max(1, -(-nbytes // DIGEST_LEAF))
+
+
+def digest_of_leaves(config_digest: bytes, step: int, leaves: bytes) -> int:
+    """The replica digest from every tensor's leaf digests in order."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"eggroll-replica/2")
+    h.update(config_digest)
+    h.update(struct.pack(">Q", step))
+    h.update(leaves)
+    return int.from_bytes(h.digest(), "big")
+
+
+def _digest_1(state: ReplicaState, config_digest: bytes) -> int:
+    """Digest 1, which checkpoints of formats 1 and 2 carry."""
     h = hashlib.blake2b(digest_size=8)
     h.update(b"eggroll-replica/1")
     h.update(config_digest)
@@ -169,7 +205,7 @@ def _truncation(data: bytes, version: int) -> str:
     ('': not short, or too damaged to tell: the CRC then says it is corrupt)."""
     (cfg_len,) = struct.unpack(">I", data[len(MAGIC) + 4 : len(MAGIC) + 8])
     head = len(MAGIC) + 8
-    if version != FORMAT_VERSION or cfg_len > 1 << 16:
+    if version == 1 or cfg_len > 1 << 16:  # formats 2 and 3 share their layout
         return ""
     if len(data) < head + cfg_len:
         return f"{len(data):,} bytes, cut off inside its config"
@@ -186,7 +222,7 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
     if len(data) < len(MAGIC) + 12 or data[: len(MAGIC)] != MAGIC:
         raise CheckpointError("not an eggroll checkpoint (bad magic)")
     (version,) = struct.unpack(">I", data[len(MAGIC) : len(MAGIC) + 4])
-    if version not in (1, FORMAT_VERSION):  # before the CRC: a newer layout may move it
+    if version not in (1, 2, FORMAT_VERSION):  # before the CRC: a newer layout may move it
         raise CheckpointError(
             f"checkpoint format {version} cannot be read here (this version reads formats "
             f"1 to {FORMAT_VERSION}): load it with the release that wrote it"
@@ -232,7 +268,12 @@ def decode_checkpoint(data: bytes) -> ReplicaState:
     state = ReplicaState(config, step, params, opt)
     # Format 1 was written before the config grew fields: its digest covers the config
     # bytes as stored, which re-encoding would change.
-    stored = _digest(state, hashlib.sha256(raw_config).digest()) if version == 1 else state.digest()
+    if version == 1:
+        stored = _digest_1(state, hashlib.sha256(raw_config).digest())
+    elif version == 2:
+        stored = _digest_1(state, config.digest())
+    else:
+        stored = state.digest()
     if stored != digest:
         raise CheckpointError("checkpoint digest mismatch: weights do not match their digest")
     return state

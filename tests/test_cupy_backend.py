@@ -27,7 +27,7 @@ from eggroll_dist.shared.config import (
     RunConfig,
     UpdateConfig,
 )
-from eggroll_dist.shared.replica import ReplicaState
+from eggroll_dist.shared.replica import DIGEST_LEAF, ReplicaState
 from eggroll_dist.shared.sample import Completions, SampleSettings
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
 from eggroll_dist.worker.backend import cupy_backend as cupy_backend_module
@@ -278,6 +278,33 @@ def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name
     gpu.apply_step(fitness)
     assert gpu.validate() == ref.validate()
     assert gpu.kernels.replays > 3
+
+
+def test_steps_and_digests_copy_no_state_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An applied step brings back its changed count, a digest 32 bytes a leaf; the state
+    comes back only when asked for (a checkpoint), equal to the reference's."""
+    cfg = CONFIGS["former-d-eggs"]  # AdamW's moments and the overlays beside the weights
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+    copied: list[int] = []
+    host = cupy_backend_module._host
+
+    def counting(xp: object, a: object) -> np.ndarray:
+        out = host(xp, a)
+        copied.append(out.nbytes)
+        return out
+
+    monkeypatch.setattr(cupy_backend_module, "_host", counting)
+    leaves = sum(-(-max(t.nbytes, 1) // DIGEST_LEAF) for t in ref.state.tensors())
+    for step in range(2):
+        fitness = np.concatenate([ref.evaluate_chunk(step, c * 6, 6).fitness for c in range(2)])
+        copied.clear()
+        assert gpu.apply_step(fitness) == ref.apply_step(fitness)
+        assert gpu.digest() == ref.digest()
+        assert sorted(copied) == [8, 32 * leaves]
+    state_bytes = sum(t.nbytes for t in ref.state.tensors())
+    assert gpu.state.digest() == ref.digest() and sum(copied) > state_bytes
 
 
 def test_load_state_and_range_checks() -> None:

@@ -8,6 +8,7 @@ small but cover partial tiles, odd divisors, clipping at both ends and both nois
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -603,6 +604,22 @@ def test_gate_and_candidate(k: Kernels, suffix: str, d: int, odd: bool) -> None:
 
 
 # ------------------------------------------------------------------ launch discipline
+
+
+def test_digest_leaves_are_blake2b_256(k: Kernels) -> None:
+    """Leaves of every length class: empty, inside one block, one block exactly, one byte
+    over, many blocks with a partial last one, at any 8-byte-aligned offset."""
+    rng = np.random.default_rng(23)
+    data = dev(rng.integers(0, 256, size=3000, dtype=np.uint8).view(np.int8))
+    pieces = [(0, 0), (8, 1), (16, 127), (128, 128), (256, 129), (512, 2488), (40, 2000)]
+    base = data.data.ptr if hasattr(data.data, "ptr") else data.ctypes.data
+    address = dev(np.array([base + o for o, _ in pieces], dtype=np.uint64))
+    length = dev(np.array([n for _, n in pieces], dtype=np.int64))
+    out = poisoned(4 * len(pieces), np.uint64)
+    k("digest_leaves", (1,), (64,), address, length, i32(len(pieces)), out)
+    raw = to_host(data).tobytes()
+    want = b"".join(hashlib.blake2b(raw[o : o + n], digest_size=32).digest() for o, n in pieces)
+    assert to_host(out).astype("<u8").tobytes() == want
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU build exports the C++ signatures")

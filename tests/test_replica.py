@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +12,8 @@ import pytest
 
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig, preset
 from eggroll_dist.shared.replica import (
+    DIGEST_LEAF,
+    FORMAT_VERSION,
     CheckpointError,
     ReplicaState,
     checkpoint_bytes,
@@ -106,6 +111,49 @@ def test_a_format_1_checkpoint_still_loads() -> None:
     again = replay(ReplicaState.initial(loaded.config), [np.array([1, -1, 0, 1], np.int8)] * 3)
     assert all(np.array_equal(loaded.params[k], v) for k, v in again.params.items())
     blob = bytearray(encode_checkpoint(loaded))
-    blob[8:12] = (3).to_bytes(4, "big")
-    with pytest.raises(CheckpointError, match="format 3 cannot be read here"):
+    blob[8:12] = (FORMAT_VERSION + 1).to_bytes(4, "big")
+    with pytest.raises(CheckpointError, match=f"format {FORMAT_VERSION + 1} cannot be read"):
         decode_checkpoint(bytes(blob))
+
+
+def test_a_format_2_checkpoint_still_loads() -> None:
+    """Format 2 has format 3's layout and digest 1 (the tensors' bytes hashed whole)."""
+    state = _momentum_state(2)
+    body = bytearray(encode_checkpoint(state)[:-12])
+    body[8:12] = (2).to_bytes(4, "big")
+    h = hashlib.blake2b(digest_size=8)
+    for part in (b"eggroll-replica/1", state.config.digest(), struct.pack(">Q", state.step)):
+        h.update(part)
+    for tensor in state.tensors():
+        h.update(tensor.tobytes())
+    body += h.digest()
+    blob = bytes(body) + struct.pack(">I", zlib.crc32(bytes(body)))
+    loaded = decode_checkpoint(blob)
+    assert loaded.digest() == state.digest()
+    wrong = blob[:-12] + bytes(8)
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        decode_checkpoint(wrong + struct.pack(">I", zlib.crc32(wrong)))
+
+
+def test_the_digest_is_a_tree_of_leaf_hashes() -> None:
+    """BLAKE2b-64 over the BLAKE2b-256 of every 64 KiB piece of every tensor: a tensor of
+    more than one leaf (the momentum state) changes the digest wherever it changes."""
+    cfg = RunConfig(
+        model=ModelConfig(d_model=128, vocab_size=256),
+        update=UpdateConfig(rule="momentum"),
+    )
+    state = ReplicaState.initial(cfg)
+    leaves = b"".join(
+        hashlib.blake2b(t.tobytes()[lo : lo + DIGEST_LEAF], digest_size=32).digest()
+        for t in state.tensors()
+        for lo in range(0, max(t.nbytes, 1), DIGEST_LEAF)
+    )
+    want = hashlib.blake2b(
+        b"eggroll-replica/2" + cfg.digest() + struct.pack(">Q", 0) + leaves, digest_size=8
+    )
+    assert state.digest() == int.from_bytes(want.digest(), "big")
+    assert any(t.nbytes > DIGEST_LEAF for t in state.tensors())
+    before = state.digest()
+    big = next(name for name, t in state.opt.items() if t.nbytes > DIGEST_LEAF)
+    state.opt[big].reshape(-1)[-1] += 1  # in the last leaf
+    assert state.digest() != before

@@ -41,12 +41,13 @@ from ...shared.loss import exp2_table, histogram_bits, histogram_loss, log2_thre
 from ...shared.model import param_specs
 from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.perturb import TOKEN_TENSORS, ParamSpec, overlay_specs
-from ...shared.replica import ReplicaState
+from ...shared.replica import DIGEST_LEAF, ReplicaState, digest_of_leaves
 from ...shared.rules.adamw import bias_correction, grad_shift, lr_at
 from ...shared.rules.fixedpoint import fixed16
 from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
 from ...shared.sample import Completions
+from ...shared.update import state_specs
 from ...shared.window import pair_windows, validation_streams, validation_windows
 from . import (
     BackendFactory,
@@ -60,7 +61,7 @@ from . import (
 from .numpy_backend import NumpyBackend
 
 # One module from these sources in this order: former.cu uses egg.cu's helpers.
-SOURCE_FILES = ("egg.cu", "former.cu")
+SOURCE_FILES = ("egg.cu", "former.cu", "digest.cu")
 ALIGN = 16  # byte alignment of each tensor in the flat weight buffer
 BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
 TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
@@ -148,6 +149,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "former_loss": (U64, I32, "int32", "int32", I64, I64),
     "former_renorm": (I32, "int32", "int32", "int32", "int32", I32, I32, I8),
     "former_attention": (I8, I8, I8, "int32", "int32", "int32", I32, I8),
+    # the replica digest's leaves (digest.cu)
+    "digest_leaves": (U64, I64, "int32", U64),
 }
 # Each rule's state kinds resident on the device (their names: shared/rules/<rule>.py).
 OPT_KINDS: dict[str, tuple[tuple[str, Any], ...]] = {
@@ -255,6 +258,11 @@ def vector_split(n: int, pairs: int) -> int:
     return _split(pairs, BLOCK, _cdiv(n, BLOCK))
 
 
+def _address(a: Any) -> int:
+    """A device array's address (CuPy), or the host array's standing in for it."""
+    return int(a.data.ptr) if hasattr(a.data, "ptr") else int(a.ctypes.data)
+
+
 def _host(xp: Any, a: Any) -> np.ndarray:
     return xp.asnumpy(a) if hasattr(xp, "asnumpy") else np.array(a, copy=True)
 
@@ -278,6 +286,7 @@ class CupyBackend:
         batch_members: int = 32768,
     ) -> None:
         cfg = state.config
+        self._config = cfg
         d = cfg.model.d_model
         if d % 4:
             raise BackendUnavailable(f"the CuPy backend needs model.d_model % 4 == 0, got {d}")
@@ -358,20 +367,26 @@ class CupyBackend:
         # bytes each token id decodes to, for bits per byte of the held-out text
         self.piece_bytes = np.array([len(piece) for piece in dataset.decoding], dtype=np.int64)
         self._update_buffers: dict[str, Any] = {}
+        self._leaf_tables()
+        self._digest: tuple[int, int] | None = None
         self.load_state(state)
 
     # ---------------------------------------------------------------------- replica
 
     @property
     def config(self) -> RunConfig:
-        return self._state.config
+        return self._config
 
     @property
     def step(self) -> int:
-        return self._state.step
+        return self._step
 
     @property
     def state(self) -> ReplicaState:
+        """The replica on the host, copied back from the device when first asked for at a
+        step (a checkpoint, generation): steps and digests need no copy."""
+        if self._state.step != self._step:
+            self._state = self._copy_back()
         return self._state
 
     def _scope(self) -> contextlib.AbstractContextManager:
@@ -396,7 +411,7 @@ class CupyBackend:
                 for name, (o, n) in self._overlay_layout.items():
                     values[o : o + n] = state.opt[name]
                 self._overlay_flat[...] = self.xp.asarray(values)
-        self._state = state
+        self._state, self._step = state, state.step
 
     def _keep(self, spec: ParamSpec) -> int:
         """The rows of a matrix's a (the elements of a vector) that get noise: all, or under
@@ -405,6 +420,24 @@ class CupyBackend:
         rows = spec.shape[0]
         token_rows = self.config.es.token_noise_rows
         return min(rows, token_rows) if token_rows and spec.name in TOKEN_TENSORS else rows
+
+    def _leaf_tables(self) -> None:
+        """Where the digest's leaves live: the device address and length of every
+        DIGEST_LEAF-byte piece of every tensor, in digest order (shared/replica.py)."""
+        views = [self.w[s.name] for s in self._specs]
+        views += [
+            self.opt[s.name] if s.name in self.opt else self.overlay[s.name]
+            for s in state_specs(self.config)
+        ]
+        address, length = [], []
+        for view in views:
+            base, nbytes = _address(view), int(view.nbytes)
+            for lo in range(0, max(nbytes, 1), DIGEST_LEAF):
+                address.append(base + lo)
+                length.append(min(DIGEST_LEAF, nbytes - lo))
+        self._leaf_address = self.xp.asarray(np.array(address, dtype=np.uint64))
+        self._leaf_length = self.xp.asarray(np.array(length, dtype=np.int64))
+        self._leaf_out = self.xp.zeros(4 * len(address), dtype=self.xp.uint64)
 
     def noise_overlay(self, name: str) -> Any:
         """The overlay `name` (adaptive noise) on the device, or the null pointer without one."""
@@ -416,7 +449,16 @@ class CupyBackend:
         self._step_key[...] = self.xp.asarray(np.array([key], dtype=np.uint64))
 
     def digest(self) -> int:
-        return self._state.digest()
+        """The replica digest (shared/replica.py) from its leaves hashed on the device: 32
+        bytes a leaf come back, not the state."""
+        if self._digest is None or self._digest[0] != self._step:
+            k, n = self.kernels, len(self._leaf_length)
+            with self._scope():
+                k("digest_leaves", (_cdiv(n, 64),), (64,), self._leaf_address, self._leaf_length,
+                  np.int32(n), self._leaf_out)  # fmt: skip
+                leaves = _host(self.xp, self._leaf_out).astype("<u8").tobytes()
+            self._digest = (self._step, digest_of_leaves(self.config.digest(), self._step, leaves))
+        return self._digest[1]
 
     # ---------------------------------------------------------------- evaluation
 
@@ -770,14 +812,20 @@ class CupyBackend:
                 self._alloc_update_buffers()  # never inside a capture
                 self._update_graph = self.kernels.capture(self._update_sequence)
             self._update_graph()
-            host = _host(xp, self._flat)  # the weights' copy back of the step
-            state = {kind: _host(xp, flat) for kind, flat in self._opt_flat.items()}  # the rule's
-            overlays = _host(xp, self._overlay_flat)
+            changed = int(_host(xp, self._changed)[0])  # the step's one copy back
+        self._step += 1
+        return changed
+
+    def _copy_back(self) -> ReplicaState:
+        """The replica state on the host: the weights, the rule's state and the overlays."""
+        with self._scope():
+            host = _host(self.xp, self._flat)
+            state = {kind: _host(self.xp, flat) for kind, flat in self._opt_flat.items()}
+            overlays = _host(self.xp, self._overlay_flat)
         params = {
             name: host[o : o + int(np.prod(shape))].reshape(shape).copy()
             for name, (o, shape) in self._layout.items()
         }
-        changed = int(host[self._changed_at : self._changed_at + 8].view(np.uint64)[0])
         opt = {
             f"{kind}.{name}": flat[o : o + int(np.prod(shape))].reshape(shape).copy()
             for kind, flat in state.items()
@@ -785,8 +833,7 @@ class CupyBackend:
         }
         for name, (o, n) in self._overlay_layout.items():
             opt[name] = overlays[o : o + n].copy()
-        self._state = ReplicaState(cfg, self.step + 1, params, opt)
-        return changed
+        return ReplicaState(self.config, self._step, params, opt)
 
     def validate(self) -> Validation:
         """Both held-out metrics of the unperturbed model (the windows; for the EGG model
@@ -856,7 +903,7 @@ class CupyBackend:
     ) -> np.ndarray:
         """Generation for the reward objective, by the NumPy reference on the host copy of
         the weights (the same tokens; no generation kernels on the device yet)."""
-        return NumpyBackend(self.dataset, self._state).complete(step, members, request)
+        return NumpyBackend(self.dataset, self.state).complete(step, members, request)
 
 
 def cupy_module(code: str, names: tuple[str, ...]) -> Any:
