@@ -251,10 +251,12 @@ def test_a_forward_pass_is_one_replayed_sequence(
         assert gpu.kernels.replays == replays + batches  # one graph launch a forward batch
         if attempt == 0 and name == "former":  # the captures
             model = [n for n in launched if n not in ("noise_rows", "member_vector")]
+            assert model.count("gather_windows") == shapes  # the windows, on the device
+            model = [n for n in model if n != "gather_windows"]
             assert len(model) == shapes * former_launches(cfg.model.n_layer)
             assert launched.count("former_embed") == launched.count("former_loss") == shapes
         elif attempt == 0:
-            noise = {"noise_rows", "member_vector"}
+            noise = {"noise_rows", "member_vector", "gather_windows"}
             per_step = [n for n in launched if n not in noise and n != "zero_i32"]
             steps = shapes * cfg.es.seq_len
             assert len(per_step) == steps * forward_launches(cfg.model.n_layer)
@@ -305,6 +307,21 @@ def test_steps_and_digests_copy_no_state_back(monkeypatch: pytest.MonkeyPatch) -
         assert sorted(copied) == [8, 32 * leaves]
     state_bytes = sum(t.nbytes for t in ref.state.tensors())
     assert gpu.state.digest() == ref.digest() and sum(copied) > state_bytes
+
+
+def test_a_train_split_past_the_resident_bound_uploads_its_windows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same fitness, with the windows read on the host and uploaded each pass."""
+    monkeypatch.setattr(cupy_backend_module, "RESIDENT_TRAIN_BYTES", 100)
+    cfg = CONFIGS["former"]
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+    assert gpu._train is None
+    want = [ref.evaluate_chunk(0, c * 8, 8) for c in range(2)]
+    got = gpu.evaluate_chunks(0, [(c * 8, 8) for c in range(2)])
+    assert [g.fitness.tobytes() for g in got] == [w.fitness.tobytes() for w in want]
 
 
 def test_load_state_and_range_checks() -> None:
@@ -450,6 +467,7 @@ def test_no_replica_maths_on_the_host(name: str, monkeypatch: pytest.MonkeyPatch
         for method in ("__init__", "forward", "position_losses"):
             monkeypatch.setattr(model, method, refuse)
     monkeypatch.setattr(NumpyBackend, "__init__", refuse)
+    monkeypatch.setattr(cupy_backend_module, "pair_windows", refuse)  # gathered on the device
     for step, (results, fitness, changed, digest) in enumerate(steps):
         got = gpu.evaluate_chunks(step, chunks)
         assert [(g.fitness.tobytes(), g.loss_sum) for g in got] == [

@@ -34,7 +34,7 @@ from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateC
 from eggroll_dist.shared.egg import EggModel
 from eggroll_dist.shared.loss import exp2_table, log2_thresholds, token_loss
 from eggroll_dist.shared.model import init_params, param_specs
-from eggroll_dist.shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key
+from eggroll_dist.shared.noise import DOMAIN_DATA, DOMAIN_NOISE, NOISE_KINDS, hash_key
 from eggroll_dist.shared.perturb import (
     TOKEN_TENSORS,
     ParamSpec,
@@ -45,6 +45,7 @@ from eggroll_dist.shared.perturb import (
     update_overlays,
 )
 from eggroll_dist.shared.update import accumulate_z
+from eggroll_dist.shared.window import pair_windows
 from eggroll_dist.worker.backend.cupy_backend import (
     PAIR_PAD,
     SIGNATURES,
@@ -604,6 +605,29 @@ def test_gate_and_candidate(k: Kernels, suffix: str, d: int, odd: bool) -> None:
 
 
 # ------------------------------------------------------------------ launch discipline
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_gather_windows_are_the_pairs_windows(k: Kernels, dtype: type) -> None:
+    """Tokens of 1, 2 and 4 bytes, windows up to the split's last token."""
+    cfg = cfg_for()
+    rng = np.random.default_rng(24)
+    top = min(np.iinfo(dtype).max, (1 << 20) - 1)  # token ids: below the largest vocabulary
+    train = rng.integers(0, top + 1, size=300, dtype=np.int64).astype(dtype)
+    pairs = np.array([0, 5, 1 << 33, 77, 12345], dtype=np.int64)
+    step = 9
+    want = pair_windows(cfg, train, step, pairs)
+    key = hash_key(DOMAIN_DATA, cfg.data.data_seed, step)
+    got = poisoned((len(pairs), cfg.es.seq_len + 1), np.int32)
+    k(
+        "gather_windows",
+        (len(pairs),),
+        (128,),
+        *(dev(np.array([key], np.uint64)), dev(pairs), dev(train.view(np.uint8))),
+        *(i32(train.itemsize), np.int64(len(train) - cfg.es.seq_len), i32(cfg.es.seq_len + 1)),
+        got,
+    )
+    assert np.array_equal(to_host(got), want.astype(np.int64))
 
 
 def test_digest_leaves_are_blake2b_256(k: Kernels) -> None:

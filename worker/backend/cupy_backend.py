@@ -39,7 +39,7 @@ from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
 from ...shared.loss import exp2_table, histogram_bits, histogram_loss, log2_thresholds
 from ...shared.model import param_specs
-from ...shared.noise import DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
+from ...shared.noise import DOMAIN_DATA, DOMAIN_NOISE, NOISE_KINDS, hash_key, max_abs
 from ...shared.perturb import TOKEN_TENSORS, ParamSpec, overlay_specs
 from ...shared.replica import DIGEST_LEAF, ReplicaState, digest_of_leaves
 from ...shared.rules.adamw import bias_correction, grad_shift, lr_at
@@ -72,6 +72,9 @@ PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
 Z_GEMM_BLOCKS = 512
 FORWARD_GRAPHS = 2  # captured forward shapes kept (each holds its buffers)
 HELD_OUT_ROWS = 1 << 16  # held-out positions per pass: bounds the logit counts' 1 KiB each
+# A train split up to this size lives on the device and each pass gathers its windows there
+# (only the pairs go up); a larger one is read on the host and its windows uploaded.
+RESIDENT_TRAIN_BYTES = 1 << 32
 
 
 def forward_launches(n_layer: int) -> int:
@@ -82,7 +85,7 @@ def forward_launches(n_layer: int) -> int:
 
 # Each kernel's parameters, as the backend passes them: "*dtype" is a device array of that
 # dtype (C-contiguous), "dtype" a NumPy scalar. Checked before every launch.
-I8, I32, I64, U32, U64 = "*int8", "*int32", "*int64", "*uint32", "*uint64"
+I8, I32, I64, U8, U32, U64 = "*int8", "*int32", "*int64", "*uint8", "*uint32", "*uint64"
 _MM = (I8, I8, I32, I8, "int32", "int32", "int32", "int32", "int32", I8, I8)
 _GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I8, I8, I8)
 _CAND = (*_GATE[:-2], I8, I8, I8)
@@ -109,6 +112,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "member_vector": (U64, I64, "uint64", "int32", "int32", "int32", I8, I8, "int32", I8),
     "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, I8, "int32", "int32", I32),
     "zero_i32": (I32, "int32"),
+    "gather_windows": (U64, I64, U8, "int32", "int64", "int32", I32),
     "embed": (
         I32,
         "int32",
@@ -352,6 +356,14 @@ class CupyBackend:
         }
         self._step_scalars = xp.zeros(2, dtype=xp.int64)  # adamw: LR_t, K_t
         self._step_key = xp.zeros(1, dtype=xp.uint64)
+        self._data_key = xp.zeros(1, dtype=xp.uint64)  # key(DATA, data_seed, step)
+        train = np.asarray(dataset.train)
+        self._span = len(train) - cfg.es.seq_len  # window starts: [0, span)
+        self._train: Any = None
+        if self._span >= 1 and train.nbytes <= RESIDENT_TRAIN_BYTES and train.itemsize <= 4:
+            little = np.ascontiguousarray(train, dtype=train.dtype.newbyteorder("<"))
+            self._train = xp.asarray(little.view(np.uint8))
+            self._train_width = train.itemsize
         self._threshold = xp.zeros(1, dtype=xp.int64)
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
         self._exp2 = xp.asarray(exp2_table())
@@ -444,9 +456,27 @@ class CupyBackend:
         return self.overlay.get(name, self.null8)
 
     def _put_step_key(self, step: int) -> None:
-        """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it."""
-        key = hash_key(DOMAIN_NOISE, self.config.es.run_seed, step)
-        self._step_key[...] = self.xp.asarray(np.array([key], dtype=np.uint64))
+        """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it,
+        and key(DATA, data_seed, step), where gather_windows reads it."""
+        cfg = self.config
+        keys = [hash_key(DOMAIN_NOISE, cfg.es.run_seed, step)]
+        keys.append(hash_key(DOMAIN_DATA, cfg.data.data_seed, step))
+        self._step_key[...] = self.xp.asarray(np.array(keys[:1], dtype=np.uint64))
+        self._data_key[...] = self.xp.asarray(np.array(keys[1:], dtype=np.uint64))
+
+    def gather(self, bufs: dict[str, Any]) -> None:
+        """The pass's windows from the resident train split into bufs["tokens"]; nothing
+        when the split is not resident (`_forward` uploads the windows then)."""
+        if self._train is None:
+            return
+        n_pairs, cols = bufs["tokens"].shape
+        self.kernels(
+            "gather_windows",
+            (n_pairs,),
+            (128,),
+            *(self._data_key, bufs["pairs"], self._train, np.int32(self._train_width)),
+            *(np.int64(self._span), np.int32(cols), bufs["tokens"]),
+        )
 
     def digest(self) -> int:
         """The replica digest (shared/replica.py) from its leaves hashed on the device: 32
@@ -580,8 +610,9 @@ class CupyBackend:
             self._forward_graphs[n_pairs] = (replay, bufs)
         replay, bufs = self._forward_graphs.pop(n_pairs)
         self._forward_graphs[n_pairs] = (replay, bufs)  # the most recently used is kept longest
-        windows = pair_windows(self.config, self.dataset.train, self.step, pairs)
-        bufs["tokens"][...] = xp.asarray(windows.astype(np.int32))
+        if self._train is None:  # else the pass gathers its windows on the device
+            windows = pair_windows(self.config, self.dataset.train, self.step, pairs)
+            bufs["tokens"][...] = xp.asarray(windows.astype(np.int32))
         bufs["pairs"][...] = xp.asarray(pairs.astype(np.int64))
         replay()
         return _host(xp, bufs["loss"])
@@ -600,6 +631,7 @@ class CupyBackend:
         shift = i32(4 + cfg.es.sigma_shift)
         a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
         if not held_out:
+            self.gather(bufs)
             self.noise(bufs["pairs"], n_pairs, a, b, vec)
         tokens, states, loss, xb = bufs["tokens"], bufs["states"], bufs["loss"], bufs["xb"]
         x, h, f, g = bufs["x"], bufs["h"], bufs["f"], bufs["g"]

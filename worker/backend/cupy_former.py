@@ -121,6 +121,7 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
     per, shift, rows = i32(t), i32(4 + cfg.es.sigma_shift), (-(-r // 8),)
     a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
     if not held_out:
+        backend.gather(bufs)
         backend.noise(bufs["pairs"], n_pairs, a, b, vec)
     x, h, acc, xb, hidden = bufs["x"], bufs["h"], bufs["acc"], bufs["xb"], bufs["hidden"]
     null8, null32 = backend.null8, backend.null32

@@ -193,6 +193,26 @@ extern "C" __global__ void noise_cols(const u64* base, u64 tensor_id, u32 start,
   }
 }
 
+// The windows of a forward pass from the train split resident on the device:
+// tokens[p, j] = train[start + j] for j < cols (seq_len + 1), start = key(DATA, data_seed,
+// step, pairs[p]) mod span (shared/window.py: noise.window_offsets; data_key is
+// key(DATA, data_seed, step)); train's tokens are `width` bytes each (1, 2 or 4, little-
+// endian). Launch: grid (P), block (128).
+extern "C" __global__ void gather_windows(const u64* data_key, const long long* pairs,
+                                          const unsigned char* train, int width, long long span,
+                                          int cols, int* tokens) {
+  __shared__ long long start;
+  if (threadIdx.x == 0) start = (long long)(combine(*data_key, (u64)pairs[blockIdx.x]) % (u64)span);
+  __syncthreads();
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+    const unsigned char* t = train + (start + j) * width;
+    u32 v = t[0];
+    if (width > 1) v |= (u32)t[1] << 8;
+    if (width > 2) v |= (u32)t[2] << 16 | (u32)t[3] << 24;
+    tokens[(long long)blockIdx.x * cols + j] = (int)v;
+  }
+}
+
 // u1 u2 of element j of a vector parameter's stream (indices j and n + j), scaled by its
 // factor (noise_factor).
 __device__ __forceinline__ int vector_noise(u64 key, int j, int n, int kind, const i8* overlay,
