@@ -7,8 +7,8 @@ longest-running chunks. The first valid result of a chunk wins; a later copy mus
 byte-identical (the fitness is a pure function of the replica at the step).
 
 A result counts only from a worker that was leased that chunk of this step, and only with
-a loss sum the chunk could produce; a worker holds at most `max_leases` live leases, so no
-one can hoard a step.
+a loss sum the chunk could produce; a worker holds at most `max_leases` live leases (as many
+as a JOB_REQUEST may ask for at once), so no one can hoard a step.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..protocol.messages import MAX_CHUNKS_PER_REQUEST
 from ..protocol.ternary import pack_ternary, unpack_ternary
 
 Clock = Callable[[], float]
@@ -85,7 +86,7 @@ class StepJobs:
         timer: ChunkTimer,
         *,
         loss_range: tuple[int, int] | None = None,
-        max_leases: int = 4,
+        max_leases: int = MAX_CHUNKS_PER_REQUEST,
     ) -> None:
         self.step = step
         self.chunks = chunks
@@ -111,9 +112,10 @@ class StepJobs:
     def member_range(self, chunk: int) -> tuple[int, int]:
         return chunk * self.chunk_members, self.chunk_members
 
-    def lease(self, worker: Hashable) -> int | None:
+    def lease(self, worker: Hashable, queued_only: bool = False) -> int | None:
         """The chunk `worker` should evaluate next, or None when there is nothing to do
-        (or the worker already holds `max_leases` live leases)."""
+        (or the worker already holds `max_leases` live leases); `queued_only`: never a
+        backup copy of a chunk someone else holds."""
         now = self.clock()
         if self.live[worker] >= self.max_leases:
             return None
@@ -121,6 +123,8 @@ class StepJobs:
             chunk = self.queue.popleft()
             if chunk not in self.results:
                 return self._add_lease(chunk, worker, now)
+        if queued_only:
+            return None
         # Backups near the end of the step: the longest-running chunk that has a single
         # lease, held by someone else for clearly longer than a chunk usually takes.
         slow = now - self.timer.backup_after_s()

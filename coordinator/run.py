@@ -552,24 +552,37 @@ class RunCore:
             out.append(Send(peer.id, Wait(WAIT_MS)))
             idle = True
         else:
-            out += self._lease_to(peer)
+            out += self._lease_to(peer, self._share(msg.max_chunks))
             idle = peer.waiting
         if self._may_sample(peer, idle):
             out += self._ask(self.sample, peer, self._sample_request)
         return out
 
-    def _lease_to(self, peer: Peer) -> list[Output]:
-        chunk = self.jobs.lease(peer.id)
-        if chunk is None:
+    def _share(self, asked: int) -> int:
+        """Chunks for one JOB_REQUEST: what the worker asked for, at most its fair share of
+        the step among the connected workers (so that the first one to apply a step does not
+        take all of the next while the others are about to ask)."""
+        workers = sum(1 for p in self.peers.values() if p.ready)
+        return max(1, min(asked, -(-self.cfg.chunks // max(workers, 1))))
+
+    def _lease_to(self, peer: Peer, want: int = 1) -> list[Output]:
+        chunks: list[int] = []
+        while len(chunks) < want:  # a backup copy only as the first (and then only) chunk
+            chunk = self.jobs.lease(peer.id, queued_only=bool(chunks))
+            if chunk is None:
+                break
+            chunks.append(chunk)
+        if not chunks:
             peer.waiting = True
             return [Send(peer.id, Wait(WAIT_MS))]
         peer.waiting = False
-        first, count = self.jobs.member_range(chunk)
-        peer.job_started[chunk] = self.clock()
-        return [
-            Leased(peer.name, self.step, chunk),
-            Send(peer.id, Job(self.step, chunk, first, count)),
-        ]
+        out: list[Output] = []
+        for i, chunk in enumerate(chunks):
+            first, count = self.jobs.member_range(chunk)
+            peer.job_started[chunk] = self.clock()
+            out.append(Leased(peer.name, self.step, chunk))
+            out.append(Send(peer.id, Job(self.step, chunk, first, count, len(chunks) - 1 - i)))
+        return out
 
     def _push_jobs(self) -> list[Output]:
         """Re-queued chunks go straight to idle workers that are at the open step."""

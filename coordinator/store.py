@@ -28,6 +28,7 @@ from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.goal import GoalError
 from ..shared.replica import CheckpointError, load_checkpoint
 from ..shared.save_dir import (
+    RUN_FORMAT,
     HistoryLog,
     Layout,
     SaveDirBusy,
@@ -161,6 +162,13 @@ class RunStore:
                 f"the given config has {config.digest().hex()[:16]}: start it with the same "
                 "--preset/--config (or none), or use a new --save-dir"
             )
+        if run.get("format", 1) < RUN_FORMAT:
+            # Format 1 recorded replica digest 1 (shared/replica.py): its agreed digests no
+            # longer match any replica, so they are set aside and the workers agree again.
+            if layout.digests_log.exists():
+                layout.digests_log.rename(layout.root / "digests-1.log")
+            run = {**run, "format": RUN_FORMAT}
+            write_run(layout, run)
         return run, stored
 
     def sync_digests(self) -> None:

@@ -27,6 +27,7 @@ from .frames import (
 )
 from .messages import (
     LATEST_SNAPSHOT,
+    MAX_CHUNKS_PER_REQUEST,
     NO_SNAPSHOT,
     Auth,
     Challenge,
@@ -72,6 +73,7 @@ __all__ = [
     "HEADER_SIZE",
     "LATEST_SNAPSHOT",
     "MAGIC",
+    "MAX_CHUNKS_PER_REQUEST",
     "NO_SNAPSHOT",
     "PROTOCOL_VERSION",
     "TRANSITIONS",

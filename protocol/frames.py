@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 MAGIC = b"EGGR"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: JOB_REQUEST asks for several chunks, JOB says how many follow
 DEFAULT_PORT = 12345  # the coordinator's TCP port unless told otherwise
 HEADER = struct.Struct(">4sBBHII")
 HEADER_SIZE = HEADER.size  # 16

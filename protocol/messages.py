@@ -39,6 +39,7 @@ __all__ = [
     "LATEST_SNAPSHOT",
     "MAC_BYTES",
     "MAX_BACKEND_BYTES",
+    "MAX_CHUNKS_PER_REQUEST",
     "MAX_DEVICE_BYTES",
     "MAX_ERROR_MESSAGE_BYTES",
     "MAX_LOG_TEXT_BYTES",
@@ -127,6 +128,9 @@ LATEST_SNAPSHOT = 2**64 - 1  # SNAPSHOT_REQUEST step meaning "the newest snapsho
 NO_SNAPSHOT = -1  # WELCOME snapshot_step when no snapshot exists
 SNAPSHOT_CHUNK_BYTES = 1 << 20
 # SAMPLE bounds: a sample is a glance at the model, and its reply must stay small.
+# Chunks a worker may ask for at once (JOB_REQUEST max_chunks), and so the live leases it
+# may hold: a fast device scores several chunks in one pass.
+MAX_CHUNKS_PER_REQUEST = 16
 MAX_SAMPLE_TOKENS = 1024
 MAX_SAMPLE_TEXT_BYTES = 16384
 MAX_SAMPLE_TEMPERATURE = 100_000  # thousandths
@@ -428,22 +432,29 @@ class Welcome(Message):
 @dataclass(frozen=True, slots=True)
 class JobRequest(Message):
     """W->C: ask for work, reporting the replica: steps applied, its digest, and how many
-    weights the last applied update changed (0 before any)."""
+    weights the last applied update changed (0 before any); and how many chunks the worker
+    scores at once (1..MAX_CHUNKS_PER_REQUEST)."""
 
     TYPE: ClassVar[MsgType] = MsgType.JOB_REQUEST
-    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQQ")
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QQQI")
 
     replica_step: int
     replica_digest: int = 0
     weights_changed: int = 0
+    max_chunks: int = 1
 
     def __post_init__(self) -> None:
         _u64(self, "replica_step")
         _u64(self, "replica_digest")
         _u64(self, "weights_changed")
+        chunks = _u32(self, "max_chunks")
+        if not 1 <= chunks <= MAX_CHUNKS_PER_REQUEST:
+            raise _invalid(f"max_chunks={chunks} must be 1..{MAX_CHUNKS_PER_REQUEST}")
 
     def encode(self) -> bytes:
-        return self._FIXED.pack(self.replica_step, self.replica_digest, self.weights_changed)
+        return self._FIXED.pack(
+            self.replica_step, self.replica_digest, self.weights_changed, self.max_chunks
+        )
 
     @classmethod
     def _read(cls, reader: _Reader) -> Self:
@@ -452,18 +463,20 @@ class JobRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class Job(Message):
-    """C->W: evaluate members [first_member, first_member + member_count) of `step`.
+    """C->W: evaluate members [first_member, first_member + member_count) of `step`; `more`
+    JOBs answering the same JOB_REQUEST follow this one (0: the last).
 
     Members come in antithetic pairs (2p, 2p + 1), so both numbers are even.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.JOB
-    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QIQI")
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QIQII")
 
     step: int
     chunk: int
     first_member: int
     member_count: int
+    more: int = 0
 
     def __post_init__(self) -> None:
         _u64(self, "step")
@@ -476,6 +489,8 @@ class Job(Message):
             raise _invalid("member_count must be > 0")
         if first + count > 2**64:
             raise _invalid("member range exceeds u64")
+        if _u32(self, "more") >= MAX_CHUNKS_PER_REQUEST:
+            raise _invalid(f"more={self.more} must be below {MAX_CHUNKS_PER_REQUEST}")
 
     @property
     def first_pair(self) -> int:
@@ -486,7 +501,9 @@ class Job(Message):
         return self.member_count // 2
 
     def encode(self) -> bytes:
-        return self._FIXED.pack(self.step, self.chunk, self.first_member, self.member_count)
+        return self._FIXED.pack(
+            self.step, self.chunk, self.first_member, self.member_count, self.more
+        )
 
     @classmethod
     def _read(cls, reader: _Reader) -> Self:

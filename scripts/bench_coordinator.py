@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eggroll_dist.protocol import (
     HEADER_SIZE,
+    PROTOCOL_VERSION,
     Auth,
     Challenge,
     Connection,
@@ -56,7 +57,7 @@ class SimWorker:
 
     async def run(self) -> None:
         reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        self.send(Hello(1, self.name, "sim", "none", bytes(32)))
+        self.send(Hello(PROTOCOL_VERSION, self.name, "sim", "none", bytes(32)))
         zero_chunk: bytes | None = None
         while not self.done.is_set():
             data = await reader.read(1 << 16)

@@ -102,16 +102,11 @@ def replay(state: ReplicaState, fitness: Iterable[np.ndarray]) -> ReplicaState:
 
 def leaf_digests(tensor: np.ndarray) -> bytes:
     """The BLAKE2b-256 of each DIGEST_LEAF-byte piece of a tensor's bytes, concatenated."""
-    data = memoryview(tensor).cast("B")
+    data = memoryview(tensor.reshape(-1)).cast("B")
     return b"".join(
         hashlib.blake2b(data[lo : lo + DIGEST_LEAF], digest_size=32).digest()
         for lo in range(0, max(len(data), 1), DIGEST_LEAF)
     )
-
-
-def leaf_count(nbytes: int) -> int:
-    """Leaves of a tensor of nbytes bytes (an empty one has one, of no bytes)."""
-    return max(1, -(-nbytes // DIGEST_LEAF))
 
 
 def digest_of_leaves(config_digest: bytes, step: int, leaves: bytes) -> int:

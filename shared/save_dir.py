@@ -72,7 +72,7 @@ from .fitness_log import FitnessLog, FitnessLogError
 from .goal import GoalError, initial_state, resolve
 from .replica import CheckpointError, ReplicaState, load_checkpoint, replay
 
-RUN_FORMAT = 1
+RUN_FORMAT = 2  # 2: digests.log holds replica digest 2 (the tree of shared/replica.py)
 RUN_FILE = "run.json"
 FITNESS_LOG = "fitness.log"
 DIGESTS_LOG = "digests.log"

@@ -177,12 +177,19 @@ async def _inline(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-NUMPY = BackendFactory("numpy", "cpu", NumpyBackend)
+def numpy_factory(threads: int = 1) -> BackendFactory:
+    """The NumPy backend with `threads` BLAS threads: it asks for that many chunks at once."""
+    return BackendFactory(
+        "numpy", "cpu", lambda data, state: NumpyBackend(data, state, threads=threads)
+    )
 
 
-def sync_replica(dataset: Dataset) -> Replica:
+NUMPY = numpy_factory()
+
+
+def sync_replica(dataset: Dataset, threads: int = 1) -> Replica:
     """A worker's replica whose backend calls run at once, on the caller's thread."""
-    return Replica(dataset, NUMPY, threaded=False)
+    return Replica(dataset, numpy_factory(threads), threaded=False)
 
 
 class _Wire:
@@ -219,9 +226,10 @@ class _Holding:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.worker.replica, name)
 
-    async def evaluate(self, step: int, first_member: int, count: int) -> Any:
+    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> Any:
         w = self.worker
         if w.hold_jobs or step >= w.net.stop_at:
+            first_member = chunks[0][0]
             job = next(
                 m
                 for m in reversed(w.got)
@@ -230,7 +238,7 @@ class _Holding:
             w.held.append(job)
             while w.held:
                 await _Hold()  # the shell runs nothing else until the job is done
-        return await w.replica.evaluate(step, first_member, count)
+        return await w.replica.evaluate(step, chunks)
 
 
 class Worker:

@@ -353,7 +353,7 @@ def test_byte_counters() -> None:
     worker, coordinator = handshake()
     frame = worker.send(JobRequest(3))
     deliver(frame, coordinator)
-    assert worker.bytes_sent[MsgType.JOB_REQUEST] == len(frame) == HEADER_SIZE + 24
+    assert worker.bytes_sent[MsgType.JOB_REQUEST] == len(frame) == HEADER_SIZE + 28
     assert coordinator.bytes_received[MsgType.JOB_REQUEST] == len(frame)
     assert worker.messages_sent[MsgType.HELLO] == 1
     assert coordinator.messages_received[MsgType.AUTH] == 1

@@ -12,6 +12,7 @@ import pytest
 from helpers import TINY_RUN, command, start_coordinator, start_worker
 
 from eggroll_dist.protocol import (
+    PROTOCOL_VERSION,
     Auth,
     Challenge,
     Connection,
@@ -44,7 +45,7 @@ def _talk(port: int, data: bytes) -> Error | None:
 def _handshake_with_token(port: int, token: bytes) -> Error | None:
     conn = Connection(Role.WORKER)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(conn.send(Hello(1, "intruder", "numpy", "cpu", bytes(32))))
+        sock.sendall(conn.send(Hello(PROTOCOL_VERSION, "intruder", "numpy", "cpu", bytes(32))))
         while True:
             data = sock.recv(65536)
             if not data:
@@ -67,13 +68,13 @@ def test_garbage_and_wrong_tokens_are_refused_and_the_run_goes_on(
 
     bad_magic = b"JOBS" + bytes(12)
     assert _talk(port, bad_magic).code == ErrorCode.BAD_MAGIC
-    header = b"EGGR\x01\x01\x00\x00" + struct.pack(">I", 1 << 30) + bytes(4)
+    header = b"EGGR\x02\x01\x00\x00" + struct.pack(">I", 1 << 30) + bytes(4)
     assert _talk(port, header).code == ErrorCode.FRAME_TOO_LARGE  # never buffers 1 GiB
     bad_crc = bytearray(encode_frame(1, b"\x01" + bytes(40)))
     bad_crc[12] ^= 0xFF
     assert _talk(port, bytes(bad_crc)).code == ErrorCode.BAD_CRC
     assert _talk(port, encode_frame(99, b"")).code == ErrorCode.UNKNOWN_TYPE
-    assert _talk(port, encode_frame(5, struct.pack(">QQQ", 0, 0, 0))).code == (
+    assert _talk(port, encode_frame(5, struct.pack(">QQQI", 0, 0, 0, 1))).code == (
         ErrorCode.ILLEGAL_STATE  # a JOB_REQUEST before the handshake
     )
     assert _talk(port, encode_frame(1, b"\x01\x00")).code == ErrorCode.MALFORMED

@@ -324,6 +324,19 @@ def test_a_train_split_past_the_resident_bound_uploads_its_windows(
     assert [g.fitness.tobytes() for g in got] == [w.fitness.tobytes() for w in want]
 
 
+def test_a_state_loaded_at_the_same_step_has_its_own_digest() -> None:
+    cfg = CONFIGS["momentum"]
+    data = dataset(cfg)
+    gpu = cupy_backend(cfg, data, VARIANTS[0], True)
+    first = gpu.digest()
+    other = ReplicaState.initial(
+        cfg.replace(model=ModelConfig(n_layer=1, d_model=32, vocab_size=64, init_seed=77))
+    )
+    other = ReplicaState(cfg, 0, other.params, other.opt)
+    gpu.load_state(other)
+    assert gpu.digest() == other.digest() != first  # fmt: skip
+
+
 def test_load_state_and_range_checks() -> None:
     cfg = CONFIGS["uniform"]
     data = dataset(cfg)

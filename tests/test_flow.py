@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
-from helpers import Network, Worker, digest_at, sends
+from helpers import Network, Worker, digest_at, sends, sync_replica
 
 from eggroll_dist.coordinator.run import (
     Refused,
@@ -175,6 +175,51 @@ def test_two_workers_train_and_every_replica_agrees(store: RunStore, dataset: Da
     assert store.digests[3] == want
     # Both evaluated chunks; each RESULT went out with the replica's digest of its step.
     assert all(any(isinstance(m, Result) for m in w.sent) for w in (a, b))
+
+
+@pytest.fixture
+def store4(tmp_path: Path) -> Iterator[RunStore]:
+    """A run of 4 chunks a step."""
+    s = RunStore.open(tmp_path / "run", CFG.replace(es=ESConfig(32, 8, 8)))
+    yield s
+    s.close()
+
+
+def test_a_worker_scores_several_chunks_per_request(store4: RunStore, dataset: Dataset) -> None:
+    """A backend that scores 4 chunks at once asks for 4 and gets them as one request's
+    JOBs (`more` counting down), evaluates them in one call, and sends a RESULT for each."""
+    net = Network(store4, dataset)
+    w = net.join("w", replica=sync_replica(dataset, threads=4))
+    calls: list[int] = []
+    evaluate = w.replica.evaluate
+
+    async def counting(step: int, chunks: list[tuple[int, int]]) -> object:
+        calls.append(len(chunks))
+        return await evaluate(step, chunks)
+
+    w.replica.evaluate = counting  # type: ignore[method-assign]
+    net.train(2)
+    requests = [m for m in w.sent if isinstance(m, JobRequest)]
+    assert requests and all(r.max_chunks == 4 for r in requests)
+    jobs = [m for m in w.got if isinstance(m, Job)]
+    assert [j.more for j in jobs[:4]] == [3, 2, 1, 0]
+    assert calls[:2] == [4, 4]  # each step's four chunks in one backend call
+    results = [r.chunk for r in w.sent if isinstance(r, Result) and r.step == 0]
+    assert sorted(results) == [0, 1, 2, 3]
+    assert w.replica.digest == digest_at(store4.path, 2)
+
+
+def test_a_step_is_shared_among_the_workers_at_it(store4: RunStore, dataset: Dataset) -> None:
+    """With two connected workers, a request for 4 of 4 chunks gets its share, 2 (at step
+    0 the first one asked alone)."""
+    net = Network(store4, dataset)
+    a = net.join("a", replica=sync_replica(dataset, threads=4))
+    b = net.join("b", replica=sync_replica(dataset, threads=4))
+    net.run()  # both through the handshake
+    net.train(2)
+    jobs = [m for w in (a, b) for m in w.got if isinstance(m, Job) and m.step == 1]
+    assert jobs and max(j.more for j in jobs) == 1  # requests answered with two JOBs
+    assert a.replica.digest == b.replica.digest == digest_at(store4.path, 2)
 
 
 def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Dataset) -> None:

@@ -15,6 +15,7 @@ from eggroll_dist.protocol.errors import ErrorCode, LocalProtocolError, RemotePr
 from eggroll_dist.protocol.frames import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
+    PROTOCOL_VERSION,
     Frame,
     FrameDecoder,
     encode_frame,
@@ -48,7 +49,7 @@ def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
 
 def test_encode_frame_exact_bytes() -> None:
     expected = (
-        b"EGGR\x01\x07\x00\x00\x00\x00\x00\x03" + zlib.crc32(b"abc").to_bytes(4, "big") + b"abc"
+        b"EGGR\x02\x07\x00\x00\x00\x00\x00\x03" + zlib.crc32(b"abc").to_bytes(4, "big") + b"abc"
     )
     assert encode_frame(7, b"abc") == expected
 
@@ -57,7 +58,13 @@ def test_header_layout() -> None:
     frame = encode_frame(200, b"x" * 70000, flags=0x1234)
     assert len(frame) == HEADER_SIZE + 70000
     magic, version, msg_type, flags, length, crc = struct.unpack(">4sBBHII", frame[:16])
-    assert (magic, version, msg_type, flags, length) == (b"EGGR", 1, 200, 0x1234, 70000)
+    assert (magic, version, msg_type, flags, length) == (
+        b"EGGR",
+        PROTOCOL_VERSION,
+        200,
+        0x1234,
+        70000,
+    )
     assert crc == zlib.crc32(b"x" * 70000)
 
 
@@ -135,7 +142,7 @@ def test_bad_magic_detected_before_full_header() -> None:
 
 def test_bad_version() -> None:
     frame = bytearray(encode_frame(1, b"abc"))
-    frame[4] = 2
+    frame[4] = PROTOCOL_VERSION + 1
     expect_error(bytes(frame), ErrorCode.BAD_VERSION)
 
 
@@ -151,7 +158,7 @@ def test_bad_crc() -> None:
 def test_oversize_length_rejected_from_header_alone() -> None:
     # Only the header arrives: the length alone must trigger the error, without waiting
     # for (or buffering) the announced payload.
-    header = struct.pack(">4sBBHII", b"EGGR", 1, 8, 0, 0xFFFFFFFF, 0)
+    header = struct.pack(">4sBBHII", b"EGGR", PROTOCOL_VERSION, 8, 0, 0xFFFFFFFF, 0)
     decoder = FrameDecoder()
     decoder.feed(header)
     with pytest.raises(RemoteProtocolError) as info:

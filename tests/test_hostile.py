@@ -122,7 +122,7 @@ class Peer:
         return None
 
     def join(self, token: str, data_digest: bytes, name: str = "intruder") -> Welcome | Error:
-        self.send(Hello(1, name, "numpy", "cpu", data_digest))
+        self.send(Hello(PROTOCOL_VERSION, name, "numpy", "cpu", data_digest))
         challenge = self.until(Challenge)
         assert isinstance(challenge, Challenge), challenge
         self.send(Auth(auth_mac(token.encode(), challenge.nonce)))
@@ -626,7 +626,11 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
     assert stranger.returncode != 0 and "Traceback" not in stranger.stderr
     # Plain TCP to a TLS coordinator gets nothing.
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(Connection(Role.WORKER).send(Hello(1, "plain", "numpy", "cpu", bytes(32))))
+        sock.sendall(
+            Connection(Role.WORKER).send(
+                Hello(PROTOCOL_VERSION, "plain", "numpy", "cpu", bytes(32))
+            )
+        )
         sock.settimeout(10)
         try:
             assert MAGIC not in sock.recv(1 << 16)

@@ -23,6 +23,7 @@ from eggroll_dist.protocol.errors import (
 from eggroll_dist.protocol.frames import FrameDecoder, encode_frame
 from eggroll_dist.protocol.messages import (
     LATEST_SNAPSHOT,
+    MAX_CHUNKS_PER_REQUEST,
     MAX_ERROR_MESSAGE_BYTES,
     NO_SNAPSHOT,
     Auth,
@@ -114,7 +115,7 @@ def snapshot_chunks(draw: st.DrawFn) -> SnapshotChunk:
 def jobs(draw: st.DrawFn) -> Job:
     count = 2 * draw(st.integers(1, (2**32 - 1) // 2))
     first = 2 * draw(st.integers(0, (2**64 - count) // 2))
-    return Job(draw(u64), draw(u32), first, count)
+    return Job(draw(u64), draw(u32), first, count, draw(st.integers(0, MAX_CHUNKS_PER_REQUEST - 1)))
 
 
 @st.composite
@@ -150,7 +151,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         st.integers(-1, 2**63 - 1),
         u32,
     ),
-    JobRequest: st.builds(JobRequest, u64, u64, u64),
+    JobRequest: st.builds(JobRequest, u64, u64, u64, st.integers(1, MAX_CHUNKS_PER_REQUEST)),
     Job: jobs(),
     Wait: st.builds(Wait, u32),
     Result: results(),
@@ -242,9 +243,9 @@ def test_unknown_type(msg_type: int) -> None:
 
 
 def test_worked_example_job_request_frame() -> None:
-    frame = encode_message(JobRequest(5, 0x0123456789ABCDEF, 42))
+    frame = encode_message(JobRequest(5, 0x0123456789ABCDEF, 42, 4))
     assert frame.hex() == (
-        "4547475201050000000000184a62ccc000000000000000050123456789abcdef000000000000002a"
+        "45474752020500000000001c09133b8c00000000000000050123456789abcdef000000000000002a00000004"
     )
 
 
@@ -252,7 +253,8 @@ def test_worked_example_job_request_frame() -> None:
 
 
 def test_fixed_layouts() -> None:
-    assert Job(7, 3, 10, 4).encode() == struct.pack(">QIQI", 7, 3, 10, 4)
+    assert Job(7, 3, 10, 4).encode() == struct.pack(">QIQII", 7, 3, 10, 4, 0)
+    assert Job(7, 3, 10, 4, 2).encode() == struct.pack(">QIQII", 7, 3, 10, 4, 2)
     assert Wait(250).encode() == b"\x00\x00\x00\xfa"
     assert Heartbeat(1).encode() == bytes(7) + b"\x01"
     assert Error(ErrorCode.AUTH_FAILED, "no").encode() == b"\x00\x08\x00\x02no"
@@ -342,6 +344,9 @@ def test_fixed_size_byte_fields() -> None:
         lambda: Job(0, 0, 2, 3),  # odd member count
         lambda: Job(0, 0, 0, 0),  # empty
         lambda: Job(0, 0, 2**64 - 2, 4),  # range past u64
+        lambda: Job(0, 0, 0, 2, MAX_CHUNKS_PER_REQUEST),  # more JOBs than a request gets
+        lambda: JobRequest(0, 0, 0, 0),  # no chunk wanted
+        lambda: JobRequest(0, 0, 0, MAX_CHUNKS_PER_REQUEST + 1),
         lambda: Result(0, 0, 2**63, 0, 0, 0, b""),
         lambda: Result(0, 0, 0, 0, 0, 6, b"\x00"),  # too few fitness bytes
         lambda: Result(0, 0, 0, 0, 0, 6, b"\x00\x03"),  # non-canonical last byte
@@ -546,7 +551,7 @@ def test_spec_worked_examples_match_the_code() -> None:
     )
     assert spec_hex_blocks() == [
         encode_frame(7, b"abc"),
-        encode_message(JobRequest(5, 0x0123456789ABCDEF, 42)),
+        encode_message(JobRequest(5, 0x0123456789ABCDEF, 42, 4)),
         encode_message(result),
         encode_message(Error(ErrorCode.ILLEGAL_STATE, "no")),
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from eggroll_dist.protocol.ternary import pack_ternary
 from eggroll_dist.shared.config import ESConfig, RunConfig, preset
 from eggroll_dist.shared.fitness_log import packed_size
 from eggroll_dist.shared.replica import ReplicaState, encode_checkpoint, replay
+from eggroll_dist.shared.save_dir import Layout, digest_line
 
 
 def test_create_resume_and_metadata(tmp_path: Path) -> None:
@@ -125,3 +127,18 @@ def test_unusable_save_dir_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "run" / ".lock").mkdir(parents=True)  # the lock cannot be opened
     with pytest.raises(StoreError, match="cannot use --save-dir"):
         RunStore.open(tmp_path / "run", preset("tiny"))
+
+
+def test_a_run_of_digest_1_is_upgraded(tmp_path: Path) -> None:
+    """A run written before the replica digest became a tree: its agreed digests are set
+    aside (kept as digests-1.log) and run.json says format 2; the fitness log stays."""
+    RunStore.open(tmp_path / "run", preset("tiny")).close()
+    layout = Layout(tmp_path / "run")
+    run = json.loads(layout.run_file.read_text())
+    layout.run_file.write_text(json.dumps({**run, "format": 1}))
+    layout.digests_log.write_bytes(digest_line(0, 0x0123456789ABCDEF))
+    store = RunStore.open(tmp_path / "run", None)
+    assert store.digests == {}
+    store.close()
+    assert json.loads(layout.run_file.read_text())["format"] == 2
+    assert (tmp_path / "run" / "digests-1.log").read_bytes() == digest_line(0, 0x0123456789ABCDEF)

@@ -13,7 +13,7 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +24,7 @@ import structlog
 
 from eggroll_dist.protocol import (
     LATEST_SNAPSHOT,
+    PROTOCOL_VERSION,
     Auth,
     Challenge,
     Connection,
@@ -209,7 +210,7 @@ async def coordinator() -> AsyncIterator[FakeCoordinator]:
 def make_client(fake: FakeCoordinator, dataset: Dataset, **kwargs: object) -> WorkerClient:
     kwargs.setdefault("name", "w1")
     kwargs.setdefault("max_retry_s", 0.05)
-    kwargs.setdefault("backend", get_backend("numpy", 8))
+    kwargs.setdefault("backend", get_backend("numpy", 8, threads=1))  # a chunk per request
     return WorkerClient("127.0.0.1", fake.port, dataset, **kwargs)  # type: ignore[arg-type]
 
 
@@ -239,7 +240,7 @@ async def test_job_then_step(coordinator: FakeCoordinator, dataset: Dataset) -> 
         peer = await coordinator.next_peer()
         hello = await peer.handshake(token=b"s3cret")
         assert (hello.protocol_version, hello.worker_name, hello.backend, hello.device) == (
-            1,
+            PROTOCOL_VERSION,
             "w1",
             "numpy",
             "cpu",
@@ -275,11 +276,13 @@ async def test_long_chunk_heartbeats_and_a_step_that_overtakes_it(
     release = threading.Event()
 
     class Held(NumpyBackend):
-        def evaluate_chunk(self, step: int, first_member: int, count: int) -> ChunkResult:
+        def evaluate_chunks(
+            self, step: int, chunks: Sequence[tuple[int, int]]
+        ) -> list[ChunkResult]:
             assert release.wait(TIMEOUT_S)
-            return super().evaluate_chunk(step, first_member, count)
+            return super().evaluate_chunks(step, chunks)
 
-    held = BackendFactory("numpy", "cpu", lambda data, state: Held(data, state))
+    held = BackendFactory("numpy", "cpu", lambda data, state: Held(data, state, threads=1))
     client = make_client(coordinator, dataset, backend=held, heartbeat_s=0.02)
     async with running(client):
         peer = await coordinator.next_peer()

@@ -93,15 +93,14 @@ class Executor:
             match command:
                 case flow.Send(msg=msg):
                     await self.send(msg)
-                case flow.Evaluate(job=job):
+                case flow.Evaluate(jobs=jobs):
+                    chunks = [(job.first_member, job.member_count) for job in jobs]
                     try:
-                        result = await replica.evaluate(
-                            job.step, job.first_member, job.member_count
-                        )
+                        results = await replica.evaluate(jobs[0].step, chunks)
                     except RewardError as exc:
-                        await self.carry_out(session.evaluation_failed(job, str(exc)))
+                        await self.carry_out(session.evaluation_failed(jobs, str(exc)))
                         continue
-                    await self.carry_out(session.evaluated(job, result, self.clock() - t0))
+                    await self.carry_out(session.evaluated(jobs, results, self.clock() - t0))
                 case flow.Apply(fitness=fitness):
                     await replica.apply(fitness)
                 case flow.DropReplica():

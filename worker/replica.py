@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from ..protocol import Sample
-from ..protocol.messages import MAX_SAMPLE_TEXT_BYTES
+from ..protocol.messages import MAX_CHUNKS_PER_REQUEST, MAX_SAMPLE_TEXT_BYTES
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
 from ..shared.goal import held_out, initial_state
@@ -115,6 +115,13 @@ class Replica:
         return -1 if self.backend is None else self.backend.step
 
     @property
+    def parallel_chunks(self) -> int:
+        """Chunks to ask for at once: what the backend scores in one pass, within the
+        protocol's bound."""
+        chunks = 1 if self.backend is None else self.backend.parallel_chunks
+        return max(1, min(chunks, MAX_CHUNKS_PER_REQUEST))
+
+    @property
     def config_digest(self) -> bytes | None:
         return None if self.backend is None else self.backend.config.digest()
 
@@ -167,10 +174,11 @@ class Replica:
         assert self.backend is not None, "no replica"
         return self.backend
 
-    async def evaluate(self, step: int, first_member: int, count: int) -> ChunkResult:
-        """One chunk's fitness; RewardError when a reward run's reward fails on it."""
+    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> list[ChunkResult]:
+        """Chunks' fitness, (first member, count) each, in one call of the backend;
+        RewardError when a reward run's reward fails on them."""
         backend, objective = self._backend(), self.objective
-        return await self._call(objective.evaluate_chunk, backend, step, first_member, count)
+        return await self._call(objective.evaluate_chunks, backend, step, chunks)
 
     async def apply(self, fitness: list[np.ndarray]) -> None:
         """Apply committed steps in order, one backend call per step (a stop or a heartbeat
@@ -194,7 +202,7 @@ class Replica:
             log.info("replayed", from_step=start, to_step=backend.step, seconds=seconds)
 
     async def encode(self) -> tuple[int, bytes]:
-        state = self._backend().state
+        state = await self._call(lambda: self._backend().state)  # a device copies it back
         return state.step, await self._call(encode_checkpoint, state)
 
     async def decode(self, blob: bytes) -> tuple[ReplicaState | None, str]:

@@ -173,9 +173,10 @@ class Send:
 
 @dataclass(frozen=True)
 class Evaluate:
-    """Evaluate the job with the replica; then `evaluated(job, result, seconds)`."""
+    """Evaluate the jobs of one request together (one backend call); then
+    `evaluated(jobs, results, seconds)`."""
 
-    job: Job
+    jobs: tuple[Job, ...]
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ class Session:
         self._download: _Download | None = None
         self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
         self._last_failure = ""  # the reward's last failure on a chunk
+        self._batch: list[Job] = []  # JOBs of the request so far, while more are due
         self._replay: tuple[int, Progress] | None = None  # (from step, its progress) likewise
         self._nonce = b""
 
@@ -392,7 +394,13 @@ class Session:
                 digest=f"{replica.digest:016x}",
             )
         self.phase = Phase.REQUESTED
-        return [Send(JobRequest(replica.step, replica.digest, replica.weights_changed))]
+        return [
+            Send(
+                JobRequest(
+                    replica.step, replica.digest, replica.weights_changed, replica.parallel_chunks
+                )
+            )
+        ]
 
     def _replay_progress(self, step: int) -> None:
         """The replay of the fitness log, from where it began to the steps committed so far
@@ -413,20 +421,25 @@ class Session:
 
     # --- results of commands -----------------------------------------------------------
 
-    def evaluated(self, job: Job, result: ChunkResult, seconds: float) -> list[Command]:
+    def evaluated(
+        self, jobs: tuple[Job, ...], results: list[ChunkResult], seconds: float
+    ) -> list[Command]:
         self.phase = Phase.IDLE
         self._last_failure = ""
-        if self.newest_step_frame > job.step:
+        step = jobs[0].step
+        chunks = [job.chunk for job in jobs]
+        if self.newest_step_frame > step:
             # The step was committed meanwhile (another worker's copy won): nobody needs it.
-            log.info("chunk dropped", step=job.step, chunk=job.chunk, reason="step committed")
+            log.info("chunk dropped", step=step, chunks=chunks, reason="step committed")
             return []
         assert self.config is not None
-        tokens = member_tokens(self.config, job.member_count)
+        members = sum(job.member_count for job in jobs)
+        tokens = member_tokens(self.config, members)
         log.info(
             "chunk done",
-            step=job.step,
-            chunk=job.chunk,
-            members=job.member_count,
+            step=step,
+            chunk=chunks[0] if len(chunks) == 1 else chunks,
+            members=members,
             seconds=round(seconds, 3),
             member_tok_s=round(tokens / max(seconds, 1e-9)),
         )
@@ -442,17 +455,20 @@ class Session:
                     fitness=result.fitness,
                 )
             )
+            for job, result in zip(jobs, results, strict=True)
         ]
 
-    def evaluation_failed(self, job: Job, error: str) -> list[Command]:
-        """The run's reward failed on a chunk: drop it (the coordinator leases it again) and
-        say why in both logs; a failure on the next chunk too leaves the run."""
-        if self._last_failure:  # two chunks in a row, whatever the completions were
+    def evaluation_failed(self, jobs: tuple[Job, ...], error: str) -> list[Command]:
+        """The run's reward failed on chunks: drop them (the coordinator leases them again)
+        and say why in both logs; a failure on the next request too leaves the run."""
+        if self._last_failure:  # two requests in a row, whatever the completions were
             raise WorkerFatal(f"the reward failed twice: {error}", ErrorCode.INTERNAL, tell=True)
         self._last_failure = error
         self.phase = Phase.IDLE
-        log.error("chunk failed", step=job.step, chunk=job.chunk, error=error)
-        text = f"chunk {job.chunk} of step {job.step} failed: {error}"
+        step, chunks = jobs[0].step, [job.chunk for job in jobs]
+        log.error("chunk failed", step=step, chunks=chunks, error=error)
+        names = ", ".join(map(str, chunks))
+        text = f"chunk {names} of step {step} failed: {error}"
         return [Send(Log(LogLevel.ERROR, text[:1000]))]  # LOG carries 4096 bytes of UTF-8
 
     def snapshot_decoded(
@@ -605,9 +621,7 @@ class Session:
             log.info("job skipped", step=job.step, chunk=job.chunk, replica_step=step)
             if job.step > step:
                 self.committed = max(self.committed, job.step)
-                if self.phase in (Phase.REQUESTED, Phase.CATCHING_UP):
-                    self.phase = Phase.IDLE
-            return []
+            return self._batch_done(job)
         assert self.config is not None
         population = self.config.es.population
         if job.first_member + job.member_count > population:
@@ -615,8 +629,22 @@ class Session:
                 f"JOB members [{job.first_member}, {job.first_member + job.member_count}) lie "
                 f"outside the population of {population}"
             )
+        if self._batch and job.step != self._batch[0].step:
+            raise PeerViolation(f"JOBs of one request for steps {self._batch[0].step}, {job.step}")
+        self._batch.append(job)
+        return self._batch_done(job)
+
+    def _batch_done(self, job: Job) -> list[Command]:
+        """After a JOB: wait for the request's next one (`more`), or evaluate what it gave."""
+        if job.more:
+            return []
+        batch, self._batch = tuple(self._batch), []
+        if not batch:  # every JOB skipped: nothing to evaluate; advance() asks again
+            if self.phase in (Phase.REQUESTED, Phase.CATCHING_UP):
+                self.phase = Phase.IDLE
+            return []
         self.phase, self.retry_at = Phase.EVALUATING, None
-        return [Evaluate(job)]
+        return [Evaluate(batch)]
 
     def _skip_job(self, job: Job) -> list[Command]:
         log.info("job skipped", step=job.step, chunk=job.chunk, reason="loading a snapshot")

@@ -1,5 +1,6 @@
-"""The CuPy backend: the EGG forward pass and every rule's update as int8 RawKernels
-(`egg.cu`).
+"""The CuPy backend: the EGG model's and the former's forward passes, every rule's update,
+held-out scores and the replica digest as int8 RawKernels (`egg.cu`, `former.cu` with
+`cupy_former.py`, `digest.cu`).
 
 Same bytes as the NumPy reference, by construction kernel by kernel (see egg.cu). The class
 is written against two seams so that the test suite runs this very code without a GPU:
@@ -9,18 +10,19 @@ is written against two seams so that the test suite runs this very code without 
   a callable `(grid, block, args)`: `cupy.RawModule` on a GPU, a g++ build of the same
   source under test.
 
-Per step: host NumPy computes the cheap scalar parts (the noise base key, the data windows,
-the z-test threshold, AdamW's learning rate and bias correction, each chunk's fitness from
-its members' losses); the device generates
-every pair's noise, runs the forward pass (about 11 launches per layer and token) and the
-update. The update's launch sequence reads every per-step value from device memory, so it
-is captured once as a CUDA graph and replayed every step. The weights live in one flat
-device buffer followed by the update's changed-weights counter, and the rule's state (the
-momentum M, AdamW's moments and accumulator) in one buffer per kind: their copies back each
-step give the replica digest and the count.
+Per step: host NumPy computes the cheap scalar parts (the noise and data keys, the z-test
+threshold, AdamW's learning rate and bias correction, each chunk's fitness from its members'
+losses); the device gathers every pair's window from the resident train split, generates
+its noise, runs the forward pass (one CUDA graph per batch shape) and the update. The
+update's launch sequence reads every per-step value from device memory, so it is captured
+once as a CUDA graph and replayed every step. The weights live in one flat device buffer
+followed by the update's changed-weights counter, the rule's state (the momentum M, AdamW's
+moments and accumulator) in one buffer per kind, the adaptive-noise overlays in one more. A
+step copies back its changed count; the digest, its leaf hashes (32 bytes a 64 KiB piece);
+the state itself only when asked for (a checkpoint, generation).
 
-Validation (both held-out metrics of the unperturbed model with float bits, every few
-steps) runs the NumPy reference on the host copy of the weights.
+Validation (both held-out metrics of the unperturbed model) runs on the device too and
+copies back each position's 256 logit counts, from which shared/loss.py finishes both.
 """
 
 from __future__ import annotations
@@ -424,6 +426,7 @@ class CupyBackend:
                     values[o : o + n] = state.opt[name]
                 self._overlay_flat[...] = self.xp.asarray(values)
         self._state, self._step = state, state.step
+        self._digest = None  # of another state, maybe at this very step
 
     def _keep(self, spec: ParamSpec) -> int:
         """The rows of a matrix's a (the elements of a vector) that get noise: all, or under
@@ -444,6 +447,7 @@ class CupyBackend:
         address, length = [], []
         for view in views:
             base, nbytes = _address(view), int(view.nbytes)
+            assert base % 8 == 0, "digest_leaves reads 8-byte words: tensors are 16-aligned"
             for lo in range(0, max(nbytes, 1), DIGEST_LEAF):
                 address.append(base + lo)
                 length.append(min(DIGEST_LEAF, nbytes - lo))
@@ -884,6 +888,8 @@ class CupyBackend:
         HELD_OUT_ROWS positions."""
         steps = rows.shape[1] - 1
         per_batch = max(1, HELD_OUT_ROWS // steps)
+        if self.config.model.arch == "former":  # its pairs' buffers, within the forward's bound
+            per_batch = min(per_batch, self.batch_members // 2)
         loss, bits, text_bytes, n = 0, [], 0, 0
         for lo in range(0, len(rows), per_batch):
             part = rows[lo : lo + per_batch]
