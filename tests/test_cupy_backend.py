@@ -32,7 +32,6 @@ from eggroll_dist.shared.sample import Completions, SampleSettings
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
 from eggroll_dist.worker.backend import cupy_backend as cupy_backend_module
 from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels, forward_launches
-from eggroll_dist.worker.backend.cupy_former import MAX_POSITIONS
 from eggroll_dist.worker.backend.cupy_former import launches as former_launches
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 
@@ -359,15 +358,6 @@ def test_unsupported_width_is_a_clear_error() -> None:
     cfg = RunConfig(model=ModelConfig(d_model=30), es=ESConfig(population=4, chunk_size=4))
     with pytest.raises(BackendUnavailable, match="d_model % 4"):
         cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
-
-
-def test_a_former_window_past_the_attention_limit_is_refused_in_one_line() -> None:
-    cfg = CONFIGS["former"].replace(
-        es=ESConfig(population=16, chunk_size=8, seq_len=MAX_POSITIONS + 1)
-    )
-    with pytest.raises(BackendUnavailable, match=f"at most {MAX_POSITIONS} positions") as info:
-        cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
-    assert "\n" not in str(info.value) and "es.seq_len" in str(info.value)
 
 
 def test_a_former_batch_past_the_memory_bound_is_refused_in_one_line(

@@ -213,14 +213,18 @@ def test_renorm_with_and_without_rope(k: Kernels, heads: int) -> None:
         assert np.array_equal(to_host(got), rows_of(want)), rotate
 
 
-@pytest.mark.parametrize("t, heads, dh", [(T, 3, 12), (130, 1, 6)], ids=["short", "long"])
-def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int) -> None:
-    """130 positions: more keys than the block has threads."""
+@pytest.mark.parametrize(
+    "t, heads, dh, m",
+    [(T, 3, 12, 4), (130, 1, 6, 4), (1030, 1, 2, 1)],
+    ids=["short", "long", "tiles"],
+)
+def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int, m: int) -> None:
+    """130 positions: more keys than the block has threads; 1,030: more than one tile of
+    keys (the top score first, then the tiles' weighted sums)."""
     rng = np.random.default_rng(11)
-    m = 4
     q, kk, v = (rng.integers(-127, 128, size=(m, t, heads, dh)).astype(np.int8) for _ in "qkv")
     q[0], kk[0] = 127, 127  # the largest scores; far keys get weight 0
-    q[1, :, :, 0], kk[1, :, :, 0] = 127, -127 * (np.arange(t) % 2)[:, None]
+    q[-1, :, :, 0], kk[-1, :, :, 0] = 127, -127 * (np.arange(t) % 2)[:, None]
     want = attention(*(a.astype(np.int32) for a in (q, kk, v)))
     out = poisoned((m * t, heads * dh), np.int8)
     k(

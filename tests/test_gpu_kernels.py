@@ -54,6 +54,8 @@ from eggroll_dist.worker.backend.cupy_backend import (
     TILE_M,
     TILE_N,
     Kernels,
+    vector_split,
+    z_split,
 )
 
 pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
@@ -93,7 +95,8 @@ def cdiv(a: int, b: int) -> int:
 def zgemm(k: Kernels, suffix: str, x, w, k_split: int, z) -> None:
     """z = x w^T through the split-K update GEMM (zeroed first, as the backend does)."""
     (m, kk), n = x.shape, w.shape[0]
-    k("zero_i32", (cdiv(m * n, 256),), (256,), z, i32(m * n))
+    assert z.dtype == np.int64  # zeroed as int32 words: two a sum
+    k("zero_i32", (cdiv(2 * m * n, 256),), (256,), z.reshape(-1).view(np.int32), i32(2 * m * n))
     grid = (cdiv(n, TILE_N), cdiv(m, TILE_M), cdiv(kk // 4, k_split))
     k("zgemm" + suffix, grid, (256,), x, w, i32(m), i32(n), i32(kk), i32(k_split), z)
 
@@ -198,7 +201,7 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str, scaled: bool) ->
     token_rows = cfg.es.token_noise_rows or 1 << 30
     for spec in specs:
         tid, size = u64(spec.tensor_id), int(np.prod(spec.shape))
-        z = poisoned(spec.shape, np.int32)
+        z = poisoned(spec.shape, np.int64)
         rows = spec.shape[0]
         kept = min(rows, token_rows) if spec.name in TOKEN_TENSORS else rows
         if spec.kind == "vector":
@@ -209,7 +212,13 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str, scaled: bool) ->
                 (16, cdiv(cfg.pairs, 16), size),
                 (16, cdiv(cfg.pairs, 16), size // 3),
             ):
-                k("zero_i32", (cdiv(size, 256),), (256,), z, i32(size))
+                k(
+                    "zero_i32",
+                    (cdiv(2 * size, 256),),
+                    (256,),
+                    z.reshape(-1).view(np.int32),
+                    i32(2 * size),
+                )
                 k(
                     "vector_z",
                     (cdiv(size, 256), block_rows),
@@ -292,7 +301,8 @@ def test_ztest_apply_with_changed_count(k: Kernels) -> None:
         "ztest_apply",
         (cdiv(n, 256),),
         (256,),
-        *(dev(z), dev(np.array([threshold], np.int64)), i32(n), got, changed, moved),
+        *(dev(z.astype(np.int64)), dev(np.array([threshold], np.int64)), i32(n), got, changed),
+        moved,
     )
     assert np.array_equal(to_host(got), want.astype(np.int8))
     assert np.array_equal(to_host(moved), (want != w).astype(np.int8))
@@ -319,7 +329,8 @@ def test_momentum_apply_is_the_rule(k: Kernels, monkeypatch: pytest.MonkeyPatch)
         "momentum_apply",
         (cdiv(n, 256),),
         (256,),
-        *(dev(z), dev(np.array([threshold], np.int64)), i32(shift), i32(n), got_m, got_w),
+        *(dev(z.astype(np.int64)), dev(np.array([threshold], np.int64)), i32(shift), i32(n)),
+        *(got_m, got_w),
         *(changed, xp.zeros(0, dtype=xp.int8)),
     )
     assert np.array_equal(to_host(got_w), new["x"])
@@ -365,7 +376,7 @@ def test_adamw_apply_is_the_rule(k: Kernels, decay: int) -> None:
         "adamw_apply",
         (cdiv(n, 256),),
         (256,),
-        *(dev(z), dev(scalars), *betas, np.int64(fixed16(up.weight_decay))),
+        *(dev(z.astype(np.int64)), dev(scalars), *betas, np.int64(fixed16(up.weight_decay))),
         *(i32(gs), i32(decay), i32(n), *got, changed, xp.zeros(0, dtype=xp.int8)),
     )
     assert np.array_equal(to_host(got[3]), new["x"])
@@ -473,9 +484,28 @@ def test_gemm_tiles_stages_and_k_splits(k: Kernels, suffix: str) -> None:
         want = x.astype(np.int64) @ w.astype(np.int64).T
         # one stage per block (many splits, the last partial), two stages, all of K in one
         for k_split in (STAGE_WORDS, 2 * STAGE_WORDS, cdiv(kk // 4, STAGE_WORDS) * STAGE_WORDS):
-            z = poisoned((m, n), np.int32)
+            z = poisoned((m, n), np.int64)
             zgemm(k, suffix, dev(x), dev(w), k_split, z)
             assert np.array_equal(to_host(z), want), (m, n, kk, k_split)
+
+
+@pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
+def test_z_sums_past_int32_are_exact(k: Kernels, suffix: str) -> None:
+    """A Z over 140,000 pairs of 127 x 127 sums to 2.3e9: past int32, exact in int64, each
+    block's own sum kept within int32 by z_split (as the backend splits K; vector_z's rows
+    by vector_split)."""
+    kk = 140_000
+    x, w = np.full((1, kk), 127, np.int8), np.full((1, kk), -127, np.int8)
+    x[0, :100] = -127  # a sum that is not a multiple of 127**2 * kk
+    want = x.astype(np.int64) @ w.astype(np.int64).T
+    assert abs(int(want[0, 0])) > 1 << 31
+    k_split = z_split(1, 1, kk, 127)
+    assert 4 * k_split * 127 * 127 < 1 << 31 and cdiv(kk // 4, k_split) > 1
+    z = poisoned((1, 1), np.int64)
+    zgemm(k, suffix, dev(x), dev(w), k_split, z)
+    assert np.array_equal(to_host(z), want)
+    for pairs in (10**5, 10**7):  # all pairs in one block row would overflow at 10**7
+        assert vector_split(1, pairs, 55) * 55 * 55 < 1 << 31
 
 
 def floor_div_reference(v: np.ndarray, d: int) -> np.ndarray:

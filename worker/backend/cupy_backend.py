@@ -73,6 +73,7 @@ PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
 # is 8 tiles, far too few for a GPU of 100+ multiprocessors.
 Z_GEMM_BLOCKS = 512
 FORWARD_GRAPHS = 2  # captured forward shapes kept (each holds its buffers)
+INT32_MAX = (1 << 31) - 1
 HELD_OUT_ROWS = 1 << 16  # held-out positions per pass: bounds the logit counts' 1 KiB each
 # A train split up to this size lives on the device and each pass gathers its windows there
 # (only the pairs go up); a larger one is read on the host and its windows uploaded.
@@ -91,7 +92,7 @@ I8, I32, I64, U8, U32, U64 = "*int8", "*int32", "*int64", "*uint8", "*uint32", "
 _MM = (I8, I8, I32, I8, "int32", "int32", "int32", "int32", "int32", I8, I8)
 _GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I8, I8, I8)
 _CAND = (*_GATE[:-2], I8, I8, I8)
-_ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I32)
+_ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I64)
 _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
 _SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, the divisor
 _FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I8, I32, I8, I32)
@@ -112,7 +113,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         I8,
     ),
     "member_vector": (U64, I64, "uint64", "int32", "int32", "int32", I8, I8, "int32", I8),
-    "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, I8, "int32", "int32", I32),
+    "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, I8, "int32", "int32", I64),
     "zero_i32": (I32, "int32"),
     "gather_windows": (U64, I64, U8, "int32", "int64", "int32", I32),
     "embed": (
@@ -142,9 +143,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "zgemm_dp4a": _ZGEMM,
     "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
     "token_histogram": (I8, I32, "int32", "int32", "int32", "int32", I32, I32),
-    "ztest_apply": (I32, I64, "int32", I8, U64, I8),
-    "momentum_apply": (I32, I64, "int32", "int32", I32, I8, U64, I8),
-    "adamw_apply": (*(I32, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT, I8),
+    "ztest_apply": (I64, I64, "int32", I8, U64, I8),
+    "momentum_apply": (I64, I64, "int32", "int32", I32, I8, U64, I8),
+    "adamw_apply": (*(I64, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT, I8),
     "overlay_step": (I8, "int32", "int32", I8, I8),
     # the former (former.cu)
     "former_embed": (I32, "int32", I8, I8, I8, I8, "int32", "int32", "int32", I8),
@@ -254,14 +255,18 @@ def _split(length: int, unit: int, blocks: int) -> int:
     return _cdiv(units, min(units, max(1, Z_GEMM_BLOCKS // blocks))) * unit
 
 
-def z_split(out: int, inp: int, k: int) -> int:
-    """K words per block of the (out x inp, K = k bytes) Z GEMM: whole stages."""
-    return _split(k // 4, STAGE_WORDS, _cdiv(inp, TILE_N) * _cdiv(out, TILE_M))
+def z_split(out: int, inp: int, k: int, vmax: int) -> int:
+    """K words per block of the (out x inp, K = k bytes) Z GEMM: whole stages, at most as
+    many as keep a block's int32 sums exact (4 pairs a word, each product <= vmax**2)."""
+    exact = INT32_MAX // (4 * vmax * vmax) // STAGE_WORDS * STAGE_WORDS
+    return min(_split(k // 4, STAGE_WORDS, _cdiv(inp, TILE_N) * _cdiv(out, TILE_M)), exact)
 
 
-def vector_split(n: int, pairs: int) -> int:
-    """Pairs per block row of vector_z for a length-n vector: whole tiles of BLOCK pairs."""
-    return _split(pairs, BLOCK, _cdiv(n, BLOCK))
+def vector_split(n: int, pairs: int, vmax: int) -> int:
+    """Pairs per block row of vector_z for a length-n vector: whole tiles of BLOCK pairs, at
+    most as many as keep a block's int32 sums exact (each term <= vmax**2)."""
+    exact = INT32_MAX // (vmax * vmax) // BLOCK * BLOCK
+    return min(_split(pairs, BLOCK, _cdiv(n, BLOCK)), exact)
 
 
 def _address(a: Any) -> int:
@@ -304,11 +309,6 @@ class CupyBackend:
         former = cfg.model.arch == "former"
         if former and (why := cupy_former.check(cfg)):
             raise BackendUnavailable(why)
-        vmax = max_abs(cfg.es.noise)
-        if cfg.pairs * vmax * vmax >= 1 << 31:
-            raise BackendUnavailable(
-                f"{cfg.pairs} pairs overflow the update's int32 sums: use --backend numpy"
-            )
         self.dataset = dataset
         self.device = device
         self.xp = xp
@@ -734,9 +734,14 @@ class CupyBackend:
         buf["at"] = xp.empty(max(out for out, _ in matrices) * ppad, dtype=xp.int8)
         buf["bt"] = xp.empty(max(inp for _, inp in matrices) * ppad, dtype=xp.int8)
         largest = max(int(np.prod(s.shape)) for s in self._specs)
-        buf["z"] = xp.empty(largest, dtype=xp.int32)
+        buf["z"] = xp.empty(largest, dtype=xp.int64)
         # which weights the apply kernel moved, for the overlays' update (adaptive noise)
         buf["moved"] = xp.empty(largest, dtype=xp.int8) if self.overlay else self.null8
+
+    def _zero(self, a: Any) -> None:
+        """a[...] = 0 for a contiguous device array, as a launch (captured with the rest)."""
+        words = a.reshape(-1).view(np.int32)
+        self.kernels("zero_i32", (_cdiv(words.size, BLOCK),), (BLOCK,), words, np.int32(words.size))
 
     def _update_sequence(self) -> None:
         """Per tensor: Z, the rule's apply kernel, and with adaptive noise the overlays' step
@@ -767,8 +772,8 @@ class CupyBackend:
                         *(np.int32(keep), kind, self.noise_overlay(f"overlay.{axis}.{spec.name}")),
                         *(weight, np.int32(pairs), np.int32(ppad), dst),
                     )
-                k_split = z_split(out, inp, ppad)
-                k("zero_i32", (_cdiv(size, BLOCK),), (BLOCK,), z, np.int32(size))
+                k_split = z_split(out, inp, ppad, max_abs(cfg.es.noise))
+                self._zero(z)
                 k(
                     "zgemm" + self.suffix,
                     (_cdiv(inp, TILE_N), _cdiv(out, TILE_M), _cdiv(ppad // 4, k_split)),
@@ -776,8 +781,8 @@ class CupyBackend:
                     *(at, bt, np.int32(out), np.int32(inp), np.int32(ppad), np.int32(k_split), z),
                 )
             else:
-                per = vector_split(size, pairs)
-                k("zero_i32", (_cdiv(size, BLOCK),), (BLOCK,), z, np.int32(size))
+                per = vector_split(size, pairs, max_abs(cfg.es.noise))
+                self._zero(z)
                 k(
                     "vector_z",
                     (_cdiv(size, BLOCK), _cdiv(pairs, per)),

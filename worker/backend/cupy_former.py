@@ -12,8 +12,6 @@ the loss, so a chunk's logits are never stored.
 
 from __future__ import annotations
 
-import re
-from importlib import resources
 from math import isqrt
 from typing import TYPE_CHECKING, Any
 
@@ -27,20 +25,12 @@ if TYPE_CHECKING:
     from ...shared.config import RunConfig
     from .cupy_backend import CupyBackend
 
-# former.cu's attention keeps a query's scores in shared memory: its own limit, read here
-_SOURCE = resources.files(__package__).joinpath("former.cu").read_text()
-MAX_POSITIONS = int(re.search(r"#define MAX_POSITIONS (\d+)", _SOURCE).group(1))
 BATCH_BYTES = 1 << 32  # device memory of one forward batch's buffers (two shapes are kept)
 ATTENTION_THREADS = 128
 
 
 def check(cfg: RunConfig) -> str | None:
     """Why the kernels cannot run this former config, or None (before any allocation)."""
-    if cfg.es.seq_len > MAX_POSITIONS:
-        return (
-            f"the CuPy backend's former attention holds at most {MAX_POSITIONS} positions, "
-            f"es.seq_len is {cfg.es.seq_len}: lower it or use --backend numpy"
-        )
     if 2 * member_bytes(cfg) > BATCH_BYTES:
         return (
             f"a pair of former members needs {2 * member_bytes(cfg) >> 20} MiB of device "

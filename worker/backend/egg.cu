@@ -44,6 +44,11 @@ __device__ __forceinline__ int floor_by(int v, Divisor q) {
 
 // ------------------------------------------------------------------ hardware helpers
 
+// *p += v for int64, by the unsigned 64-bit atomic: two's complement sums are exact mod 2**64.
+__device__ __forceinline__ void add_i64(long long* p, long long v) {
+  atomicAdd((unsigned long long*)p, (unsigned long long)v);
+}
+
 // Four int8 products summed into c (IDP.4A).
 __device__ __forceinline__ int dp4a_s8(int a, int b, int c) { return __dp4a(a, b, c); }
 
@@ -239,14 +244,15 @@ extern "C" __global__ void member_vector(const u64* base, const long long* pairs
 }
 
 // Z[j] += sum_p fitness[p] u_p[j] (vector_noise) over pairs [y per, (y + 1) per) for block
-// row y, for a vector parameter of length n; z starts zeroed (zero_i32) and the block rows add with
-// integer atomics (exact in any order), so a short vector still spreads over the device.
+// row y, for a vector parameter of length n; z (int64) starts zeroed (zero_i32) and the block
+// rows add with integer atomics (exact in any order), so a short vector still spreads over
+// the device. A block's own sum is int32: the backend keeps per * max|u| below 2**31.
 // Launch: grid (ceil(n / 256), ceil(pairs / per)), block (256); the backend makes per whole
 // tiles of 256 pairs, each block walking its pairs a tile at a time, a tile's keys computed
 // once (one per thread) and shared.
 extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int keep, int kind,
                                     const i8* overlay, const i8* fitness, int pairs, int per,
-                                    int* z) {
+                                    long long* z) {
   __shared__ u64 keys[256];
   __shared__ int fit[256];
   int j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -266,7 +272,7 @@ extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int k
                               noise_value(keys[q], j, kind) * noise_value(keys[q], n + j, kind), f);
     __syncthreads();
   }
-  if (j < n && acc) atomicAdd(z + j, acc);
+  if (j < n && acc) add_i64(z + j, acc);
 }
 
 // --------------------------------------------------------------- the forward pass
@@ -699,20 +705,22 @@ __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* a
     cand_epilogue<TC, false>(acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias, f, s, x);
 }
 
-// The update's GEMM: z += x (M x K) . w (N x K)^T, raw int32 (M, N), split over K: block z
-// of the grid sums K words [z k_split, (z + 1) k_split) and adds its tile into z with integer
-// atomics (exact and order-free), so a small output still fills the device. k_split is a
-// multiple of STAGE_W; z starts zeroed (zero_i32).
+// The update's GEMM: z += x (M x K) . w (N x K)^T, raw int64 (M, N), split over K: block z
+// of the grid sums K words [z k_split, (z + 1) k_split) in int32 and adds its tile into z with
+// integer atomics (exact and order-free), so a small output still fills the device and any
+// population sums exactly. k_split is a multiple of STAGE_W that keeps a block's sums in
+// int32 (the backend's z_split); z starts zeroed (zero_i32).
 // Launch: grid (ceil(N / TILE_N), ceil(M / TILE_M), ceil(K / 4 / k_split)), block (256).
 template <bool TC>
-__device__ void zgemm_body(const i8* x, const i8* w, int M, int N, int K, int k_split, int* z) {
+__device__ void zgemm_body(const i8* x, const i8* w, int M, int N, int K, int k_split,
+                           long long* z) {
   int acc[ACC];
   int kw_begin = blockIdx.z * k_split, kw_end = min(K / 4, kw_begin + k_split);
   tile_gemm<TC>(x, w, M, N, K, kw_begin, kw_end, acc);
 #pragma unroll
   for (int i = 0; i < ACC; i++) {
     int m, n;
-    if (tile_out<TC>(i, M, N, m, n)) atomicAdd(z + (long long)m * N + n, acc[i]);
+    if (tile_out<TC>(i, M, N, m, n) && acc[i]) add_i64(z + (long long)m * N + n, acc[i]);
   }
 }
 
@@ -735,7 +743,7 @@ extern "C" __global__ void zero_i32(int* z, int n) {
   const i8 *h, const i8 *wh, const int *xbh, const i8 *ah, const i8 *g, const i8 *uh, \
       const int *xbg, const i8 *au, int M, int D, int shift, int div, const i8 *bias,  \
       const i8 *f, i8 *s, i8 *x
-#define ZGEMM_PARAMS const i8 *x, const i8 *w, int M, int N, int K, int k_split, int *z
+#define ZGEMM_PARAMS const i8 *x, const i8 *w, int M, int N, int K, int k_split, long long *z
 
 extern "C" __global__ void __launch_bounds__(256) mm_tc(MM_PARAMS) {
   mm_body<true>(x, w, xb, a, M, N, K, shift, div, res, out);
@@ -824,15 +832,15 @@ __device__ __forceinline__ void count_changed(int moved, int i, int n, i8* moved
 
 // w = clip(w + sign(z)) where |z| >= *threshold, in place; *changed += weights that changed.
 // Launch: grid (ceil(n / 256)), block (256).
-extern "C" __global__ void ztest_apply(const int* z, const long long* threshold, int n, i8* w,
+extern "C" __global__ void ztest_apply(const long long* z, const long long* threshold, int n, i8* w,
                                        u64* changed, i8* moved_mask) {
   __shared__ u32 block_changed;
   start_count(&block_changed);
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   int moved = 0;
   if (i < n) {
-    int zi = z[i];
-    long long az = zi < 0 ? -(long long)zi : (long long)zi;
+    long long zi = z[i];
+    long long az = zi < 0 ? -zi : zi;
     int old = w[i];
     int v = old + (az >= *threshold ? (zi > 0) - (zi < 0) : 0);
     v = CLIP8(v);
@@ -847,7 +855,7 @@ extern "C" __global__ void ztest_apply(const int* z, const long long* threshold,
 // shared/rules/momentum.py per weight, in place: M = clip(M - sign(M) (|M| >> shift) + z,
 // +-(2**31 - 1)); where |M| >= *threshold, w = clip(w + sign(M)) and M -= sign(M) *
 // *threshold; *changed += weights that changed. Launch: grid (ceil(n / 256)), block (256).
-extern "C" __global__ void momentum_apply(const int* z, const long long* threshold, int shift,
+extern "C" __global__ void momentum_apply(const long long* z, const long long* threshold, int shift,
                                           int n, int* m, i8* w, u64* changed, i8* moved_mask) {
   __shared__ u32 block_changed;
   start_count(&block_changed);
@@ -882,7 +890,7 @@ __device__ __forceinline__ long long sshift64(long long x, int s) {
   return x < 0 ? -((-x) >> s) : x >> s;
 }
 
-extern "C" __global__ void adamw_apply(const int* z, const long long* scalars, long long b1,
+extern "C" __global__ void adamw_apply(const long long* z, const long long* scalars, long long b1,
                                        long long b2, long long wd, int gs, int decay, int n,
                                        int* m, long long* v, int* acc, i8* w, u64* changed,
                                        i8* moved_mask) {

@@ -188,42 +188,62 @@ __device__ __forceinline__ long long block_sum(long long v, long long* scratch) 
   return v;
 }
 
-#define MAX_POSITIONS 1024  // the attention's scores of one query live in shared memory
+#define KEY_TILE 1024      // keys whose scores (then weights) one pass holds in shared memory
+#define MAX_HEAD_DIM 1024  // model.d_model's bound: a head's int64 sums live in shared memory
+
+// The score q_t . k_c of one head, dh int8 products.
+__device__ __forceinline__ int head_score(const i8* qt, const i8* kc, int dh) {
+  int s = 0;
+  for (int j = 0; j < dh; j++) s += qt[j] * kc[j];
+  return s;
+}
 
 // Causal attention of member m's head h over its T = per positions, q, k, v, out (R, D) int8:
 // for query t, s_c = q_t . k_c (c <= t), e_c = min((max s - s_c) >> 8, 255),
 // w_c = SOFTMAX[e_c], out = (2 sum w_c v_c + sum w_c) // (2 sum w_c) in int64.
-// Launch: grid (M, heads), block (128); per <= MAX_POSITIONS.
+// Keys go in tiles of KEY_TILE: a first pass finds the top score, a second weighs each tile
+// and adds its share of the sums (with one tile, the first pass's scores are kept).
+// Launch: grid (M, heads), block (128); dh <= MAX_HEAD_DIM.
 extern "C" __global__ void former_attention(const i8* q, const i8* k, const i8* v, int per,
                                             int D, int dh, const int* softmax, i8* out) {
-  __shared__ int w[MAX_POSITIONS];
+  __shared__ int w[KEY_TILE];
+  __shared__ long long num[MAX_HEAD_DIM];
   __shared__ int imax[32];
   __shared__ long long lsum[32];
   long long base = (long long)blockIdx.x * per * D + (long long)blockIdx.y * dh;
   for (int t = 0; t < per; t++) {
     const i8* qt = q + base + (long long)t * D;
+    bool one_tile = t < KEY_TILE;
     int top = -2147483647 - 1;
     for (int c = threadIdx.x; c <= t; c += blockDim.x) {
-      const i8* kc = k + base + (long long)c * D;
-      int s = 0;
-      for (int j = 0; j < dh; j++) s += qt[j] * kc[j];
-      w[c] = s;
+      int s = head_score(qt, k + base + (long long)c * D, dh);
+      if (one_tile) w[c] = s;
       top = max(top, s);
     }
     top = block_max(top, imax);
+    for (int j = threadIdx.x; j < dh; j += blockDim.x) num[j] = 0;
     long long den = 0;
-    for (int c = threadIdx.x; c <= t; c += blockDim.x) {
-      int weight = softmax[min((top - w[c]) >> 8, 255)];
-      w[c] = weight;
-      den += weight;
+    for (int c0 = 0; c0 <= t; c0 += KEY_TILE) {
+      int keys = min(KEY_TILE, t + 1 - c0);
+      for (int i = threadIdx.x; i < keys; i += blockDim.x) {
+        int s = one_tile ? w[i] : head_score(qt, k + base + (long long)(c0 + i) * D, dh);
+        int weight = softmax[min((top - s) >> 8, 255)];
+        w[i] = weight;
+        den += weight;
+      }
+      __syncthreads();  // the tile's weights are in
+      for (int j = threadIdx.x; j < dh; j += blockDim.x) {
+        long long sum = 0;
+        for (int i = 0; i < keys; i++) sum += (long long)w[i] * v[base + (long long)(c0 + i) * D + j];
+        num[j] += sum;
+      }
+      __syncthreads();  // w is free for the next tile
     }
-    den = block_sum(den, lsum);  // >= 2**18: the top key's weight; its barriers publish w
+    den = block_sum(den, lsum);  // >= 2**18: the top key's weight
     for (int j = threadIdx.x; j < dh; j += blockDim.x) {
-      long long num = 0;
-      for (int c = 0; c <= t; c++) num += (long long)w[c] * v[base + (long long)c * D + j];
-      long long a = 2 * num + den, b = 2 * den, fq = a / b;
+      long long a = 2 * num[j] + den, b = 2 * den, fq = a / b;
       out[base + (long long)t * D + j] = (i8)(fq - (a % b != 0 && a < 0));  // floor
     }
-    __syncthreads();  // w is rewritten by the next query
+    __syncthreads();  // w and num are rewritten by the next query
   }
 }
