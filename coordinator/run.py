@@ -64,6 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..protocol import (
+    MAX_CHUNKS_PER_REQUEST,
     PROTOCOL_VERSION,
     Auth,
     Challenge,
@@ -232,7 +233,8 @@ class Peer:
     waiting: bool = False  # told to WAIT; gets a JOB pushed when one frees up
     snapshot: bytearray | None = None  # a snapshot being received from this worker
     snapshot_total: int = 0  # its size, fixed by the first chunk
-    job_started: dict[int, float] = field(default_factory=dict)  # chunk -> lease time
+    # chunk -> lease time and the chunks leased with it (scored together in one pass)
+    job_started: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -566,6 +568,9 @@ class RunCore:
         return max(1, min(asked, -(-self.cfg.chunks // max(workers, 1))))
 
     def _lease_to(self, peer: Peer, want: int = 1) -> list[Output]:
+        """Up to `want` chunks to `peer`, within its share of live leases (a worker that asks
+        again while it holds them gets no more)."""
+        want = min(want, self._share(MAX_CHUNKS_PER_REQUEST) - self.jobs.live[peer.id])
         chunks: list[int] = []
         while len(chunks) < want:  # a backup copy only as the first (and then only) chunk
             chunk = self.jobs.lease(peer.id, queued_only=bool(chunks))
@@ -579,7 +584,7 @@ class RunCore:
         out: list[Output] = []
         for i, chunk in enumerate(chunks):
             first, count = self.jobs.member_range(chunk)
-            peer.job_started[chunk] = self.clock()
+            peer.job_started[chunk] = (self.clock(), len(chunks))
             out.append(Leased(peer.name, self.step, chunk))
             out.append(Send(peer.id, Job(self.step, chunk, first, count, len(chunks) - 1 - i)))
         return out
@@ -598,7 +603,8 @@ class RunCore:
         out: list[Output] = []
         started = peer.job_started.pop(msg.chunk, None)
         if started is not None and msg.step == self.step:
-            seconds = max(self.clock() - started, 1e-9)
+            at, together = started  # chunks scored in one pass share its time
+            seconds = max((self.clock() - at) / together, 1e-9)
             tokens = member_tokens(self.cfg, self.cfg.es.chunk_size)
             out.append(ChunkTimed(peer.name, seconds, tokens))
         if msg.step == self.step:

@@ -409,7 +409,10 @@ class SaveDir:
         return self.fitness_log().steps if self.layout.fitness_log.is_file() else 0
 
     def digests(self) -> dict[int, int]:
-        """The agreed replica digest at each step digests.log records."""
+        """The agreed replica digest at each step digests.log records (none in a run of
+        format 1, whose digests were of another scheme: a coordinator sets them aside)."""
+        if self.run.get("format", 1) < RUN_FORMAT:
+            return {}
         return read_digests(self.layout.digests_log)[0]
 
     def snapshot_steps(self) -> list[int]:

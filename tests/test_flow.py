@@ -73,6 +73,7 @@ from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.session import (
     Ended,
     ExportSnapshot,
+    PeerViolation,
     Phase,
     RunSample,
     RunValidation,
@@ -220,6 +221,50 @@ def test_a_step_is_shared_among_the_workers_at_it(store4: RunStore, dataset: Dat
     jobs = [m for w in (a, b) for m in w.got if isinstance(m, Job) and m.step == 1]
     assert jobs and max(j.more for j in jobs) == 1  # requests answered with two JOBs
     assert a.replica.digest == b.replica.digest == digest_at(store4.path, 2)
+
+
+@pytest.mark.parametrize(
+    "then",
+    [
+        Step.from_values(0, np.zeros(CFG.pairs, dtype=np.int8)),  # a STEP among them
+        Wait(10),  # a WAIT among them
+        Job(0, 1, 8, 8, 0),  # not counting down (1 -> 0 skips nothing: 2 -> 0)
+        Job(0, 0, 0, 8, 1),  # a chunk twice
+        Job(1, 1, 8, 8, 1),  # another step
+    ],
+    ids=["step", "wait", "count", "twice", "other-step"],
+)
+def test_a_requests_jobs_must_come_together(
+    store: RunStore, dataset: Dataset, then: Message
+) -> None:
+    """SPEC §8: a request's JOBs count down without anything between them; anything else
+    is a protocol violation, never a batch of two requests' chunks."""
+    net = Network(store, dataset)
+    w = net.join("w", replica=sync_replica(dataset, threads=4))
+    net.run()
+    s = w.session
+    s.phase = Phase.REQUESTED  # as after its next JOB_REQUEST
+    assert s.receive(Job(0, 0, 0, 8, 2)) == [] and s.phase is Phase.REQUESTED
+    assert s.advance() == []  # the request is still being answered: no second one
+    with pytest.raises(PeerViolation):
+        s.receive(then)
+
+
+def test_a_worker_asking_again_gets_no_more_than_its_share(
+    store4: RunStore, dataset: Dataset
+) -> None:
+    """A worker that asks again while it holds its share of the step gets WAIT."""
+    net = Network(store4, dataset)
+    net.join("a", replica=sync_replica(dataset, threads=4)).hold_jobs = True
+    net.join("b").hold_jobs = True
+    net.run()
+    core = net.core
+    peer = next(p for p in core.peers.values() if p.name == "a")
+    held = core.jobs.live[peer.id]
+    assert held >= 2  # its share of 4 chunks between 2 workers (it asked first, alone)
+    digest = ReplicaState.initial(store4.config).digest()
+    again = sends(core.receive(peer.id, JobRequest(0, digest, 0, 4)))
+    assert [type(o.msg).__name__ for o in again] == ["Wait"] and core.jobs.live[peer.id] == held
 
 
 def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Dataset) -> None:

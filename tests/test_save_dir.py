@@ -18,6 +18,7 @@ from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, replay, save_checkpoint
 from eggroll_dist.shared.save_dir import (
+    RUN_FORMAT,
     HistoryLog,
     Layout,
     SaveDir,
@@ -183,7 +184,7 @@ def test_eggroll_train_leaves_a_save_directory_that_reads_back(
     assert result.exit_code == 0, result.output
     run = SaveDir.open(save)
     stored = json.loads(run.layout.run_file.read_text())
-    assert stored["format"] == 1 and len(stored["run_id"]) == 32
+    assert stored["format"] == RUN_FORMAT and len(stored["run_id"]) == 32
     assert stored["data_digest"] == load_data_dir(words_data).meta.sha256  # for eggroll-sample
     summary = json.loads(run.layout.summary.read_text())
     assert run.config == CFG and run.steps == 3 and run.snapshot_steps() == [3]

@@ -45,6 +45,7 @@ from eggroll_dist.protocol import (
     Step,
     Wait,
     Welcome,
+    encode_message,
     iter_snapshot_chunks,
     pack_ternary,
     verify_mac,
@@ -480,6 +481,24 @@ async def test_reconnects_until_the_coordinator_is_up(
                 assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
             finally:
                 await fake.close()
+
+
+async def test_a_coordinator_of_another_protocol_version_ends_the_worker(
+    coordinator: FakeCoordinator, dataset: Dataset
+) -> None:
+    """Its frames carry another version byte: one line, no reconnecting."""
+    client = make_client(coordinator, dataset)
+    run = asyncio.create_task(client.run())
+    peer = await coordinator.next_peer()
+    await peer.expect(Hello)
+    frame = bytearray(encode_message(Challenge(os.urandom(32))))
+    frame[4] = PROTOCOL_VERSION - 1  # the header's version byte
+    peer.writer.write(bytes(frame))
+    await peer.writer.drain()
+    with pytest.raises(WorkerFatal, match="another protocol") as raised:
+        await asyncio.wait_for(run, TIMEOUT_S)
+    assert raised.value.code is ErrorCode.BAD_VERSION and "\n" not in str(raised.value)
+    assert coordinator.peers.empty()  # it did not come back
 
 
 @pytest.mark.parametrize("code", [ErrorCode.DATA_MISMATCH, ErrorCode.AUTH_FAILED])

@@ -60,7 +60,7 @@ class ReplicaCalls(ReplicaView, Protocol):
 
     def drop(self) -> None: ...
     async def start(self, config: RunConfig, run_id: bytes) -> None: ...
-    async def evaluate(self, step: int, first_member: int, count: int) -> ChunkResult: ...
+    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> list[ChunkResult]: ...
     async def apply(self, fitness: list[np.ndarray]) -> None: ...
     async def encode(self) -> tuple[int, bytes]: ...
     async def decode(self, blob: bytes) -> tuple[ReplicaState | None, str]: ...
@@ -288,6 +288,15 @@ class Link:
             # SPEC §5: tell the peer why before the connection ends.
             with contextlib.suppress(OSError, RuntimeError):
                 self.writer.write(self.conn.error_frame(exc))
+            if exc.error_code is ErrorCode.BAD_VERSION:  # its frames: another release
+                self.inbox.put_nowait(
+                    WorkerFatal(
+                        f"the coordinator speaks another protocol ({exc}): run the same "
+                        "eggroll-distributed version everywhere",
+                        ErrorCode.BAD_VERSION,
+                    )
+                )
+                return
             self.inbox.put_nowait(Ended(f"protocol error from the coordinator: {exc}"))
         except ssl.SSLError as exc:
             if "ALERT" in (exc.reason or ""):  # the coordinator refused our certificate

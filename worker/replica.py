@@ -118,8 +118,9 @@ class Replica:
     def parallel_chunks(self) -> int:
         """Chunks to ask for at once: what the backend scores in one pass, within the
         protocol's bound."""
-        chunks = 1 if self.backend is None else self.backend.parallel_chunks
-        return max(1, min(chunks, MAX_CHUNKS_PER_REQUEST))
+        if self.backend is None or isinstance(self.objective, Reward):
+            return 1  # a reward's chunks are scored one after another: no gain in asking more
+        return max(1, min(self.backend.parallel_chunks, MAX_CHUNKS_PER_REQUEST))
 
     @property
     def config_digest(self) -> bytes | None:

@@ -259,6 +259,9 @@ class ReplicaView(Protocol):
     @property
     def config_digest(self) -> bytes | None: ...
 
+    @property
+    def parallel_chunks(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -335,6 +338,8 @@ class Session:
         self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
         self._last_failure = ""  # the reward's last failure on a chunk
         self._batch: list[Job] = []  # JOBs of the request so far, while more are due
+        self._more: int | None = None  # the last JOB's `more`, while the request's JOBs come
+        self._batch_step = -1
         self._replay: tuple[int, Progress] | None = None  # (from step, its progress) likewise
         self._nonce = b""
 
@@ -354,6 +359,10 @@ class Session:
             return []  # receiving it already proved the coordinator alive
         if isinstance(msg, Error):
             raise self._on_error(msg)
+        if (
+            self._more is not None and msg.TYPE is not MsgType.JOB
+        ):  # SPEC §8: a request's JOBs are contiguous
+            raise PeerViolation(f"{msg.TYPE.name} among the JOBs of one request")
         handler = _TABLE[self.phase].get(msg.TYPE)
         if handler is None:
             raise PeerViolation(f"unexpected {msg.TYPE.name} while {self.phase.value}")
@@ -629,15 +638,22 @@ class Session:
                 f"JOB members [{job.first_member}, {job.first_member + job.member_count}) lie "
                 f"outside the population of {population}"
             )
-        if self._batch and job.step != self._batch[0].step:
-            raise PeerViolation(f"JOBs of one request for steps {self._batch[0].step}, {job.step}")
+        if any(j.chunk == job.chunk for j in self._batch):
+            raise PeerViolation(f"chunk {job.chunk} twice in the JOBs of one request")
         self._batch.append(job)
         return self._batch_done(job)
 
     def _batch_done(self, job: Job) -> list[Command]:
         """After a JOB: wait for the request's next one (`more`), or evaluate what it gave."""
+        if self._more is not None and job.more != self._more - 1:
+            raise PeerViolation(f"a request's JOBs count down from {self._more}, then {job.more}")
+        if job.step != self._batch_step and self._more is not None:
+            raise PeerViolation(f"JOBs of one request for steps {self._batch_step}, {job.step}")
         if job.more:
+            self._more, self._batch_step = job.more, job.step
+            self.phase = Phase.REQUESTED  # the request is still being answered
             return []
+        self._more = None
         batch, self._batch = tuple(self._batch), []
         if not batch:  # every JOB skipped: nothing to evaluate; advance() asks again
             if self.phase in (Phase.REQUESTED, Phase.CATCHING_UP):
