@@ -142,8 +142,9 @@ def test_worker_sigkill_mid_step_loses_nothing(
     steps = 6
     save_dir = tmp_path / "run"
     coord, port = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps))
-    start_worker(spawn, port, words_data, "steady")
-    victim = start_worker(spawn, port, words_data, "victim")
+    # One thread each: a chunk per request, so the victim holds a lease when it dies.
+    start_worker(spawn, port, words_data, "steady", "--threads", "1")
+    victim = start_worker(spawn, port, words_data, "victim", "--threads", "1")
     coord.wait_for(committed(2), 120, "step 2")
     victim.wait_for(
         lambda e: e.get("event") == "chunk done" and e.get("step", 0) >= 2,
