@@ -410,7 +410,8 @@ def test_embed_and_state_reset(k: Kernels) -> None:
         "embed",
         (m,),
         (128,),
-        *(dev(tokens), i32(5), i32(2), dev(params["emb"]), dev(pn.a["emb"]), dev(pn.b["emb"])),
+        *(dev(tokens), i32(5), i32(1), dev(np.array([1], np.int32))),  # column 1 + *pos = 2
+        *(dev(params["emb"]), dev(pn.a["emb"]), dev(pn.b["emb"])),
         *(i32(m), i32(d), i32(v), i32(4 + cfg.es.sigma_shift), states, i32(2), x),
     )
     tok = np.repeat(tokens[:, 2], 2)

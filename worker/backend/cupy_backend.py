@@ -120,6 +120,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         I32,
         "int32",
         "int32",
+        I32,
         I8,
         I8,
         I8,
@@ -142,7 +143,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "zgemm_tc": _ZGEMM,
     "zgemm_dp4a": _ZGEMM,
     "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
-    "token_histogram": (I8, I32, "int32", "int32", "int32", "int32", I32, I32),
+    "token_histogram": (I8, I32, "int32", "int32", I32, "int32", "int32", I32, I32),
+    "bump_i32": (I32,),
     "ztest_apply": (I64, I64, "int32", I8, U64, I8),
     "momentum_apply": (I64, I64, "int32", "int32", I32, I8, U64, I8),
     "adamw_apply": (*(I64, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT, I8),
@@ -377,7 +379,7 @@ class CupyBackend:
         # of a step has its own shape)
         self._forward_graphs: dict[int, tuple[Callable[[], None], dict[str, Any]]] = {}
         # the held-out passes by (pairs, steps)
-        self._held_out_graphs: dict[tuple[int, int], tuple[Callable[[], None], dict]] = {}
+        self._held_out_graphs: dict[tuple[int, int], tuple[list[Callable[[], None]], dict]] = {}
         # bytes each token id decodes to, for bits per byte of the held-out text
         self.piece_bytes = np.array([len(piece) for piece in dataset.decoding], dtype=np.int64)
         self._update_buffers: dict[str, Any] = {}
@@ -548,6 +550,7 @@ class CupyBackend:
         if held_out:
             bufs["hist"] = xp.zeros((steps, n_pairs, 256), dtype=xp.int32)
             bufs["target"] = xp.zeros((steps, n_pairs), dtype=xp.int32)
+            bufs["pos"] = xp.zeros(1, dtype=xp.int32)  # the column a replayed step reads
         bufs.update(self.noise_buffers(n_pairs))
         return bufs
 
@@ -621,28 +624,46 @@ class CupyBackend:
         replay()
         return _host(xp, bufs["loss"])
 
-    def _forward_sequence(self, bufs: dict[str, Any], held_out: bool = False) -> None:
-        """The launches of one forward pass over bufs: noise, then a token step of
+    def _forward_sequence(self, bufs: dict[str, Any]) -> None:
+        """The launches of one forward pass over bufs: windows, noise, then a token step of
         forward_launches(n_layer) kernels per column of the windows. Every per-pass input is
-        in device memory. Held out: the unperturbed model (bufs' noise is zero, its vectors
-        the weights'), each row a pair of identical members, the logits of each step counted
-        into bufs["hist"] instead of scored."""
+        in device memory."""
+        self.gather(bufs)
+        self.noise(bufs["pairs"], len(bufs["pairs"]), bufs["a"], bufs["b"], bufs["vec"])
+        for zeroed in (bufs["states"], bufs["loss"]):
+            self._zero(zeroed)
+        for t in range(bufs["tokens"].shape[1] - 1):
+            self._token_step(bufs, t)
+
+    def _held_out_start(self, bufs: dict[str, Any]) -> None:
+        """Before a held-out pass: zero states, counts, and the device-side position."""
+        for zeroed in (bufs["states"], bufs["hist"], bufs["pos"]):
+            self._zero(zeroed)
+
+    def _held_out_step(self, bufs: dict[str, Any]) -> None:
+        """One token step of a held-out pass at the device-side position, then the position
+        moves on: captured once, replayed once per column (a stream of thousands of tokens
+        is one small graph, not thousands of steps' launches)."""
+        self._token_step(bufs, 0, bufs["pos"])
+        self.kernels("bump_i32", (1,), (1,), bufs["pos"])
+
+    def _token_step(self, bufs: dict[str, Any], t: int, pos: Any = None) -> None:
+        """forward_launches(n_layer) kernels: read column t (+ *pos, a device-side position
+        of a held-out pass) of every pair's window, score the next column: into the loss
+        (training), or with pos, as logit counts into bufs["hist"] (held out: the unperturbed
+        model, bufs' noise zero and its vectors the weights', each row a pair of identical
+        members)."""
         k, cfg = self.kernels, self.config
         d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
-        t_len, n_pairs = bufs["tokens"].shape[1] - 1, len(bufs["pairs"])
+        t_cols, n_pairs = bufs["tokens"].shape[1], len(bufs["pairs"])
         m = 2 * n_pairs
         i32 = np.int32
         shift = i32(4 + cfg.es.sigma_shift)
         a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
-        if not held_out:
-            self.gather(bufs)
-            self.noise(bufs["pairs"], n_pairs, a, b, vec)
         tokens, states, loss, xb = bufs["tokens"], bufs["states"], bufs["loss"], bufs["xb"]
         x, h, f, g = bufs["x"], bufs["h"], bufs["f"], bufs["g"]
         hidden, logits, w = bufs["hidden"], bufs["logits"], self.w
-        scores = bufs["hist"] if held_out else loss.view(np.int32)
-        for zeroed in (states.reshape(-1).view(np.int32), scores.reshape(-1)):
-            k("zero_i32", (_cdiv(zeroed.size, BLOCK),), (BLOCK,), zeroed, i32(zeroed.size))
+        at = self.null32 if pos is None else pos
         rows = (_cdiv(m, 8),)
         sfx = self.suffix
 
@@ -674,54 +695,53 @@ class CupyBackend:
 
         div_d = i32(16 * isqrt(d))
         square = (_cdiv(d, TILE_N), _cdiv(m, TILE_M))
-        for t in range(t_len):
+        k(
+            "embed",
+            (m,),
+            (128,),
+            *(tokens, i32(t_cols), i32(t), at, w["emb"], a["emb"], b["emb"]),
+            *(i32(m), i32(d), i32(v), shift, states, i32(n_layer), x),
+        )
+        for i in range(n_layer):
+            p, s = f"layers.{i}.", states[i]
+            norm(p + "ln1", (p + "wf", p + "wh"))
             k(
-                "embed",
-                (m,),
-                (128,),
-                *(tokens, i32(t_len + 1), i32(t), w["emb"], a["emb"], b["emb"]),
-                *(i32(m), i32(d), i32(v), shift, states, i32(n_layer), x),
+                "gate" + sfx,
+                square,
+                (BLOCK,),
+                *(h, w[p + "wf"], xb[0], a[p + "wf"]),
+                *(s, w[p + "uf"], rowdot(s, p + "uf", xb[1]), a[p + "uf"]),
+                *(i32(m), i32(d), shift, div_d, vec[p + "bf"], f, g),
             )
-            for i in range(n_layer):
-                p, s = f"layers.{i}.", states[i]
-                norm(p + "ln1", (p + "wf", p + "wh"))
-                k(
-                    "gate" + sfx,
-                    square,
-                    (BLOCK,),
-                    *(h, w[p + "wf"], xb[0], a[p + "wf"]),
-                    *(s, w[p + "uf"], rowdot(s, p + "uf", xb[1]), a[p + "uf"]),
-                    *(i32(m), i32(d), shift, div_d, vec[p + "bf"], f, g),
-                )
-                k(
-                    "cand" + sfx,
-                    square,
-                    (BLOCK,),
-                    *(h, w[p + "wh"], xb[2], a[p + "wh"]),
-                    *(g, w[p + "uh"], rowdot(g, p + "uh", xb[3]), a[p + "uh"]),
-                    *(i32(m), i32(d), shift, div_d, vec[p + "bh"], f, s, x),
-                )
-                norm(p + "ln2", (p + "w1",))
-                mm(h, p + "w1", xb[0], self.null8, hidden)
-                mm(hidden, p + "w2", rowdot(hidden, p + "w2", xb[0]), x, x)
-            norm("ln_out", ("head",))
-            mm(h, "head", xb[0], self.null8, logits)
-            if held_out:
-                k(
-                    "token_histogram",
-                    rows,
-                    (BLOCK,),
-                    *(logits, tokens, i32(t_len + 1), i32(t + 1), i32(m), i32(v)),
-                    *(bufs["hist"][t], bufs["target"][t]),
-                )
-                continue
             k(
-                "token_loss",
+                "cand" + sfx,
+                square,
+                (BLOCK,),
+                *(h, w[p + "wh"], xb[2], a[p + "wh"]),
+                *(g, w[p + "uh"], rowdot(g, p + "uh", xb[3]), a[p + "uh"]),
+                *(i32(m), i32(d), shift, div_d, vec[p + "bh"], f, s, x),
+            )
+            norm(p + "ln2", (p + "w1",))
+            mm(h, p + "w1", xb[0], self.null8, hidden)
+            mm(hidden, p + "w2", rowdot(hidden, p + "w2", xb[0]), x, x)
+        norm("ln_out", ("head",))
+        mm(h, "head", xb[0], self.null8, logits)
+        if pos is not None:
+            k(
+                "token_histogram",
                 rows,
                 (BLOCK,),
-                *(logits, tokens, i32(t_len + 1), i32(t + 1), i32(m), i32(v)),
-                *(self._exp2, self._log2_th, loss),
+                *(logits, tokens, i32(t_cols), i32(t), pos, i32(m), i32(v)),
+                *(bufs["hist"], bufs["target"]),
             )
+            return
+        k(
+            "token_loss",
+            rows,
+            (BLOCK,),
+            *(logits, tokens, i32(t_cols), i32(t + 1), i32(m), i32(v)),
+            *(self._exp2, self._log2_th, loss),
+        )
 
     # -------------------------------------------------------------------- update
 
@@ -919,20 +939,23 @@ class CupyBackend:
         if key not in self._held_out_graphs:
             if len(self._held_out_graphs) >= 2 * FORWARD_GRAPHS:
                 self._held_out_graphs.pop(next(iter(self._held_out_graphs)))
-            if former:
+            k = self.kernels
+            if former:  # one pass over every position at once
                 bufs = cupy_former.buffers(self, n_pairs, held_out=True)
-                run = lambda: cupy_former.sequence(self, bufs, held_out=True)  # noqa: E731
-            else:
+                graphs = [k.capture(lambda: cupy_former.sequence(self, bufs, held_out=True))]
+            else:  # the start, then one token step replayed per column
                 bufs = self._forward_buffers(n_pairs, steps, held_out=True)
-                run = lambda: self._forward_sequence(bufs, held_out=True)  # noqa: E731
+                graphs = [k.capture(lambda: self._held_out_start(bufs))]
+                graphs += [k.capture(lambda: self._held_out_step(bufs))] * steps
             for noise in (*bufs["a"].values(), *bufs["b"].values()):
                 noise[...] = 0  # the unperturbed model: no rank-1 correction
-            self._held_out_graphs[key] = (self.kernels.capture(run), bufs)
-        replay, bufs = self._held_out_graphs[key]
+            self._held_out_graphs[key] = (graphs, bufs)
+        graphs, bufs = self._held_out_graphs[key]
         for name, vector in bufs["vec"].items():
             vector[...] = self.w[name]  # every member's vector is the weights' own
         bufs["tokens"][...] = xp.asarray(rows.astype(np.int32))
-        replay()
+        for replay in graphs:
+            replay()
         if former:
             hist = _host(xp, bufs["hist"]).reshape(n_pairs, steps, 256)
             target = _host(xp, bufs["target"])[: n_pairs * steps].reshape(n_pairs, steps)

@@ -278,14 +278,16 @@ extern "C" __global__ void vector_z(const u64* base, u64 tensor_id, int n, int k
 // --------------------------------------------------------------- the forward pass
 
 // x[m] = clip(EMB[tok] + ((sign * a_emb[pair, tok] * b_emb[pair, :]) >> shift)) for the token
-// at column t of the member's pair window, and every layer's state row reset where tok == 0.
+// at column t (+ *pos where given: a replayed held-out step's device-side position) of the
+// member's pair window, and every layer's state row reset where tok == 0.
 // tokens (P, t_cols) int32; a_emb (P, V); b_emb (P, D); states (L, M, D).
 // Launch: grid (M), block (128).
-extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const i8* emb,
-                                 const i8* a_emb, const i8* b_emb, int M, int D, int V,
-                                 int shift, i8* states, int n_layer, i8* x) {
+extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const int* pos,
+                                 const i8* emb, const i8* a_emb, const i8* b_emb, int M, int D,
+                                 int V, int shift, i8* states, int n_layer, i8* x) {
   int m = blockIdx.x;
   long long pair = m >> 1;
+  if (pos) t += *pos;
   int tok = tokens[pair * t_cols + t];
   int a = a_emb[pair * V + tok];
   if (m & 1) a = -a;
@@ -798,19 +800,25 @@ extern "C" __global__ void token_loss(const i8* logits, const int* tokens, int t
 }
 
 // Held-out scores (the unperturbed model, each window or stream a pair of identical
-// members): for the even row 2 p, hist[p, l + 128] += 1 for each logit l of the row and
-// target[p] = the logit of column t's token; hist starts zeroed. The host finishes both
-// losses from these counts (shared/loss.py). Launch: grid (ceil(M / 8)), block (256).
+// members) at step s = t + *pos, predicting column s + 1: for the even row 2 p,
+// hist[s, p, l + 128] += 1 for each logit l of the row and target[s, p] = the logit of the
+// next token; hist (steps, P, 256) starts zeroed. The host finishes both losses from these
+// counts (shared/loss.py). Launch: grid (ceil(M / 8)), block (256).
 extern "C" __global__ void token_histogram(const i8* logits, const int* tokens, int t_cols, int t,
-                                           int M, int V, int* hist, int* target) {
+                                           const int* pos, int M, int V, int* hist,
+                                           int* target) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= M || (row & 1)) return;  // warp-uniform
-  long long p = row >> 1;
+  long long p = row >> 1, P = M >> 1, s = t + *pos;
   const i8* l = logits + (long long)row * V;
-  for (int j = lane; j < V; j += 32) atomicAdd(hist + p * 256 + l[j] + 128, 1);
-  if (lane == 0) target[p] = l[tokens[p * t_cols + t]];
+  int* counts = hist + (s * P + p) * 256;
+  for (int j = lane; j < V; j += 32) atomicAdd(counts + l[j] + 128, 1);
+  if (lane == 0) target[s * P + p] = l[tokens[p * t_cols + s + 1]];
 }
+
+// *p += 1: a replayed held-out step moves its device-side position on. Launch: (1), (1).
+extern "C" __global__ void bump_i32(int* p) { *p += 1; }
 
 // ------------------------------------------------------------------ the ztest apply
 
