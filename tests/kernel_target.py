@@ -58,3 +58,17 @@ def kernels(variant: str) -> Kernels:
 
 def to_host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") else np.array(a, copy=True)
+
+
+def dev(a: np.ndarray):
+    """A device copy (kernels write some inputs in place)."""
+    return array_module().array(np.ascontiguousarray(a))
+
+
+def poisoned(shape, dtype):
+    """A device array of garbage: outputs start so."""
+    return array_module().asarray(np.full(shape, 99, dtype=dtype))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

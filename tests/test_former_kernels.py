@@ -17,7 +17,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_target import CPU_BUILD_MISSING, VARIANTS, array_module, kernels, to_host
+from kernel_target import (
+    CPU_BUILD_MISSING,
+    VARIANTS,
+    array_module,
+    cdiv,
+    dev,
+    kernels,
+    poisoned,
+    to_host,
+)
 
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.former import (
@@ -67,18 +76,6 @@ def batch(cfg: RunConfig, n_pairs: int = 14):
     rng = np.random.default_rng(6)
     tokens = rng.integers(0, cfg.model.vocab_size, size=(n_pairs, T + 1)).astype(np.int32)
     return params, pn, mn, tokens, FormerModel(cfg, params)
-
-
-def dev(a: np.ndarray):
-    return xp.array(np.ascontiguousarray(a))
-
-
-def poisoned(shape, dtype):
-    return xp.asarray(np.full(shape, 99, dtype=dtype))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def rows_of(a: np.ndarray) -> np.ndarray:

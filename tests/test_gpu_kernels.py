@@ -26,7 +26,10 @@ from kernel_target import (
     SANITIZE,
     VARIANTS,
     array_module,
+    cdiv,
+    dev,
     kernels,
+    poisoned,
     to_host,
 )
 
@@ -76,20 +79,8 @@ def cfg_for(noise: str = "uniform", d: int = 36, vocab: int = 50) -> RunConfig:
     )
 
 
-def dev(a: np.ndarray):
-    return xp.array(np.ascontiguousarray(a))  # a copy: kernels write some inputs in place
-
-
-def poisoned(shape, dtype) -> object:
-    return xp.asarray(np.full(shape, 99, dtype=dtype))  # outputs start as garbage
-
-
 def key_dev(cfg: RunConfig, step: int):
     return dev(np.array([hash_key(DOMAIN_NOISE, cfg.es.run_seed, step)], dtype=np.uint64))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def zgemm(k: Kernels, suffix: str, x, w, k_split: int, z) -> None:

@@ -370,8 +370,8 @@ class CupyBackend:
             self._train_width = train.itemsize
         self._threshold = xp.zeros(1, dtype=xp.int64)
         self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
-        self._exp2 = xp.asarray(exp2_table())
-        self._log2_th = xp.asarray(log2_thresholds())
+        self.exp2 = xp.asarray(exp2_table())  # the loss tables (shared/loss.py)
+        self.log2_th = xp.asarray(log2_thresholds())
         self.null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
         self.null32 = xp.zeros(0, dtype=xp.int32)
         self._update_graph: Callable[[], None] | None = None
@@ -465,10 +465,11 @@ class CupyBackend:
         """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it,
         and key(DATA, data_seed, step), where gather_windows reads it."""
         cfg = self.config
-        keys = [hash_key(DOMAIN_NOISE, cfg.es.run_seed, step)]
-        keys.append(hash_key(DOMAIN_DATA, cfg.data.data_seed, step))
-        self._step_key[...] = self.xp.asarray(np.array(keys[:1], dtype=np.uint64))
-        self._data_key[...] = self.xp.asarray(np.array(keys[1:], dtype=np.uint64))
+        for dst, key in (
+            (self._step_key, hash_key(DOMAIN_NOISE, cfg.es.run_seed, step)),
+            (self._data_key, hash_key(DOMAIN_DATA, cfg.data.data_seed, step)),
+        ):
+            dst[...] = self.xp.asarray(np.array([key], dtype=np.uint64))
 
     def gather(self, bufs: dict[str, Any]) -> None:
         """The pass's windows from the resident train split into bufs["tokens"]; nothing
@@ -631,14 +632,14 @@ class CupyBackend:
         self.gather(bufs)
         self.noise(bufs["pairs"], len(bufs["pairs"]), bufs["a"], bufs["b"], bufs["vec"])
         for zeroed in (bufs["states"], bufs["loss"]):
-            self._zero(zeroed)
+            self.zero(zeroed)
         for t in range(bufs["tokens"].shape[1] - 1):
             self._token_step(bufs, t)
 
     def _held_out_start(self, bufs: dict[str, Any]) -> None:
         """Before a held-out pass: zero states, counts, and the device-side position."""
         for zeroed in (bufs["states"], bufs["hist"], bufs["pos"]):
-            self._zero(zeroed)
+            self.zero(zeroed)
 
     def _held_out_step(self, bufs: dict[str, Any]) -> None:
         """One token step of a held-out pass at the device-side position, then the position
@@ -740,7 +741,7 @@ class CupyBackend:
             rows,
             (BLOCK,),
             *(logits, tokens, i32(t_cols), i32(t + 1), i32(m), i32(v)),
-            *(self._exp2, self._log2_th, loss),
+            *(self.exp2, self.log2_th, loss),
         )
 
     # -------------------------------------------------------------------- update
@@ -758,7 +759,7 @@ class CupyBackend:
         # which weights the apply kernel moved, for the overlays' update (adaptive noise)
         buf["moved"] = xp.empty(largest, dtype=xp.int8) if self.overlay else self.null8
 
-    def _zero(self, a: Any) -> None:
+    def zero(self, a: Any) -> None:
         """a[...] = 0 for a contiguous device array, as a launch (captured with the rest)."""
         words = a.reshape(-1).view(np.int32)
         self.kernels("zero_i32", (_cdiv(words.size, BLOCK),), (BLOCK,), words, np.int32(words.size))
@@ -793,7 +794,7 @@ class CupyBackend:
                         *(weight, np.int32(pairs), np.int32(ppad), dst),
                     )
                 k_split = z_split(out, inp, ppad, max_abs(cfg.es.noise))
-                self._zero(z)
+                self.zero(z)
                 k(
                     "zgemm" + self.suffix,
                     (_cdiv(inp, TILE_N), _cdiv(out, TILE_M), _cdiv(ppad // 4, k_split)),
@@ -802,7 +803,7 @@ class CupyBackend:
                 )
             else:
                 per = vector_split(size, pairs, max_abs(cfg.es.noise))
-                self._zero(z)
+                self.zero(z)
                 k(
                     "vector_z",
                     (_cdiv(size, BLOCK), _cdiv(pairs, per)),

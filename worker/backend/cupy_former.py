@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...shared.former import gelu_table, rope_table, softmax_table
-from ...shared.loss import exp2_table, log2_thresholds
 from ...shared.model import param_specs
 
 if TYPE_CHECKING:
@@ -58,7 +57,8 @@ def batch_members(cfg: RunConfig, members: int) -> int:
 
 
 def tables(xp: Any, seq_len: int, head_dim: int) -> dict[str, Any]:
-    """The reference's tables on the device (int32)."""
+    """The former's tables (GELU, softmax, RoPE) on the device, int32; the loss tables are
+    the backend's."""
     cos, sin = rope_table(seq_len, head_dim)
     return {
         name: xp.asarray(np.ascontiguousarray(table, dtype=np.int32))
@@ -67,9 +67,8 @@ def tables(xp: Any, seq_len: int, head_dim: int) -> dict[str, Any]:
             ("softmax", softmax_table()),
             ("cos", cos),
             ("sin", sin),
-            ("exp2", exp2_table()),
         )
-    } | {"log2_th": xp.asarray(log2_thresholds())}
+    }
 
 
 def buffers(backend: CupyBackend, n_pairs: int, held_out: bool = False) -> dict[str, Any]:
@@ -190,14 +189,13 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
         mlp(f"layers.{i}.", "ln2")
     norm("ln_f", ("emb",))
     hist = bufs["hist"] if held_out else null32
-    zeroed = (hist if held_out else bufs["total"].view(np.int32)).reshape(-1)
-    k("zero_i32", (-(-zeroed.size // 256),), block, zeroed, i32(zeroed.size))
+    backend.zero(hist if held_out else bufs["total"])
     k(
         "former_head" + sfx,
         (-(-v // tile_n), -(-r // tile_m)),
         block,
         *(h, w["emb"], xb[0], a["emb"], i32(r), i32(v), i32(d), per, shift, i32(16 * isqrt(d))),
-        *(vec.get("head_bias", null8), bufs["tokens"], tab["exp2"], bufs["total"]),
+        *(vec.get("head_bias", null8), bufs["tokens"], backend.exp2, bufs["total"]),
         *(bufs["target"], hist),
     )
     if held_out:
@@ -206,7 +204,7 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
         "former_loss",
         (-(-m // 256),),
         block,
-        *(bufs["total"], bufs["target"], i32(m), per, tab["log2_th"], bufs["loss"]),
+        *(bufs["total"], bufs["target"], i32(m), per, backend.log2_th, bufs["loss"]),
     )
 
 
