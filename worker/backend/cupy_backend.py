@@ -457,9 +457,14 @@ class CupyBackend:
         self._leaf_length = self.xp.asarray(np.array(length, dtype=np.int64))
         self._leaf_out = self.xp.zeros(4 * len(address), dtype=self.xp.uint64)
 
-    def noise_overlay(self, name: str) -> Any:
-        """The overlay `name` (adaptive noise) on the device, or the null pointer without one."""
-        return self.overlay.get(name, self.null8)
+    def overlays(self, spec: ParamSpec) -> tuple[Any, Any]:
+        """The adaptive-noise overlays on the device that scale a matrix's a and b, or a
+        vector's elements (and a null pointer); null pointers without adaptive noise."""
+        if spec.kind == "matrix":
+            names = (f"overlay.rows.{spec.name}", f"overlay.cols.{spec.name}")
+        else:
+            names = (f"overlay.{spec.name}", "")
+        return self.overlay.get(names[0], self.null8), self.overlay.get(names[1], self.null8)
 
     def _put_step_key(self, step: int) -> None:
         """key(NOISE, run_seed, step) into device memory, where every noise kernel reads it,
@@ -578,17 +583,16 @@ class CupyBackend:
             tid = np.uint64(spec.tensor_id)
             if spec.kind == "matrix":
                 out, inp = spec.shape
-                for start, count, keep, axis, dst in (
-                    (0, out, self._keep(spec), "rows", a[spec.name]),
-                    (out, inp, inp, "cols", b[spec.name]),
+                for start, count, keep, overlay, dst in (
+                    (0, out, self._keep(spec), self.overlays(spec)[0], a[spec.name]),
+                    (out, inp, inp, self.overlays(spec)[1], b[spec.name]),
                 ):
                     k(
                         "noise_rows",
                         (n_pairs, _cdiv(count, BLOCK)),
                         (BLOCK,),
                         *(self._step_key, pairs_dev, tid, np.uint32(start), np.int32(count)),
-                        *(np.int32(keep), kind, self.noise_overlay(f"overlay.{axis}.{spec.name}")),
-                        dst,
+                        *(np.int32(keep), kind, overlay, dst),
                     )
             else:
                 (n,) = spec.shape
@@ -597,7 +601,7 @@ class CupyBackend:
                     (2 * n_pairs, _cdiv(n, BLOCK)),
                     (BLOCK,),
                     *(self._step_key, pairs_dev, tid, np.int32(n), np.int32(self._keep(spec))),
-                    *(kind, self.noise_overlay(f"overlay.{spec.name}"), self.w[spec.name]),
+                    *(kind, self.overlays(spec)[0], self.w[spec.name]),
                     *(shift, vec[spec.name]),
                 )
 
@@ -781,17 +785,17 @@ class CupyBackend:
                 at = buf["at"][: out * ppad].reshape(out, ppad)
                 bt = buf["bt"][: inp * ppad].reshape(inp, ppad)
                 # Z = (F a)^T b: the fitness weighs a only (null: b unweighted).
-                for start, count, keep, axis, weight, dst in (
-                    (0, out, self._keep(spec), "rows", self._fitness, at),
-                    (out, inp, inp, "cols", self.null8, bt),
+                for start, count, keep, overlay, weight, dst in (
+                    (0, out, self._keep(spec), self.overlays(spec)[0], self._fitness, at),
+                    (out, inp, inp, self.overlays(spec)[1], self.null8, bt),
                 ):
                     k(
                         "noise_cols",
                         (_cdiv(ppad, 128), _cdiv(count, 64)),
                         (128,),
                         *(self._step_key, tid, np.uint32(start), np.int32(count)),
-                        *(np.int32(keep), kind, self.noise_overlay(f"overlay.{axis}.{spec.name}")),
-                        *(weight, np.int32(pairs), np.int32(ppad), dst),
+                        *(np.int32(keep), kind, overlay, weight, np.int32(pairs), np.int32(ppad)),
+                        dst,
                     )
                 k_split = z_split(out, inp, ppad, max_abs(cfg.es.noise))
                 self.zero(z)
@@ -809,7 +813,7 @@ class CupyBackend:
                     (_cdiv(size, BLOCK), _cdiv(pairs, per)),
                     (BLOCK,),
                     *(self._step_key, tid, np.int32(size), np.int32(self._keep(spec)), kind),
-                    *(self.noise_overlay(f"overlay.{spec.name}"), self._fitness),
+                    *(self.overlays(spec)[0], self._fitness),
                     *(np.int32(pairs), np.int32(per), z),
                 )
             w, n, grid = self.w[spec.name].reshape(-1), np.int32(size), (_cdiv(size, BLOCK),)
@@ -843,15 +847,11 @@ class CupyBackend:
                 )
             if self.overlay:
                 rows, cols = spec.shape if spec.kind == "matrix" else (size, 1)
-                names = (f"overlay.rows.{spec.name}", f"overlay.cols.{spec.name}")
-                if spec.kind != "matrix":
-                    names = (f"overlay.{spec.name}", "")
                 k(
                     "overlay_step",
                     (_cdiv(rows + cols, BLOCK),),
                     (BLOCK,),
-                    *(moved, np.int32(rows), np.int32(cols)),
-                    *(self.noise_overlay(names[0]), self.noise_overlay(names[1])),
+                    *(moved, np.int32(rows), np.int32(cols), *self.overlays(spec)),
                 )
 
     def apply_step(self, fitness: np.ndarray) -> int:
