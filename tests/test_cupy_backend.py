@@ -27,6 +27,7 @@ from eggroll_dist.shared.config import (
     RunConfig,
     UpdateConfig,
 )
+from eggroll_dist.shared.model import param_specs
 from eggroll_dist.shared.replica import DIGEST_LEAF, ReplicaState
 from eggroll_dist.shared.sample import Completions, SampleSettings
 from eggroll_dist.shared.window import validation_streams, validation_windows
@@ -293,6 +294,30 @@ def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name
         passes = -(-len(rows) // per)
         want += passes * (1 if name == "former" else 1 + steps)
     assert gpu.kernels.replays - replays == want
+
+
+@pytest.mark.parametrize("name", ["adamw", "former-d-eggs"])
+def test_the_update_in_slabs_of_pairs(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """With the update's scratch bounded to a few stages, Z comes from several slabs of
+    pairs (the last one partial, padded with zero noise) adding into Z: the reference's
+    changed counts and digests, step after step."""
+    cfg = CONFIGS[name]
+    cfg = cfg.replace(es=dataclasses.replace(cfg.es, population=300, chunk_size=150))
+    rows = max(s[0] for s in specs_of(cfg)) + max(s[1] for s in specs_of(cfg))
+    monkeypatch.setattr(cupy_backend_module, "UPDATE_SCRATCH_BYTES", rows * 64 + 1)
+    data = dataset(cfg)
+    ref = NumpyBackend(data, ReplicaState.initial(cfg))
+    gpu = cupy_backend(cfg, data, VARIANTS[-1], True)
+    assert gpu._slab == 64 and cfg.pairs == 150  # slabs of 64, 64 and 22 pairs (+ 42 padding)
+    rng = np.random.default_rng(4)
+    for _ in range(2):
+        fitness = rng.integers(-1, 2, size=cfg.pairs).astype(np.int8)
+        assert gpu.apply_step(fitness) == ref.apply_step(fitness) > 0
+        assert gpu.digest() == ref.digest()
+
+
+def specs_of(cfg: RunConfig) -> list[tuple[int, ...]]:
+    return [s.shape for s in param_specs(cfg.model) if s.kind == "matrix"]
 
 
 def test_steps_and_digests_copy_no_state_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,11 +83,13 @@ def key_dev(cfg: RunConfig, step: int):
     return dev(np.array([hash_key(DOMAIN_NOISE, cfg.es.run_seed, step)], dtype=np.uint64))
 
 
-def zgemm(k: Kernels, suffix: str, x, w, k_split: int, z) -> None:
-    """z = x w^T through the split-K update GEMM (zeroed first, as the backend does)."""
+def zgemm(k: Kernels, suffix: str, x, w, k_split: int, z, zero: bool = True) -> None:
+    """z = x w^T through the split-K update GEMM (zeroed first, as the backend does), or
+    z += x w^T (zero False: a later slab of pairs)."""
     (m, kk), n = x.shape, w.shape[0]
     assert z.dtype == np.int64  # zeroed as int32 words: two a sum
-    k("zero_i32", (cdiv(2 * m * n, 256),), (256,), z.reshape(-1).view(np.int32), i32(2 * m * n))
+    if zero:
+        k("zero_i32", (cdiv(2 * m * n, 256),), (256,), z.reshape(-1).view(np.int32), i32(2 * m * n))
     grid = (cdiv(n, TILE_N), cdiv(m, TILE_M), cdiv(kk // 4, k_split))
     k("zgemm" + suffix, grid, (256,), x, w, i32(m), i32(n), i32(kk), i32(k_split), z)
 
@@ -222,27 +224,34 @@ def test_update_noise_gemm_and_vector_z(k: Kernels, noise: str, scaled: bool) ->
                 assert np.array_equal(to_host(z), want), (spec.name, per, keep)
             continue
         out, inp = spec.shape
-        at = poisoned((out, ppad), np.int8)
-        bt = poisoned((inp, ppad), np.int8)
-        for start, count, keep, axis, weight, dst in (
-            (0, out, kept, "rows", dev(fitness), at),
-            (out, inp, inp, "cols", xp.zeros(0, dtype=xp.int8), bt),
-        ):
-            k(
-                "noise_cols",
-                (cdiv(ppad, 128), cdiv(count, 64)),
-                (128,),
-                *(key_dev(cfg, step), tid, u32(start), i32(count), i32(keep), kind),
-                *(overlay_of(overlays, f"overlay.{axis}.{spec.name}"), weight),
-                *(i32(cfg.pairs), i32(ppad), dst),
-            )
         pn = pair_noise(cfg, specs, step, np.arange(cfg.pairs), scales)
         want_at = np.zeros((out, ppad), np.int8)
         want_at[:, : cfg.pairs] = (pn.a[spec.name] * fitness[:, None]).T
-        assert np.array_equal(to_host(at), want_at), spec.name
-        for suffix in GEMM_SUFFIXES:
-            zgemm(k, suffix, at, bt, STAGE_WORDS, z)
-            assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, suffix)
+        # the whole K at once, and two slabs of 32 pairs (the second past the last pair)
+        # whose Z GEMMs add into one Z
+        for slabs in ([(0, ppad)], [(0, 32), (32, 32)]):
+            pieces = []
+            for first, width in slabs:
+                at = poisoned((out, width), np.int8)
+                bt = poisoned((inp, width), np.int8)
+                for start, count, keep, axis, weight, dst in (
+                    (0, out, kept, "rows", dev(fitness), at),
+                    (out, inp, inp, "cols", xp.zeros(0, dtype=xp.int8), bt),
+                ):
+                    k(
+                        "noise_cols",
+                        (cdiv(width, 128), cdiv(count, 64)),
+                        (128,),
+                        *(key_dev(cfg, step), tid, u32(start), i32(count), i32(keep), kind),
+                        *(overlay_of(overlays, f"overlay.{axis}.{spec.name}"), weight),
+                        *(i32(cfg.pairs), i32(first), i32(width), dst),
+                    )
+                pieces.append((at, bt))
+            assert np.array_equal(np.hstack([to_host(a) for a, _ in pieces]), want_at)
+            for suffix in GEMM_SUFFIXES:
+                for i, (at, bt) in enumerate(pieces):
+                    zgemm(k, suffix, at, bt, STAGE_WORDS, z, zero=i == 0)
+                assert np.array_equal(to_host(z), want_z[spec.name]), (spec.name, suffix)
 
 
 def test_overlay_step_is_the_reference(k: Kernels) -> None:
@@ -409,6 +418,37 @@ def test_embed_and_state_reset(k: Kernels) -> None:
     assert np.array_equal(to_host(x), model._embed(tok, mn))
     before[:, tok == 0] = 0
     assert np.array_equal(to_host(states), before)
+
+
+def test_norm_at_every_divisor(k: Kernels) -> None:
+    """mav_norm's 32-bit floor division at every divisor the norm can meet (1 to 128: the
+    mean magnitude of an int8 row), each row's products spread over the int8 range, -128
+    included: the reference's rows exactly."""
+    d = 256
+    cfg = cfg_for(d=d)
+    rng = np.random.default_rng(8)
+    rows = []
+    for mean in range(1, 128):  # magnitudes mean +- spread, summing to exactly mean * d
+        spread = rng.integers(0, min(mean, 127 - mean) + 1, size=d // 2)
+        mags = np.concatenate([mean + spread, mean - spread])
+        rows.append(mags * rng.choice([-1, 1], size=d))
+    rows += [np.zeros(d), np.full(d, -128), np.arange(d) % 256 - 128]  # 0 -> 1, 128, mixed
+    x = np.array(rows).astype(np.int8)
+    assert {max(int(np.abs(r.astype(int)).sum()) // d, 1) for r in x} == set(range(1, 129))
+    w = rng.integers(-128, 128, size=d).astype(np.int8)
+    w[:4] = -128, 127, 1, -1
+    params = dict(init_params(cfg.model), **{"layers.0.ln1": w})
+    want = EggModel(cfg, params)._ln(x.astype(np.int32), "layers.0.ln1", None)
+    null8, null32 = xp.zeros(0, dtype=xp.int8), xp.zeros(0, dtype=xp.int32)
+    m = len(x)
+    h = poisoned((m, d), np.int8)
+    k(
+        "mav_norm",
+        (cdiv(m, 8),),
+        (256,),
+        *(dev(x), dev(w[None]), null8, i32(m), i32(m), i32(d), h, null8, null32, null8, null32),
+    )
+    assert np.array_equal(to_host(h), want)
 
 
 def test_norm_rowdot_and_loss(k: Kernels) -> None:

@@ -69,6 +69,9 @@ BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp co
 TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
 STAGE_WORDS = 16  # the GEMMs' K stage: 16 words of 4 int8
 PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
+# The update's transposed noise is materialised a slab of pairs at a time within this many
+# bytes (d-eggs' embedding alone would take 1.34 GB at once); each slab's Z GEMM adds into Z.
+UPDATE_SCRATCH_BYTES = 1 << 28
 # The update's Z GEMMs split K (the pairs) until about this many blocks run: a 256 x 256 Z
 # is 8 tiles, far too few for a GPU of 100+ multiprocessors.
 Z_GEMM_BLOCKS = 512
@@ -108,6 +111,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int32",
         I8,
         I8,
+        "int32",
         "int32",
         "int32",
         I8,
@@ -751,17 +755,25 @@ class CupyBackend:
     # -------------------------------------------------------------------- update
 
     def _alloc_update_buffers(self) -> None:
-        """The update's scratch: the largest tensor's transposed noise and its Z."""
-        xp, cfg = self.xp, self.config
-        ppad = _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
+        """The update's scratch: a slab of the largest tensors' transposed noise, and Z."""
+        xp = self.xp
         matrices = [s.shape for s in self._specs if s.kind == "matrix"]
         buf = self._update_buffers
-        buf["at"] = xp.empty(max(out for out, _ in matrices) * ppad, dtype=xp.int8)
-        buf["bt"] = xp.empty(max(inp for _, inp in matrices) * ppad, dtype=xp.int8)
+        buf["at"] = xp.empty(max(out for out, _ in matrices) * self._slab, dtype=xp.int8)
+        buf["bt"] = xp.empty(max(inp for _, inp in matrices) * self._slab, dtype=xp.int8)
         largest = max(int(np.prod(s.shape)) for s in self._specs)
         buf["z"] = xp.empty(largest, dtype=xp.int64)
         # which weights the apply kernel moved, for the overlays' update (adaptive noise)
         buf["moved"] = xp.empty(largest, dtype=xp.int8) if self.overlay else self.null8
+
+    @property
+    def _slab(self) -> int:
+        """Pairs per slab of the update's transposed noise: whole stages, the scratch of the
+        largest output and input within UPDATE_SCRATCH_BYTES (one stage at least)."""
+        matrices = [s.shape for s in self._specs if s.kind == "matrix"]
+        rows = max(out for out, _ in matrices) + max(inp for _, inp in matrices)
+        ppad = _cdiv(self.config.pairs, PAIR_PAD) * PAIR_PAD
+        return min(ppad, max(PAIR_PAD, UPDATE_SCRATCH_BYTES // rows // PAIR_PAD * PAIR_PAD))
 
     def zero(self, a: Any) -> None:
         """a[...] = 0 for a contiguous device array, as a launch (captured with the rest)."""
@@ -774,7 +786,7 @@ class CupyBackend:
         scalar read from device memory."""
         k, cfg = self.kernels, self.config
         kind = np.int32(NOISE_KINDS.index(cfg.es.noise))
-        pairs, ppad = cfg.pairs, _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD
+        pairs, ppad, slab = cfg.pairs, _cdiv(cfg.pairs, PAIR_PAD) * PAIR_PAD, self._slab
         buf = self._update_buffers
         for spec in self._specs:
             tid = np.uint64(spec.tensor_id)
@@ -782,29 +794,33 @@ class CupyBackend:
             z = buf["z"][:size]
             if spec.kind == "matrix":
                 out, inp = spec.shape
-                at = buf["at"][: out * ppad].reshape(out, ppad)
-                bt = buf["bt"][: inp * ppad].reshape(inp, ppad)
-                # Z = (F a)^T b: the fitness weighs a only (null: b unweighted).
-                for start, count, keep, overlay, weight, dst in (
-                    (0, out, self._keep(spec), self.overlays(spec)[0], self._fitness, at),
-                    (out, inp, inp, self.overlays(spec)[1], self.null8, bt),
-                ):
-                    k(
-                        "noise_cols",
-                        (_cdiv(ppad, 128), _cdiv(count, 64)),
-                        (128,),
-                        *(self._step_key, tid, np.uint32(start), np.int32(count)),
-                        *(np.int32(keep), kind, overlay, weight, np.int32(pairs), np.int32(ppad)),
-                        dst,
-                    )
-                k_split = z_split(out, inp, ppad, max_abs(cfg.es.noise))
                 self.zero(z)
-                k(
-                    "zgemm" + self.suffix,
-                    (_cdiv(inp, TILE_N), _cdiv(out, TILE_M), _cdiv(ppad // 4, k_split)),
-                    (BLOCK,),
-                    *(at, bt, np.int32(out), np.int32(inp), np.int32(ppad), np.int32(k_split), z),
-                )
+                for first in range(0, ppad, slab):
+                    width = min(slab, ppad - first)
+                    at = buf["at"][: out * width].reshape(out, width)
+                    bt = buf["bt"][: inp * width].reshape(inp, width)
+                    # Z += (F a)^T b over the slab: the fitness weighs a only (null: b
+                    # unweighted).
+                    for start, count, keep, overlay, weight, dst in (
+                        (0, out, self._keep(spec), self.overlays(spec)[0], self._fitness, at),
+                        (out, inp, inp, self.overlays(spec)[1], self.null8, bt),
+                    ):
+                        k(
+                            "noise_cols",
+                            (_cdiv(width, 128), _cdiv(count, 64)),
+                            (128,),
+                            *(self._step_key, tid, np.uint32(start), np.int32(count)),
+                            *(np.int32(keep), kind, overlay, weight, np.int32(pairs)),
+                            *(np.int32(first), np.int32(width), dst),
+                        )
+                    k_split = z_split(out, inp, width, max_abs(cfg.es.noise))
+                    k(
+                        "zgemm" + self.suffix,
+                        (_cdiv(inp, TILE_N), _cdiv(out, TILE_M), _cdiv(width // 4, k_split)),
+                        (BLOCK,),
+                        *(at, bt, np.int32(out), np.int32(inp), np.int32(width)),
+                        *(np.int32(k_split), z),
+                    )
             else:
                 per = vector_split(size, pairs, max_abs(cfg.es.noise))
                 self.zero(z)

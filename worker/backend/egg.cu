@@ -42,6 +42,17 @@ __device__ __forceinline__ int floor_by(int v, Divisor q) {
   return (int)((t + ((u - t) >> q.s1)) >> q.s2) ^ s;
 }
 
+// floor(v / d) where |v| d < 2**31 (the norm's products of two int8 and a mean of int8
+// magnitudes): one 32-bit multiply-high by m = ceil(2**31 / d) on 2 |v| folded as above, and
+// m from a 32-bit division. With e = m d - 2**31 < d, 2u m / 2**32 = u / d + u e / (d 2**31)
+// and u e < u d < 2**31, so the floor is exact; m fits 32 bits even for d = 1.
+__device__ __forceinline__ u32 small_divisor(int d) { return 0x7FFFFFFFu / (u32)d + 1u; }
+
+__device__ __forceinline__ int floor_small(int v, u32 m) {
+  int s = v >> 31;
+  return (int)__umulhi(m, (u32)(v ^ s) << 1) ^ s;
+}
+
 // ------------------------------------------------------------------ hardware helpers
 
 // *p += v for int64, by the unsigned 64-bit atomic: two's complement sums are exact mod 2**64.
@@ -178,22 +189,23 @@ extern "C" __global__ void noise_rows(const u64* base, const long long* pairs, u
   }
 }
 
-// The transposed noise of all pairs for the update GEMM: out[j, p] = fitness[p] *
-// noise(p, tensor_id, start + j) scaled as noise_rows scales it, for p < pairs (fitness
-// null: weight 1), 0 for pairs <= p < ppad (zero padding of the GEMM's K).
-// Launch: grid (ceil(ppad / 128), ceil(count / 64)), block (128): a thread owns one pair
+// The transposed noise of a slab of pairs for the update GEMM: out[j, q] = fitness[p] *
+// noise(p, tensor_id, start + j) scaled as noise_rows scales it, p = first + q, for p < pairs
+// (fitness null: weight 1), 0 for pairs <= p (zero padding of the GEMM's K), q < width.
+// Launch: grid (ceil(width / 128), ceil(count / 64)), block (128): a thread owns one pair
 // (one key) and 64 indices.
 extern "C" __global__ void noise_cols(const u64* base, u64 tensor_id, u32 start, int count,
                                       int keep, int kind, const i8* overlay, const i8* fitness,
-                                      int pairs, int ppad, i8* out) {
-  int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p >= ppad) return;
+                                      int pairs, int first, int width, i8* out) {
+  int q = blockIdx.x * blockDim.x + threadIdx.x;
+  if (q >= width) return;
+  int p = first + q;
   int f = p < pairs ? (fitness ? fitness[p] : 1) : 0;
   u64 key = pair_key(*base, (u64)p, tensor_id);
   int j_end = min(count, (int)(blockIdx.y + 1) * 64);
   for (int j = blockIdx.y * 64; j < j_end; j++) {
     int scale = f ? noise_factor(overlay, j, keep) : 0;
-    out[(long long)j * ppad + p] =
+    out[(long long)j * width + q] =
         (i8)(scale ? f * scale_noise(noise_value(key, start + j, kind), scale) : 0);
   }
 }
@@ -327,14 +339,14 @@ extern "C" __global__ void mav_norm(const i8* x, const i8* w, const i8* bias, in
     }
   }
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  Divisor mav = make_divisor(max(total / D, 1));  // one reciprocal per row, not per element
+  u32 mav = small_divisor(max(total / D, 1));  // |x w| <= 2**14, the divisor <= 128
   const u32* b1r = b1 ? (const u32*)(b1 + (member >> 1) * D) : 0;
   const u32* b2r = b2 ? (const u32*)(b2 + (member >> 1) * D) : 0;
   int d1 = 0, d2 = 0;
   for (int k = lane; k < words; k += 32) {
     u32 xv = xr[k], wv = wr[k], bv = br ? br[k] : 0u, hv = 0;
     for (int j = 0; j < 4; j++) {
-      int q = floor_by((signed char)(xv >> (8 * j)) * (signed char)(wv >> (8 * j)), mav);
+      int q = floor_small((signed char)(xv >> (8 * j)) * (signed char)(wv >> (8 * j)), mav);
       q += (signed char)(bv >> (8 * j));
       hv |= (u32)(CLIP8(q) & 0xff) << (8 * j);
     }
