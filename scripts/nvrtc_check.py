@@ -12,7 +12,8 @@ tensor-core kernels it prints a static performance model read from the SASS:
 - slots/IMMA: instructions per IMMA in each main loop (a backward branch whose body holds
   IMMA), both load paths; every instruction counted once, an upper bound on issue slots.
   Fails above IMMA_BUDGET.
-- epi/out: instructions after the last main loop per output a thread owns.
+- epi/out: instructions after the last main loop per output a thread owns, summed over the
+  epilogue's compiled variants (byte pairs or single bytes; a shift or a multiply-high).
 - occupancy: resident warps per SM from registers and shared memory (of 64).
 - and fails if the kernel holds more reciprocals (MUFU.RCP) than it makes magic numbers (one
   per kernel, two for the former's: the divisor and the rows per member): more is the mark

@@ -198,7 +198,20 @@ def reduced(name: str) -> RunConfig:
 @pytest.mark.parametrize("name", ["tiny", "egg-paper", "former-tiny", "d-eggs"])
 def test_every_preset_equals_the_numpy_backend(name: str, tensor_cores: bool) -> None:
     """Each preset's own settings at reduced sizes: chunks, two steps, held-out scores."""
-    cfg = reduced(name)
+    two_steps_and_held_out(reduced(name), tensor_cores)
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "dp4a"])
+@pytest.mark.parametrize("arch", ["egg", "former"])
+def test_power_of_two_divisors_equal_the_numpy_backend(arch: str, tensor_cores: bool) -> None:
+    """Width 64, as every preset's widths: each MM divides by a power of two (128, and 256
+    for the 4 D inputs), which the epilogues do by a shift."""
+    cfg = reduced("egg-paper" if arch == "egg" else "d-eggs")
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, d_model=64, n_head=2, n_layer=1))
+    two_steps_and_held_out(cfg, tensor_cores)
+
+
+def two_steps_and_held_out(cfg: RunConfig, tensor_cores: bool) -> None:
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
     gpu = cupy_backend(cfg, data, VARIANTS[-1], tensor_cores)

@@ -152,9 +152,11 @@ def former_mm(k: Kernels, suffix: str, x, name: str, params, pn, *, bias=None, r
     return to_host(out8), to_host(out32)
 
 
+# width 36: divisors 96 and 192 (multiply-high); 64: 128 and 256 (a shift), heads of 32
+@pytest.mark.parametrize("d", [36, 64])
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-def test_mm_epilogues_plain_gelu_and_residual(k: Kernels, suffix: str) -> None:
-    cfg = cfg_for()
+def test_mm_epilogues_plain_gelu_and_residual(k: Kernels, suffix: str, d: int) -> None:
+    cfg = cfg_for(d=d, heads=2 if d == 64 else 3)
     params, pn, mn, _, model = batch(cfg)
     m, d = 2 * len(pn.pairs), cfg.model.d_model
     rng = np.random.default_rng(9)
@@ -235,12 +237,17 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int,
 
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-@pytest.mark.parametrize("head_bias", ["zipf", "none"])
+@pytest.mark.parametrize(
+    "head_bias, d", [("zipf", 36), ("none", 36), ("none", 64)], ids=["zipf", "none", "pow2"]
+)
 @pytest.mark.parametrize("counts", [False, True], ids=["loss", "held-out"])
-def test_head_fused_with_the_loss(k: Kernels, suffix: str, head_bias: str, counts: bool) -> None:
+def test_head_fused_with_the_loss(
+    k: Kernels, suffix: str, head_bias: str, d: int, counts: bool
+) -> None:
     """The member's integer loss summed over its positions; held out: the even members'
-    logit counts per position instead, from which the host finishes both losses."""
-    cfg = cfg_for(head_bias=head_bias)
+    logit counts per position instead, from which the host finishes both losses. Width 64
+    divides by 128, a power of two (a shift)."""
+    cfg = cfg_for(d=d, heads=2 if d == 64 else 3, head_bias=head_bias)
     params, pn, mn, tokens, model = batch(cfg)
     m, d, v = 2 * len(tokens), cfg.model.d_model, cfg.model.vocab_size
     rng = np.random.default_rng(12)

@@ -23,15 +23,19 @@ typedef signed char i8;
 // magic number on |v| folded to unsigned (v ^ (v >> 31) is v, or -v - 1 for v < 0, and
 // floor(v / d) = -1 - floor((-v - 1) / d) there). Granlund and Montgomery's round-up method,
 // exact for every 32-bit unsigned numerator.
+// A power of two d = 2**l (pow2) is one arithmetic shift instead: the epilogues take that
+// path as a template (floor_div<true>) when the kernel's divisor is one, as every preset's is.
 struct Divisor {
   u32 magic;
   int s1, s2;
+  bool pow2;
+  int l;
 };
 
 __device__ __forceinline__ Divisor make_divisor(int d) {
   int l = 32 - __clz(d - 1);  // ceil(log2 d)
   u64 magic = ((((u64)1 << l) - (u64)d) << 32) / (u64)d + 1;
-  Divisor q = {(u32)magic, l < 1 ? l : 1, l > 1 ? l - 1 : 0};
+  Divisor q = {(u32)magic, l < 1 ? l : 1, l > 1 ? l - 1 : 0, (d & (d - 1)) == 0, l};
   return q;
 }
 
@@ -40,6 +44,11 @@ __device__ __forceinline__ int floor_by(int v, Divisor q) {
   u32 u = (u32)(v ^ s);
   u32 t = __umulhi(q.magic, u);
   return (int)((t + ((u - t) >> q.s1)) >> q.s2) ^ s;
+}
+
+template <bool POW2>
+__device__ __forceinline__ int floor_div(int v, Divisor q) {
+  return POW2 ? v >> q.l : floor_by(v, q);
 }
 
 // floor(v / d) where |v| d < 2**31 (the norm's products of two int8 and a mean of int8
@@ -541,14 +550,27 @@ __device__ void tile_gemm(const i8* x, const i8* w, int M, int N, int K, int kw_
 // MM(x, W) of the reference for one output, from the base GEMM's accumulator, the member's
 // signed rank-1 dot product sxb = sign * xb[m] and its pair's a[n]:
 // clip(floor((acc + ((sxb * a) >> shift)) / div)).
+template <bool POW2>
 __device__ __forceinline__ int egg_mm(int acc, int sxb, int a, int shift, Divisor div) {
-  int q = floor_by(acc + ((sxb * a) >> shift), div);
+  int q = floor_div<POW2>(acc + ((sxb * a) >> shift), div);
   return CLIP8(q);
 }
 
 __device__ __forceinline__ int signed_xb(const int* xb, int m) {
   return (m & 1) ? -xb[m] : xb[m];
 }
+
+// An epilogue in its variant, fixed at compile time: byte pairs where they apply (below), and
+// the floor division a shift where the divisor is a power of two.
+#define EPILOGUE(fn, pairs, pow2, ...)      \
+  if ((pairs) && (pow2))                    \
+    fn<TC, true, true>(__VA_ARGS__);        \
+  else if (pairs)                           \
+    fn<TC, true, false>(__VA_ARGS__);       \
+  else if (pow2)                            \
+    fn<TC, false, true>(__VA_ARGS__);       \
+  else                                      \
+    fn<TC, false, false>(__VA_ARGS__)
 
 // The epilogues work on W adjacent outputs of one row: on the tensor-core layout accumulators
 // i and i + 1 are columns n and n + 1, so with an even row length and even bases (PAIRS) each
@@ -581,7 +603,7 @@ __device__ __forceinline__ bool even_bases(const void* a, const void* b, const v
 }
 
 // out = clip(res + MM(x, W)) where res is given (the residual of W2), else MM(x, W).
-template <bool TC, bool PAIRS>
+template <bool TC, bool PAIRS, bool POW2>
 __device__ __forceinline__ void mm_epilogue(const int acc[ACC], const int* xb, const i8* a,
                                             int M, int N, int shift, Divisor q, const i8* res,
                                             i8* out) {
@@ -596,7 +618,7 @@ __device__ __forceinline__ void mm_epilogue(const int acc[ACC], const int* xb, c
     if (res) load_bytes<PAIRS>(res + o, rv);
 #pragma unroll
     for (int e = 0; e < W; e++) {
-      v[e] = egg_mm(acc[i + e], sxb, av[e], shift, q);
+      v[e] = egg_mm<POW2>(acc[i + e], sxb, av[e], shift, q);
       if (res) v[e] = CLIP8(rv[e] + v[e]);
     }
     store_bytes<PAIRS>(out + o, v);
@@ -611,16 +633,14 @@ __device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, in
   int acc[ACC];
   tile_gemm<TC>(x, w, M, N, K, 0, K / 4, acc);
   Divisor q = make_divisor(div);
-  if (TC && N % 2 == 0 && even_bases(a, res, out, a, a, a))
-    mm_epilogue<TC, true>(acc, xb, a, M, N, shift, q, res, out);
-  else
-    mm_epilogue<TC, false>(acc, xb, a, M, N, shift, q, res, out);
+  bool pairs = TC && N % 2 == 0 && even_bases(a, res, out, a, a, a);
+  EPILOGUE(mm_epilogue, pairs, q.pow2, acc, xb, a, M, N, shift, q, res, out);
 }
 
 // The pre-activation the gate and the candidate share, for the W outputs from accumulator i
 // of row m at offsets o (members' arrays) and ao (pairs' a): clip(MM(h, W) + MM(u, U) + b),
 // acc_w / acc_u the GEMMs' accumulators, xbw / xbu and aw / au their rank-1 factors.
-template <bool PAIRS>
+template <bool PAIRS, bool POW2>
 __device__ __forceinline__ void two_mm(const int acc_w[ACC], const int acc_u[ACC], int i, int m,
                                        long long o, long long ao, const int* xbw, const i8* aw,
                                        const int* xbu, const i8* au, const i8* bias, int shift,
@@ -631,13 +651,14 @@ __device__ __forceinline__ void two_mm(const int acc_w[ACC], const int acc_u[ACC
   load_bytes<PAIRS>(bias + o, bv);
 #pragma unroll
   for (int e = 0; e < (PAIRS ? 2 : 1); e++) {
-    int v = egg_mm(acc_w[i + e], sw, a1[e], shift, q) + egg_mm(acc_u[i + e], su, a2[e], shift, q);
+    int v = egg_mm<POW2>(acc_w[i + e], sw, a1[e], shift, q) +
+            egg_mm<POW2>(acc_u[i + e], su, a2[e], shift, q);
     out[e] = CLIP8(v + bv[e]);
   }
 }
 
 // The gate of a layer: f = clip(MM(h, Wf) + MM(s, Uf) + bf_m), g = ((f + 127) s) >> 8.
-template <bool TC, bool PAIRS>
+template <bool TC, bool PAIRS, bool POW2>
 __device__ __forceinline__ void gate_epilogue(const int acc_h[ACC], const int acc_s[ACC],
                                               const int* xbh, const i8* af, const i8* s,
                                               const int* xbs, const i8* au, int M, int D,
@@ -650,7 +671,7 @@ __device__ __forceinline__ void gate_epilogue(const int acc_h[ACC], const int ac
     if (!tile_out<TC>(i, M, D, m, n)) continue;
     long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
     int sv[2], fv[2], gv[2];
-    two_mm<PAIRS>(acc_h, acc_s, i, m, o, ao, xbh, af, xbs, au, bias, shift, q, fv);
+    two_mm<PAIRS, POW2>(acc_h, acc_s, i, m, o, ao, xbh, af, xbs, au, bias, shift, q, fv);
     load_bytes<PAIRS>(s + o, sv);
 #pragma unroll
     for (int e = 0; e < W; e++) gv[e] = ((fv[e] + 127) * sv[e]) >> 8;
@@ -669,15 +690,14 @@ __device__ void gate_body(const i8* h, const i8* wf, const int* xbh, const i8* a
   tile_gemm<TC>(h, wf, M, D, D, 0, D / 4, acc_h);
   tile_gemm<TC>(s, uf, M, D, D, 0, D / 4, acc_s);
   Divisor q = make_divisor(div);
-  if (TC && D % 2 == 0 && even_bases(af, au, s, bias, f, g))
-    gate_epilogue<TC, true>(acc_h, acc_s, xbh, af, s, xbs, au, M, D, shift, q, bias, f, g);
-  else
-    gate_epilogue<TC, false>(acc_h, acc_s, xbh, af, s, xbs, au, M, D, shift, q, bias, f, g);
+  bool pairs = TC && D % 2 == 0 && even_bases(af, au, s, bias, f, g);
+  EPILOGUE(gate_epilogue, pairs, q.pow2, acc_h, acc_s, xbh, af, s, xbs, au, M, D, shift, q,
+           bias, f, g);
 }
 
 // The candidate and the new state: c = clip(MM(h, Wh) + MM(g, Uh) + bh_m),
 // s += ((f + 127) (c - s)) >> 8, x = clip(x + s). s and x are updated in place.
-template <bool TC, bool PAIRS>
+template <bool TC, bool PAIRS, bool POW2>
 __device__ __forceinline__ void cand_epilogue(const int acc_h[ACC], const int acc_g[ACC],
                                               const int* xbh, const i8* ah, const int* xbg,
                                               const i8* au, int M, int D, int shift, Divisor q,
@@ -689,7 +709,7 @@ __device__ __forceinline__ void cand_epilogue(const int acc_h[ACC], const int ac
     if (!tile_out<TC>(i, M, D, m, n)) continue;
     long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
     int cv[2], fv[2], sv[2], xv[2];
-    two_mm<PAIRS>(acc_h, acc_g, i, m, o, ao, xbh, ah, xbg, au, bias, shift, q, cv);
+    two_mm<PAIRS, POW2>(acc_h, acc_g, i, m, o, ao, xbh, ah, xbg, au, bias, shift, q, cv);
     load_bytes<PAIRS>(f + o, fv);
     load_bytes<PAIRS>(s + o, sv);
     load_bytes<PAIRS>(x + o, xv);
@@ -713,10 +733,9 @@ __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* a
   tile_gemm<TC>(h, wh, M, D, D, 0, D / 4, acc_h);
   tile_gemm<TC>(g, uh, M, D, D, 0, D / 4, acc_g);
   Divisor q = make_divisor(div);
-  if (TC && D % 2 == 0 && even_bases(ah, au, bias, f, s, x))
-    cand_epilogue<TC, true>(acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias, f, s, x);
-  else
-    cand_epilogue<TC, false>(acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias, f, s, x);
+  bool pairs = TC && D % 2 == 0 && even_bases(ah, au, bias, f, s, x);
+  EPILOGUE(cand_epilogue, pairs, q.pow2, acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias,
+           f, s, x);
 }
 
 // The update's GEMM: z += x (M x K) . w (N x K)^T, raw int64 (M, N), split over K: block z

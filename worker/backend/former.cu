@@ -25,31 +25,31 @@ extern "C" __global__ void former_embed(const int* tokens, int per, const i8* em
 
 // The former's MM for one output from its GEMM accumulator: row r's member by the magic
 // number of per, the rank-1 correction with the member's sign, clipped (egg_mm).
+template <bool POW2>
 __device__ __forceinline__ int former_mm_out(int acc, int r, int n, int N, const int* xb,
                                              const i8* a, Divisor per, int shift, Divisor q,
                                              long long& member) {
   member = floor_by(r, per);
   int sxb = (member & 1) ? -xb[r] : xb[r];
-  return egg_mm(acc, sxb, a[(member >> 1) * N + n], shift, q);
+  return egg_mm<POW2>(acc, sxb, a[(member >> 1) * N + n], shift, q);
 }
 
 // MM(x, W) for rows of x (R, K), W (N, K), with xb (R) the rows' dots with b and a (P, N).
 //   gelu given (the MLP's up projection): out8 = GELU[clip(MM + bias[m]) + 128];
 //   else out32 = MM + res (R, N) + bias[m] where given (the renorm kernel takes it from there).
 // Launch: grid (ceil(N / TILE_N), ceil(R / TILE_M)), block (256).
-template <bool TC>
-__device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
-                               int N, int K, int per, int shift, int div, const i8* bias,
-                               const i8* res, const int* gelu, i8* out8, int* out32) {
-  int acc[ACC];
-  tile_gemm<TC>(x, w, R, N, K, 0, K / 4, acc);
-  Divisor q = make_divisor(div), rows = make_divisor(per);
+template <bool TC, bool POW2>
+__device__ __forceinline__ void former_mm_epilogue(const int acc[ACC], const int* xb,
+                                                   const i8* a, int R, int N, Divisor rows,
+                                                   int shift, Divisor q, const i8* bias,
+                                                   const i8* res, const int* gelu, i8* out8,
+                                                   int* out32) {
 #pragma unroll
   for (int i = 0; i < ACC; i++) {
     int r, n;
     if (!tile_out<TC>(i, R, N, r, n)) continue;
     long long m, o = (long long)r * N + n;
-    int v = former_mm_out(acc[i], r, n, N, xb, a, rows, shift, q, m);
+    int v = former_mm_out<POW2>(acc[i], r, n, N, xb, a, rows, shift, q, m);
     if (gelu) {
       out8[o] = (i8)gelu[CLIP8(v + bias[m * N + n]) + 128];
     } else {
@@ -60,6 +60,19 @@ __device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8
   }
 }
 
+template <bool TC>
+__device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
+                               int N, int K, int per, int shift, int div, const i8* bias,
+                               const i8* res, const int* gelu, i8* out8, int* out32) {
+  int acc[ACC];
+  tile_gemm<TC>(x, w, R, N, K, 0, K / 4, acc);
+  Divisor q = make_divisor(div), rows = make_divisor(per);
+  if (q.pow2)
+    former_mm_epilogue<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, res, gelu, out8, out32);
+  else
+    former_mm_epilogue<TC, false>(acc, xb, a, R, N, rows, shift, q, bias, res, gelu, out8, out32);
+}
+
 // The tied head fused with the loss: the logits l = MM(x, EMB) (+ the member's head bias,
 // clipped) of rows x (R, D) are never stored. total[r] += sum over this tile's columns of
 // EXP2[l + 128] (u64, zeroed before the launch: integer atomics, exact in any order) and
@@ -68,23 +81,20 @@ __device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8
 // rows count their logits instead: hist[r', l + 128] += 1 (zeroed before), r' = pair T + t,
 // and target[r'] = l; the host finishes both losses from the counts (shared/loss.py).
 // Launch: grid (ceil(V / TILE_N), ceil(R / TILE_M)), block (256).
-template <bool TC>
-__device__ void former_head_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
-                                 int V, int K, int per, int shift, int div, const i8* bias,
-                                 const int* tokens, const int* exp2_table, u64* total,
-                                 int* target, int* hist) {
-  __shared__ u32 row_sum[TILE_M];  // < 64 columns * 2**20: a tile's sums fit 32 bits
-  for (int i = threadIdx.x; i < TILE_M; i += blockDim.x) row_sum[i] = 0;
-  int acc[ACC];
-  tile_gemm<TC>(x, w, R, V, K, 0, K / 4, acc);  // its barriers order the zeroing too
-  Divisor q = make_divisor(div), rows = make_divisor(per);
+template <bool TC, bool POW2>
+__device__ __forceinline__ void former_head_epilogue(const int acc[ACC], const int* xb,
+                                                     const i8* a, int R, int V, int per,
+                                                     Divisor rows, int shift, Divisor q,
+                                                     const i8* bias, const int* tokens,
+                                                     const int* exp2_table, int* target,
+                                                     int* hist, u32* row_sum) {
   int m0 = blockIdx.y * TILE_M;
 #pragma unroll
   for (int i = 0; i < ACC; i++) {
     int r, n;
     if (!tile_out<TC>(i, R, V, r, n)) continue;
     long long m;
-    int l = former_mm_out(acc[i], r, n, V, xb, a, rows, shift, q, m);
+    int l = former_mm_out<POW2>(acc[i], r, n, V, xb, a, rows, shift, q, m);
     if (bias) l = CLIP8(l + bias[m * V + n]);
     long long t = r - m * per, at = r;
     if (hist) {
@@ -96,7 +106,26 @@ __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const 
     }
     if (n == tokens[(m >> 1) * (per + 1) + t + 1]) target[at] = l;
   }
+}
+
+template <bool TC>
+__device__ void former_head_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
+                                 int V, int K, int per, int shift, int div, const i8* bias,
+                                 const int* tokens, const int* exp2_table, u64* total,
+                                 int* target, int* hist) {
+  __shared__ u32 row_sum[TILE_M];  // < 64 columns * 2**20: a tile's sums fit 32 bits
+  for (int i = threadIdx.x; i < TILE_M; i += blockDim.x) row_sum[i] = 0;
+  int acc[ACC];
+  tile_gemm<TC>(x, w, R, V, K, 0, K / 4, acc);  // its barriers order the zeroing too
+  Divisor q = make_divisor(div), rows = make_divisor(per);
+  if (q.pow2)
+    former_head_epilogue<TC, true>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
+                                   exp2_table, target, hist, row_sum);
+  else
+    former_head_epilogue<TC, false>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
+                                    exp2_table, target, hist, row_sum);
   __syncthreads();
+  int m0 = blockIdx.y * TILE_M;
   for (int i = threadIdx.x; i < TILE_M; i += blockDim.x)
     if (m0 + i < R && row_sum[i]) atomicAdd(total + m0 + i, (u64)row_sum[i]);
 }
