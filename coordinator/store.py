@@ -126,6 +126,7 @@ class RunStore:
                     raise StoreError(f"{log_path} belongs to another run config")
             else:
                 log = FitnessLog.create(log_path, stored.pairs, stored.digest())
+            run = cls._upgrade(layout, run)  # only once everything checked out
         except (FitnessLogError, StoreError) as exc:
             os.close(lock_fd)
             raise StoreError(str(exc)) from None
@@ -162,14 +163,20 @@ class RunStore:
                 f"the given config has {config.digest().hex()[:16]}: start it with the same "
                 "--preset/--config (or none), or use a new --save-dir"
             )
-        if run.get("format", 1) < RUN_FORMAT:
-            # Format 1 recorded replica digest 1 (shared/replica.py): its agreed digests no
-            # longer match any replica, so they are set aside and the workers agree again.
-            if layout.digests_log.exists():
-                layout.digests_log.rename(layout.root / "digests-1.log")
-            run = {**run, "format": RUN_FORMAT}
-            write_run(layout, run)
         return run, stored
+
+    @staticmethod
+    def _upgrade(layout: Layout, run: dict) -> dict:
+        """The run in RUN_FORMAT. Format 1 recorded replica digest 1 (shared/replica.py):
+        its agreed digests no longer match any replica, so they are set aside (kept as
+        digests-1.log) and the workers agree again."""
+        if run.get("format", 1) >= RUN_FORMAT:
+            return run
+        if layout.digests_log.exists():
+            layout.digests_log.rename(layout.root / "digests-1.log")
+        run = {**run, "format": RUN_FORMAT}
+        write_run(layout, run)
+        return run
 
     def sync_digests(self) -> None:
         """Flush digests.log to the disk; a failure degrades it (see `record_digest`)."""

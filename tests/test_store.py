@@ -129,6 +129,23 @@ def test_unusable_save_dir_is_one_clear_error(tmp_path: Path) -> None:
         RunStore.open(tmp_path / "run", preset("tiny"))
 
 
+def test_a_refused_start_leaves_a_format_1_run_as_it_was(tmp_path: Path) -> None:
+    """A format-1 run whose fitness log belongs to another config is refused before
+    anything in it changes: digests.log and run.json's format stay."""
+    RunStore.open(tmp_path / "run", preset("tiny")).close()
+    RunStore.open(tmp_path / "other", preset("former-tiny")).close()
+    layout = Layout(tmp_path / "run")
+    run = json.loads(layout.run_file.read_text())
+    layout.run_file.write_text(json.dumps({**run, "format": 1}))
+    layout.digests_log.write_bytes(digest_line(0, 0x0123456789ABCDEF))
+    layout.fitness_log.write_bytes(Layout(tmp_path / "other").fitness_log.read_bytes())
+    with pytest.raises(StoreError, match="belongs to another run config"):
+        RunStore.open(tmp_path / "run", None)
+    assert json.loads(layout.run_file.read_text())["format"] == 1
+    assert layout.digests_log.read_bytes() == digest_line(0, 0x0123456789ABCDEF)
+    assert not (tmp_path / "run" / "digests-1.log").exists()
+
+
 def test_a_run_of_digest_1_is_upgraded(tmp_path: Path) -> None:
     """A run written before the replica digest became a tree: its agreed digests are set
     aside (kept as digests-1.log) and run.json says format 2; the fitness log stays."""
