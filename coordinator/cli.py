@@ -143,8 +143,8 @@ def _run(
     "--chunk-timeout",
     type=click.FloatRange(min=0.1),
     default=None,
-    help="Seconds before a leased chunk is leased again (default: adapted to the "
-    "chunk times seen, 3x the median, at least 5 s).",
+    help="Seconds before a leased chunk is leased again (default: 3x the median of the "
+    "worker's own chunk times, everyone's before its first, at least 5 s).",
 )
 @click.option(
     "--metrics-port",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import statistics
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -49,16 +49,27 @@ class Lease:
 
 @dataclass
 class ChunkTimer:
-    """Lease deadlines: a fixed timeout, or adapted to the chunk times seen so far."""
+    """Lease deadlines: a fixed timeout, or adapted to the chunk times seen so far, each
+    worker's own where it has any (a CPU worker beside GPU workers is not judged by their
+    pace); backups start after the median of all workers' times."""
 
     fixed_s: float | None = None
     initial_s: float = 120.0  # before any chunk has been timed
     factor: float = 3.0
     floor_s: float = 5.0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    by_worker: OrderedDict[Hashable, deque[float]] = field(default_factory=OrderedDict)
+    max_workers: int = 4096  # the least recently timed are forgotten past this many
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, worker: Hashable = None) -> None:
         self.recent.append(seconds)
+        if worker is None:
+            return
+        own = self.by_worker.pop(worker, None) or deque(maxlen=16)
+        own.append(seconds)
+        self.by_worker[worker] = own
+        if len(self.by_worker) > self.max_workers:
+            self.by_worker.popitem(last=False)
 
     def backup_after_s(self) -> float:
         """How long a lease must have run before an idle worker gets a backup copy."""
@@ -66,12 +77,13 @@ class ChunkTimer:
             return float("inf")  # no idea how long a chunk takes yet: no backups
         return max(1.0, 1.5 * statistics.median(self.recent))
 
-    def timeout_s(self) -> float:
+    def timeout_s(self, worker: Hashable = None) -> float:
         if self.fixed_s is not None:
             return self.fixed_s
-        if not self.recent:
+        times = self.by_worker.get(worker) or self.recent
+        if not times:
             return self.initial_s
-        return max(self.floor_s, self.factor * statistics.median(self.recent))
+        return max(self.floor_s, self.factor * statistics.median(times))
 
 
 class StepJobs:
@@ -100,6 +112,9 @@ class StepJobs:
         self.loss_range = loss_range  # inclusive bounds of one chunk's loss sum
         self.max_leases = max_leases
         self.results: dict[int, bytes] = {}  # chunk -> packed fitness of the first result
+        # (chunk, worker) -> start of a lease whose chunk someone else finished first: its
+        # late copy still tells how long that worker takes (one entry per lease: bounded)
+        self.finished_leases: dict[tuple[int, Hashable], float] = {}
         self.loss_sum = 0
         self.requeued = {"disconnect": 0, "deadline": 0}
         self.opened = clock()
@@ -140,7 +155,7 @@ class StepJobs:
     def _add_lease(self, chunk: int, worker: Hashable, now: float) -> int:
         if self.first_lease is None:
             self.first_lease = now
-        deadline = now + self.timer.timeout_s()
+        deadline = now + self.timer.timeout_s(worker)
         self.leases.setdefault(chunk, []).append(Lease(chunk, worker, now, deadline))
         self.holders.setdefault(chunk, set()).add(worker)
         self.live[worker] += 1
@@ -169,12 +184,20 @@ class StepJobs:
         ):
             return Outcome.BAD_LOSS
         if chunk in self.results:
-            return Outcome.DUPLICATE if self.results[chunk] == fitness else Outcome.MISMATCH
+            if self.results[chunk] != fitness:
+                return Outcome.MISMATCH
+            started = self.finished_leases.pop((chunk, worker), None)
+            if started is not None:  # a late copy still times its worker
+                self.timer.observe(self.clock() - started, worker)
+            return Outcome.DUPLICATE
         held = self.leases.pop(chunk, [])
         self.live.subtract(lease.worker for lease in held if not lease.expired)
+        for lease in held:
+            if lease.worker != worker:
+                self.finished_leases.setdefault((chunk, lease.worker), lease.started)
         mine = [lease for lease in held if lease.worker == worker]
         if mine:
-            self.timer.observe(self.clock() - mine[0].started)
+            self.timer.observe(self.clock() - mine[0].started, worker)
         if chunk in self.queue:
             self.queue.remove(chunk)
         self.results[chunk] = fitness

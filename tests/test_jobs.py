@@ -96,6 +96,42 @@ def test_adaptive_timeout() -> None:
     assert timer.timeout_s() == 5.0  # floor
 
 
+def test_each_worker_is_timed_by_its_own_pace() -> None:
+    """A GPU worker's quick chunks set the backups' pace but not a CPU worker's deadline:
+    its first lease, on the shared pace, expires and the GPU finishes the chunk; the CPU's
+    late copy still times it, and in the next step its leases last three of its chunks."""
+    timer = ChunkTimer()
+    jobs, clock = _jobs(chunks=5, timer=timer)
+    for c in range(4):  # the GPU: 0.5 s a chunk
+        assert jobs.lease("gpu") == c
+        clock.now += 0.5
+        assert jobs.complete_chunk("gpu", 7, c, _fit(c), 5, 1) is Outcome.ACCEPTED
+    assert jobs.lease("cpu") == 4
+    assert jobs.next_deadline() == clock.now + 5.0  # the floor: 3 x 0.5 s is less
+    clock.now += 6.0
+    assert jobs.expire() == [4]
+    assert jobs.lease("gpu") == 4
+    assert jobs.complete_chunk("gpu", 7, 4, _fit(4), 5, 1) is Outcome.ACCEPTED
+    clock.now += 24.0  # the CPU's copy, 30 s after its lease
+    assert jobs.complete_chunk("cpu", 7, 4, _fit(4), 5, 1) is Outcome.DUPLICATE
+    step = StepJobs(8, 5, 10, clock, timer)
+    assert step.lease("cpu") == 0
+    assert step.next_deadline() == clock.now + 90.0  # 3 x its own 30 s
+    assert step.lease("gpu") == 1
+    assert step.next_deadline() == clock.now + 5.0  # the GPU's own deadline
+    assert timer.backup_after_s() == 1.0  # the median of all: 0.5 s (x 1.5, at least 1 s)
+    assert timer.timeout_s("new") == 5.0  # a worker never timed: everyone's median
+
+
+def test_the_timer_forgets_the_least_recently_timed_workers() -> None:
+    timer = ChunkTimer(max_workers=2)
+    for worker, seconds in (("a", 10.0), ("b", 20.0), ("a", 10.0), ("c", 30.0)):
+        timer.observe(seconds, worker)
+    assert list(timer.by_worker) == ["a", "c"]
+    assert timer.timeout_s("a") == 30.0  # its own 10 s
+    assert timer.timeout_s("b") == 45.0  # forgotten: everyone's median, 15 s
+
+
 def test_step_fitness_concatenates_chunks_in_order() -> None:
     for members in (10, 8):  # 5 pairs per chunk (whole bytes) and 4 (repacked)
         pairs = members // 2
