@@ -309,19 +309,23 @@ def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name
     assert gpu.kernels.replays - replays == want
 
 
-@pytest.mark.parametrize("name", ["adamw", "former-d-eggs"])
-def test_the_update_in_slabs_of_pairs(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """With the update's scratch bounded to a few stages, Z comes from several slabs of
-    pairs (the last one partial, padded with zero noise) adding into Z: the reference's
-    changed counts and digests, step after step."""
+@pytest.mark.parametrize(
+    "name, stages, tensor_cores", [("adamw", 1, True), ("former-d-eggs", 2, False)]
+)
+def test_the_update_in_slabs_of_pairs(
+    monkeypatch: pytest.MonkeyPatch, name: str, stages: int, tensor_cores: bool
+) -> None:
+    """With the update's scratch bounded to one or two stages of pairs, Z comes from
+    several slabs adding into Z (150 pairs: slabs of 64, 64 and 22 + 42 padding; or of 128
+    and a shorter last one of 22 + 42): the reference's changed counts and digests."""
     cfg = CONFIGS[name]
     cfg = cfg.replace(es=dataclasses.replace(cfg.es, population=300, chunk_size=150))
     rows = max(s[0] for s in specs_of(cfg)) + max(s[1] for s in specs_of(cfg))
-    monkeypatch.setattr(cupy_backend_module, "UPDATE_SCRATCH_BYTES", rows * 64 + 1)
+    monkeypatch.setattr(cupy_backend_module, "UPDATE_SCRATCH_BYTES", rows * 64 * stages + 1)
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
-    gpu = cupy_backend(cfg, data, VARIANTS[-1], True)
-    assert gpu._slab == 64 and cfg.pairs == 150  # slabs of 64, 64 and 22 pairs (+ 42 padding)
+    gpu = cupy_backend(cfg, data, VARIANTS[-1], tensor_cores)
+    assert gpu._slab == 64 * stages and cfg.pairs == 150
     rng = np.random.default_rng(4)
     for _ in range(2):
         fitness = rng.integers(-1, 2, size=cfg.pairs).astype(np.int8)

@@ -545,11 +545,14 @@ def floor_div_reference(v: np.ndarray, d: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-@pytest.mark.parametrize("shape", [GEMM_SHAPES[0], (130, 65, 100)], ids=["pairs", "odd-n"])
+@pytest.mark.parametrize(
+    "shape", [GEMM_SHAPES[0], (130, 65, 100), (130, 208, 36)], ids=["pairs", "odd-n", "rows16"]
+)
 def test_mm_epilogue_divides_by_any_divisor(k: Kernels, suffix: str, shape) -> None:
-    """The epilogue's multiply-high floor division equals // for powers of two and others,
-    negative sums included; the rank-1 term carries each member's sign. An odd N takes the
-    epilogue's byte path, an even one its byte pairs."""
+    """The epilogue's floor division equals // for powers of two (a shift) and others (a
+    multiply-high), negative sums included; the rank-1 term carries each member's sign. An
+    odd N takes the epilogue's byte path, an even one its byte pairs, a multiple of 16 the
+    path through shared memory (here with a last tile of 16 columns, the rows partial)."""
     rng = np.random.default_rng(12)
     m, n, kk = shape
     x = rng.integers(-127, 128, size=(m, kk)).astype(np.int8)
@@ -607,11 +610,12 @@ def odd_based(a: np.ndarray):
 
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-@pytest.mark.parametrize("d, odd", [(68, False), (208, False), (68, True)])
+@pytest.mark.parametrize("d, odd", [(68, False), (208, False), (68, True), (64, False)])
 def test_gate_and_candidate(k: Kernels, suffix: str, d: int, odd: bool) -> None:
     # 68: two N tiles, the second partial, word loads over two stages; 208: 16-byte loads
     # over four stages, so both GEMMs of one kernel rotate the three buffers. The epilogues
-    # move byte pairs (even row length and bases); an odd-based bias takes the byte path.
+    # move byte pairs at 68 (even row length and bases), go through shared memory at 208
+    # (multiply-high) and 64 (a shift: divisor 128); an odd-based bias takes the byte path.
     cfg = cfg_for(d=d)
     bias = odd_based if odd else dev
     pairs, params, pn, mn = member_batch(cfg)

@@ -533,11 +533,19 @@ __device__ __forceinline__ void tile_loop(u32 (*xs)[TILE_M][ROW_W], u32 (*ws)[TI
   }
 }
 
+// The GEMM's shared memory, one block for all its users in a kernel: tile_gemm's stages,
+// then the epilogue's staged sums (stage_sums) once the main loop is done with them.
+#define GEMM_SMEM_WORDS (STAGES * (TILE_M + TILE_N) * ROW_W)
+__device__ __forceinline__ u32* gemm_smem() {
+  __shared__ __align__(16) u32 smem[GEMM_SMEM_WORDS];
+  return smem;
+}
+
 template <bool TC>
 __device__ void tile_gemm(const i8* x, const i8* w, int M, int N, int K, int kw_begin,
                           int kw_end, int acc[ACC]) {
-  __shared__ __align__(16) u32 xs[STAGES][TILE_M][ROW_W];
-  __shared__ __align__(16) u32 ws[STAGES][TILE_N][ROW_W];
+  u32 (*xs)[TILE_M][ROW_W] = (u32 (*)[TILE_M][ROW_W])gemm_smem();
+  u32 (*ws)[TILE_N][ROW_W] = (u32 (*)[TILE_N][ROW_W])(gemm_smem() + STAGES * TILE_M * ROW_W);
   const u32* xw = (const u32*)x;
   const u32* ww = (const u32*)w;
   if ((K & 15) == 0 && (((unsigned long long)x | (unsigned long long)w) & 15) == 0)
@@ -562,15 +570,17 @@ __device__ __forceinline__ int signed_xb(const int* xb, int m) {
 
 // An epilogue in its variant, fixed at compile time: byte pairs where they apply (below), and
 // the floor division a shift where the divisor is a power of two.
-#define EPILOGUE(fn, pairs, pow2, ...)      \
-  if ((pairs) && (pow2))                    \
-    fn<TC, true, true>(__VA_ARGS__);        \
-  else if (pairs)                           \
-    fn<TC, true, false>(__VA_ARGS__);       \
-  else if (pow2)                            \
-    fn<TC, false, true>(__VA_ARGS__);       \
-  else                                      \
-    fn<TC, false, false>(__VA_ARGS__)
+#define EPILOGUE(fn, pairs, pow2, ...)  \
+  do {                                  \
+    if ((pairs) && (pow2))              \
+      fn<TC, true, true>(__VA_ARGS__);  \
+    else if (pairs)                     \
+      fn<TC, true, false>(__VA_ARGS__); \
+    else if (pow2)                      \
+      fn<TC, false, true>(__VA_ARGS__); \
+    else                                \
+      fn<TC, false, false>(__VA_ARGS__); \
+  } while (0)
 
 // The epilogues work on W adjacent outputs of one row: on the tensor-core layout accumulators
 // i and i + 1 are columns n and n + 1, so with an even row length and even bases (PAIRS) each
@@ -600,6 +610,88 @@ __device__ __forceinline__ bool even_bases(const void* a, const void* b, const v
           (unsigned long long)d | (unsigned long long)e | (unsigned long long)f) %
              2 ==
          0;
+}
+
+// The epilogues through shared memory (where every row length is a multiple of 16 and every
+// base 16-byte aligned): the tile's sums are staged as st[r][c], then each thread finishes
+// 16 adjacent outputs of a row, each int8 input and output moving 16 bytes per access and
+// the row's rank-1 factor read once. STAGE_ROW pads a row by 8 words: the tensor-core
+// layout's 8-byte writes then hit distinct banks. 128 rows take 36 KB of gemm_smem.
+#define STAGE_ROW (TILE_N + 8)
+// Rows [64 h, 64 h + 64) of the tile into st[0, 64) (h = -1: all 128 rows into st).
+template <bool TC>
+__device__ __forceinline__ void stage_sums(const int acc[ACC], int h, int (*st)[STAGE_ROW]) {
+#pragma unroll
+  for (int i = 0; i < ACC; i += TC ? 2 : 1) {
+    int r, c;
+    tile_pos<TC>(i, r, c);
+    if (h >= 0 && (r >> 6) != h) continue;
+    int* dst = &st[h >= 0 ? r & 63 : r][c];
+    if (TC)  // accumulators i, i + 1 are columns c, c + 1 of one row, c even
+      *(int2*)dst = make_int2(acc[i], acc[i + 1]);
+    else
+      *dst = acc[i];
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+  return (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0;
+}
+
+// 16 int8 kept packed in 4 words while a piece is finished (a 16-byte access each way): byte
+// k is lane_of(q, k); results are packed into words as they are made (pack_into).
+__device__ __forceinline__ uint4 load16(const i8* p) { return *(const uint4*)p; }
+__device__ __forceinline__ void store16(i8* p, const u32 w[4]) {
+  *(uint4*)p = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ int lane_of(const uint4& q, int k) {
+  u32 w = (k >> 2) == 0 ? q.x : (k >> 2) == 1 ? q.y : (k >> 2) == 2 ? q.z : q.w;
+  return (signed char)(w >> (8 * (k & 3)));
+}
+__device__ __forceinline__ int sum_of(const int4& s, int j) {
+  return j == 0 ? s.x : j == 1 ? s.y : j == 2 ? s.z : s.w;
+}
+__device__ __forceinline__ void pack_into(u32 w[4], int k, int v) {
+  w[k >> 2] |= (u32)(v & 0xff) << (8 * (k & 3));
+}
+
+// Outputs n .. n + 15 of row m from its staged sums: out = clip(res + MM) (res given) or MM.
+template <bool POW2>
+__device__ __forceinline__ void mm_piece16(const int* sums, int m, int n, int N, const int* xb,
+                                           const i8* a, int shift, Divisor q, const i8* res,
+                                           i8* out) {
+  long long o = (long long)m * N + n;
+  int sxb = signed_xb(xb, m);
+  uint4 av = load16(a + (long long)(m >> 1) * N + n);
+  uint4 rv = res ? load16(res + o) : make_uint4(0u, 0u, 0u, 0u);
+  u32 ow[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int k0 = 0; k0 < 16; k0 += 4) {
+    int4 s4 = *(const int4*)(sums + k0);
+#pragma unroll
+    for (int k = k0; k < k0 + 4; k++) {
+      int v = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
+      if (res) v = CLIP8(lane_of(rv, k) + v);
+      pack_into(ow, k, v);
+    }
+  }
+  store16(out + o, ow);
+}
+
+// Each thread takes columns 16 (t % 4) .. + 15 of tile rows t / 4 and t / 4 + 64.
+template <bool TC, bool POW2>
+__device__ __forceinline__ void mm_epilogue16(const int acc[ACC], const int* xb, const i8* a,
+                                              int M, int N, int shift, Divisor q,
+                                              const i8* res, i8* out) {
+  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
+  stage_sums<TC>(acc, -1, st);
+  __syncthreads();
+  int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    int r = (threadIdx.x >> 2) + 64 * h, m = blockIdx.y * TILE_M + r;
+    if (m < M && n < N) mm_piece16<POW2>(&st[r][c], m, n, N, xb, a, shift, q, res, out);
+  }
 }
 
 // out = clip(res + MM(x, W)) where res is given (the residual of W2), else MM(x, W).
@@ -633,6 +725,13 @@ __device__ void mm_body(const i8* x, const i8* w, const int* xb, const i8* a, in
   int acc[ACC];
   tile_gemm<TC>(x, w, M, N, K, 0, K / 4, acc);
   Divisor q = make_divisor(div);
+  if (N % 16 == 0 && aligned16(a, res, out)) {
+    if (q.pow2)
+      mm_epilogue16<TC, true>(acc, xb, a, M, N, shift, q, res, out);
+    else
+      mm_epilogue16<TC, false>(acc, xb, a, M, N, shift, q, res, out);
+    return;
+  }
   bool pairs = TC && N % 2 == 0 && even_bases(a, res, out, a, a, a);
   EPILOGUE(mm_epilogue, pairs, q.pow2, acc, xb, a, M, N, shift, q, res, out);
 }
@@ -680,6 +779,92 @@ __device__ __forceinline__ void gate_epilogue(const int acc_h[ACC], const int ac
   }
 }
 
+// The gate's and the candidate's epilogues through shared memory: both GEMMs' sums staged
+// half a tile (64 rows) at a time, 36 KB for the two, and each thread then finishes 16
+// adjacent outputs of one row by `piece` (GatePiece, CandPiece).
+template <bool TC, class Piece>
+__device__ __forceinline__ void two_sums_epilogue16(const int acc1[ACC], const int acc2[ACC],
+                                                    int M, int D, const Piece& piece) {
+  int (*s1)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
+  int (*s2)[STAGE_ROW] = s1 + 64;
+  int rr = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    stage_sums<TC>(acc1, h, s1);
+    stage_sums<TC>(acc2, h, s2);
+    __syncthreads();
+    int m = blockIdx.y * TILE_M + 64 * h + rr;
+    if (m < M && n < D) piece(s1[rr] + c, s2[rr] + c, m, n);
+    __syncthreads();  // read before the next half is staged
+  }
+}
+
+// The gate's and the candidate's shared start for outputs n .. n + 15 of row m (offsets o
+// in the members' arrays, ao in the pairs' a): out[k] = clip(MM(h, W) + MM(u, U) + b), from
+// the two GEMMs' staged sums s1, s2, their rank-1 factors xb1 / a1 and xb2 / a2, the bias.
+template <bool POW2>
+__device__ __forceinline__ void two_mm16(const int* s1, const int* s2, int m, long long o,
+                                         long long ao, const int* xb1, const i8* a1,
+                                         const int* xb2, const i8* a2, const i8* bias,
+                                         int shift, Divisor q, u32 out[4]) {
+  int sx1 = signed_xb(xb1, m), sx2 = signed_xb(xb2, m);
+  uint4 av1 = load16(a1 + ao), av2 = load16(a2 + ao), bv = load16(bias + o);
+#pragma unroll
+  for (int k0 = 0; k0 < 16; k0 += 4) {
+    int4 p1 = *(const int4*)(s1 + k0), p2 = *(const int4*)(s2 + k0);
+#pragma unroll
+    for (int k = k0; k < k0 + 4; k++) {
+      int v = egg_mm<POW2>(sum_of(p1, k - k0), sx1, lane_of(av1, k), shift, q) +
+              egg_mm<POW2>(sum_of(p2, k - k0), sx2, lane_of(av2, k), shift, q);
+      pack_into(out, k, CLIP8(v + lane_of(bv, k)));
+    }
+  }
+}
+
+template <bool POW2>
+struct GatePiece {
+  const int *xbh, *xbs;
+  const i8 *af, *au, *s, *bias;
+  int D, shift;
+  Divisor q;
+  i8 *f, *g;
+  __device__ __forceinline__ void operator()(const int* sh, const int* ss, int m, int n) const {
+    long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
+    u32 fw[4] = {0u, 0u, 0u, 0u}, gw[4] = {0u, 0u, 0u, 0u};
+    two_mm16<POW2>(sh, ss, m, o, ao, xbh, af, xbs, au, bias, shift, q, fw);
+    uint4 fv = make_uint4(fw[0], fw[1], fw[2], fw[3]), sv = load16(s + o);
+#pragma unroll
+    for (int k = 0; k < 16; k++) pack_into(gw, k, ((lane_of(fv, k) + 127) * lane_of(sv, k)) >> 8);
+    store16(f + o, fw);
+    store16(g + o, gw);
+  }
+};
+
+template <bool POW2>
+struct CandPiece {
+  const int *xbh, *xbg;
+  const i8 *ah, *au, *bias, *f;
+  int D, shift;
+  Divisor q;
+  i8 *s, *x;
+  __device__ __forceinline__ void operator()(const int* sh, const int* sg, int m, int n) const {
+    long long o = (long long)m * D + n, ao = (long long)(m >> 1) * D + n;
+    u32 cw[4] = {0u, 0u, 0u, 0u}, sw[4] = {0u, 0u, 0u, 0u}, xw[4] = {0u, 0u, 0u, 0u};
+    two_mm16<POW2>(sh, sg, m, o, ao, xbh, ah, xbg, au, bias, shift, q, cw);
+    uint4 cv = make_uint4(cw[0], cw[1], cw[2], cw[3]);
+    uint4 fv = load16(f + o), sv = load16(s + o), xv = load16(x + o);
+#pragma unroll
+    for (int k = 0; k < 16; k++) {
+      int sk = lane_of(sv, k);
+      sk += ((lane_of(fv, k) + 127) * (lane_of(cv, k) - sk)) >> 8;
+      pack_into(sw, k, sk);
+      pack_into(xw, k, CLIP8(lane_of(xv, k) + sk));
+    }
+    store16(s + o, sw);
+    store16(x + o, xw);
+  }
+};
+
 // h, s (M, D); wf, uf (D, D); bias (M, D) the members' bf; f, g out (M, D).
 // Launch: grid (ceil(D / TILE_N), ceil(M / TILE_M)), block (256).
 template <bool TC>
@@ -690,6 +875,15 @@ __device__ void gate_body(const i8* h, const i8* wf, const int* xbh, const i8* a
   tile_gemm<TC>(h, wf, M, D, D, 0, D / 4, acc_h);
   tile_gemm<TC>(s, uf, M, D, D, 0, D / 4, acc_s);
   Divisor q = make_divisor(div);
+  if (D % 16 == 0 && aligned16(af, au, s) && aligned16(bias, f, g)) {
+    if (q.pow2)
+      two_sums_epilogue16<TC>(acc_h, acc_s, M, D,
+                              GatePiece<true>{xbh, xbs, af, au, s, bias, D, shift, q, f, g});
+    else
+      two_sums_epilogue16<TC>(acc_h, acc_s, M, D,
+                              GatePiece<false>{xbh, xbs, af, au, s, bias, D, shift, q, f, g});
+    return;
+  }
   bool pairs = TC && D % 2 == 0 && even_bases(af, au, s, bias, f, g);
   EPILOGUE(gate_epilogue, pairs, q.pow2, acc_h, acc_s, xbh, af, s, xbs, au, M, D, shift, q,
            bias, f, g);
@@ -733,6 +927,15 @@ __device__ void cand_body(const i8* h, const i8* wh, const int* xbh, const i8* a
   tile_gemm<TC>(h, wh, M, D, D, 0, D / 4, acc_h);
   tile_gemm<TC>(g, uh, M, D, D, 0, D / 4, acc_g);
   Divisor q = make_divisor(div);
+  if (D % 16 == 0 && aligned16(ah, au, bias) && aligned16(f, s, x)) {
+    if (q.pow2)
+      two_sums_epilogue16<TC>(acc_h, acc_g, M, D,
+                              CandPiece<true>{xbh, xbg, ah, au, bias, f, D, shift, q, s, x});
+    else
+      two_sums_epilogue16<TC>(acc_h, acc_g, M, D,
+                              CandPiece<false>{xbh, xbg, ah, au, bias, f, D, shift, q, s, x});
+    return;
+  }
   bool pairs = TC && D % 2 == 0 && even_bases(ah, au, bias, f, s, x);
   EPILOGUE(cand_epilogue, pairs, q.pow2, acc_h, acc_g, xbh, ah, xbg, au, M, D, shift, q, bias,
            f, s, x);
