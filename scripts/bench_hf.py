@@ -68,6 +68,12 @@ VARIANTS = ("generate", "unperturbed", "population")
 MiB = 2**20
 
 
+def kv_heads(heads: int) -> int:
+    """Grouped-query attention's key/value heads: the largest divisor of `heads` up to a
+    quarter of them (14 heads, as at width 896: 2; 16: 4), at least 1."""
+    return next(k for k in range(max(1, heads // 4), 0, -1) if heads % k == 0)
+
+
 def tiny_model(family: str, hidden: int, layers: int, where: Path) -> Path:
     """A random model of the family saved with a byte-level tokenizer (nothing downloaded)."""
     torch, transformers = require_hf()
@@ -87,13 +93,14 @@ def tiny_model(family: str, hidden: int, layers: int, where: Path) -> Path:
     )
     vocab = len(tokenizer)
     ids = {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 0}
+    heads = hidden // 64
     if family == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=vocab,
             n_positions=512,
             n_embd=hidden,
             n_layer=layers,
-            n_head=hidden // 64,
+            n_head=heads,
             **ids,
         )
     else:
@@ -102,8 +109,8 @@ def tiny_model(family: str, hidden: int, layers: int, where: Path) -> Path:
             hidden_size=hidden,
             intermediate_size=hidden * 4,
             num_hidden_layers=layers,
-            num_attention_heads=hidden // 64,
-            num_key_value_heads=max(1, hidden // 256),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads(heads),
             max_position_embeddings=512,
             **ids,
         )
@@ -323,6 +330,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
+            if args.hidden < 64 or args.hidden % 64:
+                p.error("--hidden must be a multiple of 64 (heads of 64)")
             model_dir = tiny_model(args.tiny, args.hidden, args.layers, Path(tmp))
             name = f"tiny {args.tiny} (width {args.hidden}, {args.layers} layers, random)"
         elif args.model_dir is None:
