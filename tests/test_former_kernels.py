@@ -238,16 +238,19 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int,
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
 @pytest.mark.parametrize(
-    "head_bias, d", [("zipf", 36), ("none", 36), ("none", 64)], ids=["zipf", "none", "pow2"]
+    "head_bias, d, vocab",
+    [("zipf", 36, 300), ("none", 36, 300), ("none", 64, 300), ("zipf", 36, 304), ("zipf", 64, 304)],
+    ids=["zipf", "none", "pow2", "rows16", "rows16-pow2"],
 )
 @pytest.mark.parametrize("counts", [False, True], ids=["loss", "held-out"])
 def test_head_fused_with_the_loss(
-    k: Kernels, suffix: str, head_bias: str, d: int, counts: bool
+    k: Kernels, suffix: str, head_bias: str, d: int, vocab: int, counts: bool
 ) -> None:
     """The member's integer loss summed over its positions; held out: the even members'
     logit counts per position instead, from which the host finishes both losses. Width 64
-    divides by 128, a power of two (a shift)."""
-    cfg = cfg_for(d=d, heads=2 if d == 64 else 3, head_bias=head_bias)
+    divides by 128, a power of two (a shift); a vocabulary of 304 (a multiple of 16, the
+    last tile 48 columns) takes the epilogue through shared memory."""
+    cfg = cfg_for(d=d, heads=2 if d == 64 else 3, vocab=vocab, head_bias=head_bias)
     params, pn, mn, tokens, model = batch(cfg)
     m, d, v = 2 * len(tokens), cfg.model.d_model, cfg.model.vocab_size
     rng = np.random.default_rng(12)

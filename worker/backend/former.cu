@@ -108,22 +108,76 @@ __device__ __forceinline__ void former_head_epilogue(const int acc[ACC], const i
   }
 }
 
+// The head's epilogue through shared memory, for the loss (held-out counts keep the one
+// above; V % 16 == 0, 16-byte aligned a and bias): the tile's sums staged whole, each thread
+// finishes logits n .. n + 15 of rows t / 4 and t / 4 + 64, the row's member, sign, position
+// and next token worked out once per 16 logits; EXP2 comes from a copy in shared memory, and
+// a row's sum over the tile is its four lanes' sums (one shuffle pair, one global atomic per
+// row) instead of an atomic per logit.
+template <bool TC, bool POW2>
+__device__ __forceinline__ void former_head_epilogue16(
+    const int acc[ACC], const int* xb, const i8* a, int R, int V, int per, Divisor rows,
+    int shift, Divisor q, const i8* bias, const int* tokens, const int* exp2s, u64* total,
+    int* target) {
+  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
+  stage_sums<TC>(acc, -1, st);
+  __syncthreads();
+  int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    int rr = (threadIdx.x >> 2) + 64 * h, r = blockIdx.y * TILE_M + rr;
+    u32 sum = 0;
+    if (r < R && n < V) {
+      long long m = floor_by(r, rows), t = r - m * per;
+      int sxb = (m & 1) ? -xb[r] : xb[r];
+      int next = tokens[(m >> 1) * (per + 1) + t + 1] - n;  // its column in this piece
+      uint4 av = load16(a + (m >> 1) * V + n);
+      uint4 bv = bias ? load16(bias + m * V + n) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int k0 = 0; k0 < 16; k0 += 4) {
+        int4 s4 = *(const int4*)(&st[rr][c] + k0);
+#pragma unroll
+        for (int k = k0; k < k0 + 4; k++) {
+          int l = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
+          if (bias) l = CLIP8(l + lane_of(bv, k));
+          sum += (u32)exp2s[l + 128];
+          if (k == next) target[r] = l;
+        }
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // the row's four lanes: t = 4 rr + 0..3
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if ((threadIdx.x & 3) == 0 && sum) atomicAdd(total + r, (u64)sum);
+  }
+}
+
 template <bool TC>
 __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
                                  int V, int K, int per, int shift, int div, const i8* bias,
                                  const int* tokens, const int* exp2_table, u64* total,
                                  int* target, int* hist) {
   __shared__ u32 row_sum[TILE_M];  // < 64 columns * 2**20: a tile's sums fit 32 bits
+  __shared__ int exp2s[256];
   for (int i = threadIdx.x; i < TILE_M; i += blockDim.x) row_sum[i] = 0;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) exp2s[i] = exp2_table[i];
   int acc[ACC];
-  tile_gemm<TC>(x, w, R, V, K, 0, K / 4, acc);  // its barriers order the zeroing too
+  tile_gemm<TC>(x, w, R, V, K, 0, K / 4, acc);  // its barriers order the copies too
   Divisor q = make_divisor(div), rows = make_divisor(per);
+  if (!hist && V % 16 == 0 && (((unsigned long long)a | (unsigned long long)bias) & 15) == 0) {
+    if (q.pow2)
+      former_head_epilogue16<TC, true>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
+                                       exp2s, total, target);
+    else
+      former_head_epilogue16<TC, false>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
+                                        exp2s, total, target);
+    return;
+  }
   if (q.pow2)
-    former_head_epilogue<TC, true>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
-                                   exp2_table, target, hist, row_sum);
+    former_head_epilogue<TC, true>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens, exp2s,
+                                   target, hist, row_sum);
   else
-    former_head_epilogue<TC, false>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
-                                    exp2_table, target, hist, row_sum);
+    former_head_epilogue<TC, false>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens, exp2s,
+                                    target, hist, row_sum);
   __syncthreads();
   int m0 = blockIdx.y * TILE_M;
   for (int i = threadIdx.x; i < TILE_M; i += blockDim.x)
