@@ -60,13 +60,69 @@ __device__ __forceinline__ void former_mm_epilogue(const int acc[ACC], const int
   }
 }
 
+// The same through shared memory (N % 16 == 0, 16-byte aligned bases): the tile's sums
+// staged whole, each thread finishes outputs n .. n + 15 of rows t / 4 and t / 4 + 64, the
+// row's member and sign once, a, bias and res in 16-byte loads, out32 in 16-byte stores (out8
+// in one), GELU from a copy in shared memory.
+template <bool TC, bool POW2>
+__device__ __forceinline__ void former_mm_epilogue16(const int acc[ACC], const int* xb,
+                                                     const i8* a, int R, int N, Divisor rows,
+                                                     int shift, Divisor q, const i8* bias,
+                                                     const i8* res, const int* gelus,
+                                                     i8* out8, int* out32) {
+  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
+  stage_sums<TC>(acc, -1, st);
+  __syncthreads();
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    int rr = (threadIdx.x >> 2) + 64 * h, r = blockIdx.y * TILE_M + rr;
+    if (r >= R || n >= N) continue;
+    long long m = floor_by(r, rows), o = (long long)r * N + n;
+    int sxb = (m & 1) ? -xb[r] : xb[r];
+    uint4 av = load16(a + (m >> 1) * N + n);
+    uint4 bv = bias ? load16(bias + m * N + n) : zero, rv = res ? load16(res + o) : zero;
+    u32 ow[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int k0 = 0; k0 < 16; k0 += 4) {
+      int4 s4 = *(const int4*)(&st[rr][c] + k0);
+      int v[4];
+#pragma unroll
+      for (int k = k0; k < k0 + 4; k++) {
+        v[k - k0] = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
+        if (gelus)
+          pack_into(ow, k, gelus[CLIP8(v[k - k0] + lane_of(bv, k)) + 128]);
+        else
+          v[k - k0] += lane_of(rv, k) + lane_of(bv, k);
+      }
+      if (!gelus) *(int4*)(out32 + o + k0) = make_int4(v[0], v[1], v[2], v[3]);
+    }
+    if (gelus) store16(out8 + o, ow);
+  }
+}
+
 template <bool TC>
 __device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
                                int N, int K, int per, int shift, int div, const i8* bias,
                                const i8* res, const int* gelu, i8* out8, int* out32) {
+  __shared__ int gelus[256];
+  if (gelu)
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) gelus[i] = gelu[i];
   int acc[ACC];
-  tile_gemm<TC>(x, w, R, N, K, 0, K / 4, acc);
+  tile_gemm<TC>(x, w, R, N, K, 0, K / 4, acc);  // its barriers order the copy too
   Divisor q = make_divisor(div), rows = make_divisor(per);
+  u64 bases = (u64)a | (u64)bias | (u64)res | (u64)out8 | (u64)out32;
+  if (N % 16 == 0 && (bases & 15) == 0) {
+    const int* table = gelu ? gelus : 0;
+    if (q.pow2)
+      former_mm_epilogue16<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, res, table, out8,
+                                     out32);
+    else
+      former_mm_epilogue16<TC, false>(acc, xb, a, R, N, rows, shift, q, bias, res, table, out8,
+                                      out32);
+    return;
+  }
   if (q.pow2)
     former_mm_epilogue<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, res, gelu, out8, out32);
   else
