@@ -15,6 +15,10 @@ tensor-core kernels it prints a static performance model read from the SASS:
 - epi/out: instructions after the last main loop per output a thread owns, summed over the
   epilogue's compiled variants (byte pairs or single bytes; a shift or a multiply-high).
 - occupancy: resident warps per SM from registers and shared memory (of 64).
+- probe_*: kernels compiled with the module for --sass only, each the main loop and one
+  epilogue variant: the path every preset takes (through shared memory, the division a
+  shift), whose instructions per output a kernel holding every variant hides. Fails above
+  EPILOGUE_BUDGET.
 - and fails if the kernel holds more reciprocals (MUFU.RCP) than it makes magic numbers (one
   per kernel, two for the former's: the divisor and the rows per member): more is the mark
   of a software division per output.
@@ -49,8 +53,48 @@ ROOT = Path(__file__).resolve().parent.parent
 # What CuPy's RawModule adds to the user's options on its NVRTC path (besides -arch).
 CUPY_ADDED = ("-ftz=true", "--device-as-default-execution-space")
 IMMA_BUDGET = 12.0  # instructions per IMMA in a tensor-core main loop
-MAGIC_NUMBERS = {"former_mm_tc": 2, "former_head_tc": 2}  # else 1 (make_divisor's reciprocal)
+# make_divisor's reciprocals: 1 a kernel, 2 for the former's (the divisor, rows per member)
+FORMER_KERNELS = ("former_mm_tc", "former_head_tc", "probe_former_mm", "probe_former_head")
+MAGIC_NUMBERS = dict.fromkeys(FORMER_KERNELS, 2)
+EPILOGUE_BUDGET = 48.0  # instructions per output on the presets' epilogue path (probe_*)
 OUTPUTS_PER_THREAD = TILE_M * TILE_N // BLOCK
+# The probes: each kernel's main loop and its presets' epilogue variant, nothing else.
+PROBES = r"""
+extern "C" __global__ void __launch_bounds__(256) probe_mm(MM_PARAMS) {
+  int acc[ACC];
+  tile_gemm<true>(x, w, M, N, K, 0, K / 4, acc);
+  mm_epilogue16<true, true>(acc, xb, a, M, N, shift, make_divisor(div), res, out);
+}
+extern "C" __global__ void __launch_bounds__(256) probe_gate(GATE_PARAMS) {
+  int acc_h[ACC], acc_s[ACC];
+  tile_gemm<true>(h, wf, M, D, D, 0, D / 4, acc_h);
+  tile_gemm<true>(s, uf, M, D, D, 0, D / 4, acc_s);
+  Divisor q = make_divisor(div);
+  two_sums_epilogue16<true>(acc_h, acc_s, M, D,
+                            GatePiece<true>{xbh, xbs, af, au, s, bias, D, shift, q, f, g});
+}
+extern "C" __global__ void __launch_bounds__(256) probe_cand(CAND_PARAMS) {
+  int acc_h[ACC], acc_g[ACC];
+  tile_gemm<true>(h, wh, M, D, D, 0, D / 4, acc_h);
+  tile_gemm<true>(g, uh, M, D, D, 0, D / 4, acc_g);
+  Divisor q = make_divisor(div);
+  two_sums_epilogue16<true>(acc_h, acc_g, M, D,
+                            CandPiece<true>{xbh, xbg, ah, au, bias, f, D, shift, q, s, x});
+}
+extern "C" __global__ void __launch_bounds__(256) probe_former_mm(FORMER_MM_PARAMS) {
+  int acc[ACC];
+  tile_gemm<true>(x, w, R, N, K, 0, K / 4, acc);
+  former_mm_epilogue16<true, true>(acc, xb, a, R, N, make_divisor(per), shift,
+                                   make_divisor(div), bias, res, gelu, out8, out32);
+}
+extern "C" __global__ void __launch_bounds__(256) probe_former_head(FORMER_HEAD_PARAMS) {
+  int acc[ACC];
+  tile_gemm<true>(x, w, R, V, K, 0, K / 4, acc);
+  former_head_epilogue16<true, true>(acc, xb, a, R, V, per, make_divisor(per), shift,
+                                     make_divisor(div), bias, tokens, exp2_table, total, target);
+}
+"""
+PROBE_KERNELS = ("probe_mm", "probe_gate", "probe_cand", "probe_former_mm", "probe_former_head")
 # Per multiprocessor: registers, shared memory (bytes) a block may use in all, warps.
 SM_LIMITS = {"80": (65536, 164 * 1024, 64), "90": (65536, 228 * 1024, 64)}
 INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -161,7 +205,7 @@ def main() -> int:
     nvrtc = load_nvrtc()
     failed = False
     for cu in [Path("+".join(SOURCE_FILES))]:  # one module
-        source = kernel_source()
+        source = kernel_source() + (PROBES if args.sass else "")
         table: dict[str, dict[str, str]] = {}
         for arch in args.arch:
             options = [*NVRTC_OPTIONS, *CUPY_ADDED, f"-arch=sm_{arch}", "--ptxas-options=-v"]
@@ -183,12 +227,13 @@ def main() -> int:
                 for kernel, code in sass.items():
                     imma, dp4a = code.count("IMMA"), code.count("IDP.4A")
                     table.setdefault(kernel, {})[f"sass{arch}"] = f"IMMA {imma} IDP.4A {dp4a}"
-                    if kernel in TENSOR_CORE_KERNELS and int(arch) < 80:
+                    tensor_cores = kernel in TENSOR_CORE_KERNELS or kernel in PROBE_KERNELS
+                    if tensor_cores and int(arch) < 80:
                         continue  # no int8 mma below sm_80: those GPUs run the _dp4a twins
-                    if kernel in TENSOR_CORE_KERNELS and not imma:
+                    if tensor_cores and not imma:
                         print(f"FAIL {cu.name} sm_{arch} {kernel}: no IMMA instruction")
                         failed = True
-                    elif kernel in TENSOR_CORE_KERNELS:
+                    elif tensor_cores:
                         pm, r = perf_model(code), usage[kernel]
                         warps = resident_warps(arch, r["regs"], r["smem"])
                         table[kernel][f"model{arch}"] = (
@@ -200,6 +245,13 @@ def main() -> int:
                                 f"FAIL {cu.name} sm_{arch} {kernel}: main loop at "
                                 f"{pm['slots_per_imma']:.1f} instructions per IMMA "
                                 f"(budget {IMMA_BUDGET:g})"
+                            )
+                            failed = True
+                        if kernel in PROBE_KERNELS and pm["epilogue_per_output"] > EPILOGUE_BUDGET:
+                            print(
+                                f"FAIL {cu.name} sm_{arch} {kernel}: epilogue at "
+                                f"{pm['epilogue_per_output']:.1f} instructions per output "
+                                f"(budget {EPILOGUE_BUDGET:g})"
                             )
                             failed = True
                         if pm["reciprocals"] > MAGIC_NUMBERS.get(kernel, 1):
