@@ -18,7 +18,7 @@ tensor-core kernels it prints a static performance model read from the SASS:
 - probe_*: kernels compiled with the module for --sass only, each the main loop and one
   epilogue variant: the path every preset takes (through shared memory, the division a
   shift), whose instructions per output a kernel holding every variant hides. Fails above
-  EPILOGUE_BUDGET.
+  EPILOGUE_BUDGET. Their registers and occupancy are the probe's, not the kernel's.
 - and fails if the kernel holds more reciprocals (MUFU.RCP) than it makes magic numbers (one
   per kernel, two for the former's: the divisor and the rows per member): more is the mark
   of a software division per output.
@@ -82,16 +82,20 @@ extern "C" __global__ void __launch_bounds__(256) probe_cand(CAND_PARAMS) {
                             CandPiece<true>{xbh, xbg, ah, au, bias, f, D, shift, q, s, x});
 }
 extern "C" __global__ void __launch_bounds__(256) probe_former_mm(FORMER_MM_PARAMS) {
+  __shared__ int gelus[256];
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) gelus[i] = gelu[i];
   int acc[ACC];
   tile_gemm<true>(x, w, R, N, K, 0, K / 4, acc);
   former_mm_epilogue16<true, true>(acc, xb, a, R, N, make_divisor(per), shift,
-                                   make_divisor(div), bias, res, gelu, out8, out32);
+                                   make_divisor(div), bias, res, gelus, out8, out32);
 }
 extern "C" __global__ void __launch_bounds__(256) probe_former_head(FORMER_HEAD_PARAMS) {
+  __shared__ int exp2s[256];
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) exp2s[i] = exp2_table[i];
   int acc[ACC];
   tile_gemm<true>(x, w, R, V, K, 0, K / 4, acc);
   former_head_epilogue16<true, true>(acc, xb, a, R, V, per, make_divisor(per), shift,
-                                     make_divisor(div), bias, tokens, exp2_table, total, target);
+                                     make_divisor(div), bias, tokens, exp2s, total, target);
 }
 """
 PROBE_KERNELS = ("probe_mm", "probe_gate", "probe_cand", "probe_former_mm", "probe_former_head")

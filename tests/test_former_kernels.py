@@ -239,8 +239,15 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int,
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
 @pytest.mark.parametrize(
     "head_bias, d, vocab",
-    [("zipf", 36, 300), ("none", 36, 300), ("none", 64, 300), ("zipf", 36, 304), ("zipf", 64, 304)],
-    ids=["zipf", "none", "pow2", "rows16", "rows16-pow2"],
+    [
+        ("zipf", 36, 300),
+        ("none", 36, 300),
+        ("none", 64, 300),
+        ("zipf", 36, 304),
+        ("zipf", 64, 304),
+        ("none", 64, 304),
+    ],
+    ids=["zipf", "none", "pow2", "rows16", "rows16-pow2", "rows16-no-bias"],
 )
 @pytest.mark.parametrize("counts", [False, True], ids=["loss", "held-out"])
 def test_head_fused_with_the_loss(

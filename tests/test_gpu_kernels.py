@@ -610,15 +610,18 @@ def odd_based(a: np.ndarray):
 
 
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-@pytest.mark.parametrize("d, odd", [(68, False), (208, False), (68, True), (64, False)])
-def test_gate_and_candidate(k: Kernels, suffix: str, d: int, odd: bool) -> None:
+@pytest.mark.parametrize(
+    "d, odd, n_pairs", [(68, False, 35), (208, False, 35), (68, True, 35), (64, False, 70)]
+)
+def test_gate_and_candidate(k: Kernels, suffix: str, d: int, odd: bool, n_pairs: int) -> None:
     # 68: two N tiles, the second partial, word loads over two stages; 208: 16-byte loads
     # over four stages, so both GEMMs of one kernel rotate the three buffers. The epilogues
     # move byte pairs at 68 (even row length and bases), go through shared memory at 208
-    # (multiply-high) and 64 (a shift: divisor 128); an odd-based bias takes the byte path.
+    # (multiply-high) and 64 (a shift: divisor 128; 140 rows, a second row tile); an
+    # odd-based bias takes the byte path.
     cfg = cfg_for(d=d)
     bias = odd_based if odd else dev
-    pairs, params, pn, mn = member_batch(cfg)
+    pairs, params, pn, mn = member_batch(cfg, n_pairs)
     d, m = cfg.model.d_model, 2 * len(pairs)
     model = EggModel(cfg, params)
     rng = np.random.default_rng(8)

@@ -618,6 +618,7 @@ __device__ __forceinline__ bool even_bases(const void* a, const void* b, const v
 // the row's rank-1 factor read once. STAGE_ROW pads a row by 8 words: the tensor-core
 // layout's 8-byte writes then hit distinct banks. 128 rows take 36 KB of gemm_smem.
 #define STAGE_ROW (TILE_N + 8)
+static_assert(TILE_M * STAGE_ROW <= GEMM_SMEM_WORDS, "the staged tile fits gemm_smem");
 // Rows [64 h, 64 h + 64) of the tile into st[0, 64) (h = -1: all 128 rows into st).
 template <bool TC>
 __device__ __forceinline__ void stage_sums(const int acc[ACC], int h, int (*st)[STAGE_ROW]) {
@@ -632,6 +633,16 @@ __device__ __forceinline__ void stage_sums(const int acc[ACC], int h, int (*st)[
     else
       *dst = acc[i];
   }
+}
+
+// All the tile's sums staged in gemm_smem (after tile_gemm's closing barrier), visible to
+// every thread of the block when this returns.
+template <bool TC>
+__device__ __forceinline__ int (*stage_tile(const int acc[ACC]))[STAGE_ROW] {
+  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
+  stage_sums<TC>(acc, -1, st);
+  __syncthreads();
+  return st;
 }
 
 __device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
@@ -683,9 +694,7 @@ template <bool TC, bool POW2>
 __device__ __forceinline__ void mm_epilogue16(const int acc[ACC], const int* xb, const i8* a,
                                               int M, int N, int shift, Divisor q,
                                               const i8* res, i8* out) {
-  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
-  stage_sums<TC>(acc, -1, st);
-  __syncthreads();
+  int (*st)[STAGE_ROW] = stage_tile<TC>(acc);
   int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
 #pragma unroll
   for (int h = 0; h < 2; h++) {

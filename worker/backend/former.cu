@@ -70,9 +70,7 @@ __device__ __forceinline__ void former_mm_epilogue16(const int acc[ACC], const i
                                                      int shift, Divisor q, const i8* bias,
                                                      const i8* res, const int* gelus,
                                                      i8* out8, int* out32) {
-  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
-  stage_sums<TC>(acc, -1, st);
-  __syncthreads();
+  int (*st)[STAGE_ROW] = stage_tile<TC>(acc);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
 #pragma unroll
@@ -175,9 +173,7 @@ __device__ __forceinline__ void former_head_epilogue16(
     const int acc[ACC], const int* xb, const i8* a, int R, int V, int per, Divisor rows,
     int shift, Divisor q, const i8* bias, const int* tokens, const int* exp2s, u64* total,
     int* target) {
-  int (*st)[STAGE_ROW] = (int (*)[STAGE_ROW])gemm_smem();
-  stage_sums<TC>(acc, -1, st);
-  __syncthreads();
+  int (*st)[STAGE_ROW] = stage_tile<TC>(acc);
   int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
@@ -214,12 +210,13 @@ __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const 
                                  int* target, int* hist) {
   __shared__ u32 row_sum[TILE_M];  // < 64 columns * 2**20: a tile's sums fit 32 bits
   __shared__ int exp2s[256];
-  for (int i = threadIdx.x; i < TILE_M; i += blockDim.x) row_sum[i] = 0;
+  bool staged = !hist && V % 16 == 0 && (((u64)a | (u64)bias) & 15) == 0;
+  for (int i = threadIdx.x; i < TILE_M && !staged; i += blockDim.x) row_sum[i] = 0;
   for (int i = threadIdx.x; i < 256; i += blockDim.x) exp2s[i] = exp2_table[i];
   int acc[ACC];
   tile_gemm<TC>(x, w, R, V, K, 0, K / 4, acc);  // its barriers order the copies too
   Divisor q = make_divisor(div), rows = make_divisor(per);
-  if (!hist && V % 16 == 0 && (((unsigned long long)a | (unsigned long long)bias) & 15) == 0) {
+  if (staged) {
     if (q.pow2)
       former_head_epilogue16<TC, true>(acc, xb, a, R, V, per, rows, shift, q, bias, tokens,
                                        exp2s, total, target);
