@@ -757,21 +757,25 @@ class CupyBackend:
     def _alloc_update_buffers(self) -> None:
         """The update's scratch: a slab of the largest tensors' transposed noise, and Z."""
         xp = self.xp
-        matrices = [s.shape for s in self._specs if s.kind == "matrix"]
+        out, inp = self._largest_sides()
         buf = self._update_buffers
-        buf["at"] = xp.empty(max(out for out, _ in matrices) * self._slab, dtype=xp.int8)
-        buf["bt"] = xp.empty(max(inp for _, inp in matrices) * self._slab, dtype=xp.int8)
+        buf["at"] = xp.empty(out * self._slab, dtype=xp.int8)
+        buf["bt"] = xp.empty(inp * self._slab, dtype=xp.int8)
         largest = max(int(np.prod(s.shape)) for s in self._specs)
         buf["z"] = xp.empty(largest, dtype=xp.int64)
         # which weights the apply kernel moved, for the overlays' update (adaptive noise)
         buf["moved"] = xp.empty(largest, dtype=xp.int8) if self.overlay else self.null8
 
+    def _largest_sides(self) -> tuple[int, int]:
+        """The largest output and the largest input of any matrix."""
+        matrices = [s.shape for s in self._specs if s.kind == "matrix"]
+        return max(out for out, _ in matrices), max(inp for _, inp in matrices)
+
     @property
     def _slab(self) -> int:
         """Pairs per slab of the update's transposed noise: whole stages, the scratch of the
         largest output and input within UPDATE_SCRATCH_BYTES (one stage at least)."""
-        matrices = [s.shape for s in self._specs if s.kind == "matrix"]
-        rows = max(out for out, _ in matrices) + max(inp for _, inp in matrices)
+        rows = sum(self._largest_sides())
         ppad = _cdiv(self.config.pairs, PAIR_PAD) * PAIR_PAD
         return min(ppad, max(PAIR_PAD, UPDATE_SCRATCH_BYTES // rows // PAIR_PAD * PAIR_PAD))
 
