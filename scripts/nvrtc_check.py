@@ -22,6 +22,9 @@ tensor-core kernels it prints a static performance model read from the SASS:
 - and fails if the kernel holds more reciprocals (MUFU.RCP) than it makes magic numbers (one
   per kernel, two for the former's: the divisor and the rows per member): more is the mark
   of a software division per output.
+For the former's attention (former_attention: heads up to 64 bytes, tiles of 32 queries),
+instructions per IDP.4A in its score loop and per multiply-add in its weighted-sum loop
+(innermost loops; every instruction counted once). Fails above ATTENTION_BUDGET.
 
     python scripts/nvrtc_check.py [--arch 80 90] [--sass]
 """
@@ -99,6 +102,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_former_head(FORMER_HEAD_
 }
 """
 PROBE_KERNELS = ("probe_mm", "probe_gate", "probe_cand", "probe_former_mm", "probe_former_head")
+ATTENTION_BUDGET = 2.0  # instructions per IDP.4A (scores), per multiply-add (weighted sums)
 # Per multiprocessor: registers, shared memory (bytes) a block may use in all, warps.
 SM_LIMITS = {"80": (65536, 164 * 1024, 64), "90": (65536, 228 * 1024, 64)}
 INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -192,6 +196,36 @@ def perf_model(sass: str) -> dict[str, float]:
     }
 
 
+def innermost_loops(sass: str) -> list[list[str]]:
+    """The bodies of the loops (backward branches) that hold no other loop."""
+    insns = [(int(m.group(1), 16), m.group(2)) for m in INSN.finditer(sass)]
+    index = {addr: i for i, (addr, _) in enumerate(insns)}
+    spans = []
+    for i, (addr, op) in enumerate(insns):
+        branch = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", op)
+        if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
+            spans.append((index[int(branch.group(1), 16)], i))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b)
+                                                 for c, d in spans)]  # fmt: skip
+    return [[op for _, op in insns[a : b + 1]] for a, b in inner]
+
+
+def attention_model(sass: str) -> dict[str, float]:
+    """Instructions per IDP.4A in the score loop (the loop with the most) and per
+    multiply-add (a plain IMAD) in the weighted-sum loop (the IMAD-richest loop without
+    IDP.4A or a global load)."""
+    loops = innermost_loops(sass)
+    scores = max(loops, key=lambda body: sum("IDP.4A" in op for op in body))
+    sums = max(
+        (b for b in loops if not any("IDP.4A" in op or "LDG" in op for op in b)),
+        key=lambda body: sum(op.split()[0] == "IMAD" for op in body),
+    )
+    return {
+        "per_idp": len(scores) / max(1, sum("IDP.4A" in op for op in scores)),
+        "per_mac": len(sums) / max(1, sum(op.split()[0] == "IMAD" for op in sums)),
+    }
+
+
 def resident_warps(arch: str, regs: int, smem: int) -> int:
     """Warps per SM that fit by registers (allocated per warp in 256s) and shared memory
     (plus the 1 KB the driver reserves per block)."""
@@ -262,6 +296,19 @@ def main() -> int:
                             print(
                                 f"FAIL {cu.name} sm_{arch} {kernel}: {pm['reciprocals']} "
                                 "reciprocals (a software division per output?)"
+                            )
+                            failed = True
+                    if kernel == "former_attention":
+                        am = attention_model(code)
+                        table[kernel][f"model{arch}"] = (
+                            f"{am['per_idp']:4.2f} per IDP.4A (scores) "
+                            f"{am['per_mac']:4.2f} per multiply-add (sums)"
+                        )
+                        if max(am.values()) > ATTENTION_BUDGET:
+                            print(
+                                f"FAIL {cu.name} sm_{arch} {kernel}: attention loops at "
+                                f"{am['per_idp']:.2f} / {am['per_mac']:.2f} instructions "
+                                f"(budget {ATTENTION_BUDGET:g})"
                             )
                             failed = True
                     if kernel.endswith("_dp4a") and (imma or not dp4a):

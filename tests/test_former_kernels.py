@@ -42,6 +42,7 @@ from eggroll_dist.shared.loss import exp2_table, log2_thresholds, logit_histogra
 from eggroll_dist.shared.model import init_params, param_specs
 from eggroll_dist.shared.perturb import member_noise, pair_noise
 from eggroll_dist.worker.backend.cupy_backend import TILE_M, TILE_N, Kernels
+from eggroll_dist.worker.backend.cupy_former import ATTENTION_THREADS, attention_kernel
 
 pytestmark = pytest.mark.skipif(bool(CPU_BUILD_MISSING), reason=str(CPU_BUILD_MISSING))
 xp = array_module()
@@ -214,12 +215,28 @@ def test_renorm_with_and_without_rope(k: Kernels, heads: int) -> None:
 
 @pytest.mark.parametrize(
     "t, heads, dh, m",
-    [(T, 3, 12, 4), (130, 1, 6, 4), (1030, 1, 2, 1)],
-    ids=["short", "long", "tiles"],
+    [
+        (T, 3, 12, 4),
+        (130, 1, 6, 4),
+        (1030, 1, 2, 1),
+        (64, 4, 64, 2),
+        (100, 2, 64, 2),
+        (40, 2, 128, 1),
+        (12, 1, 130, 1),
+        (7, 1, 300, 1),
+        (9, 1, 1024, 1),
+    ],
+    ids=[
+        *("short", "long", "tiles", "d-eggs", "partial"),
+        *("head128", "head130", "head300", "head1024"),
+    ],
 )
 def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int, m: int) -> None:
-    """130 positions: more keys than the block has threads; 1,030: more than one tile of
-    keys (the top score first, then the tiles' weighted sums)."""
+    """Tiles of 32 queries by 32 keys up to a head of 64 (d-eggs' two tiles of queries, the
+    second over two tiles of keys), fewer rows for wider heads (16 at 128, 8 at 130, 4 at
+    300, 2 at 1,024); a last tile cut short (100 positions), heads not a whole number of
+    words (6, 2, 130: bytes one by one), 1,030 positions: 33 tiles of keys for the last
+    queries."""
     rng = np.random.default_rng(11)
     q, kk, v = (rng.integers(-127, 128, size=(m, t, heads, dh)).astype(np.int8) for _ in "qkv")
     q[0], kk[0] = 127, 127  # the largest scores; far keys get weight 0
@@ -227,9 +244,9 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int,
     want = attention(*(a.astype(np.int32) for a in (q, kk, v)))
     out = poisoned((m * t, heads * dh), np.int8)
     k(
-        "former_attention",
+        attention_kernel(dh),
         (m, heads),
-        (128,),
+        (ATTENTION_THREADS,),
         *(dev(q.reshape(m * t, -1)), dev(kk.reshape(m * t, -1)), dev(v.reshape(m * t, -1))),
         *(i32(t), i32(heads * dh), i32(dh), dev(softmax_table().astype(np.int32)), out),
     )

@@ -100,6 +100,7 @@ _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed c
 _SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, the divisor
 _FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I8, I32, I8, I32)
 _FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32, I32)
+_ATTENTION = (I8, I8, I8, "int32", "int32", "int32", I32, I8)
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8, I8),
     "noise_cols": (
@@ -161,7 +162,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "former_head_dp4a": _FORMER_HEAD,
     "former_loss": (U64, I32, "int32", "int32", I64, I64),
     "former_renorm": (I32, "int32", "int32", "int32", "int32", I32, I32, I8),
-    "former_attention": (I8, I8, I8, "int32", "int32", "int32", I32, I8),
+    "former_attention": _ATTENTION,
+    "former_attention_wide": _ATTENTION,
     # the replica digest's leaves (digest.cu)
     "digest_leaves": (U64, I64, "int32", U64),
 }

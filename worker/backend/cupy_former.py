@@ -25,7 +25,12 @@ if TYPE_CHECKING:
     from .cupy_backend import CupyBackend
 
 BATCH_BYTES = 1 << 32  # device memory of one forward batch's buffers (two shapes are kept)
-ATTENTION_THREADS = 128
+ATTENTION_THREADS = 256  # former.cu ATT_THREADS
+
+
+def attention_kernel(head_dim: int) -> str:
+    """The attention kernel for this head size: tiles of 32 rows up to 64, fewer above."""
+    return "former_attention" if head_dim <= 64 else "former_attention_wide"
 
 
 def check(cfg: RunConfig) -> str | None:
@@ -167,7 +172,7 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
             mm(h, p + name, dots, out32=acc)
             renorm(out, rope)
         k(
-            "former_attention",
+            attention_kernel(d // heads),
             (m, heads),
             (ATTENTION_THREADS,),
             *(bufs["q"], bufs["k"], bufs["v"], per, i32(d), i32(d // heads), tab["softmax"]),

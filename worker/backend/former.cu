@@ -303,83 +303,206 @@ extern "C" __global__ void former_renorm(const int* in, int R, int per, int D, i
     out[(long long)row * D + n] = (i8)floor_by(254 * rope_value(src, n, t, dh, cos, sin) + top, q);
 }
 
-// The block's maximum (int) and sum (int64) of one value per thread; every thread gets it.
-// blockDim.x is a multiple of 32, at most 1024; scratch holds a value per warp.
-__device__ __forceinline__ int block_max(int v, int* scratch) {
-  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = scratch[0];
-  for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = max(v, scratch[w]);
-  __syncthreads();  // scratch is free again
-  return v;
-}
-__device__ __forceinline__ long long block_sum(long long v, long long* scratch) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = 0;
-  for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += scratch[w];
-  __syncthreads();
-  return v;
+// The former's attention in tiles of ROWS queries by ROWS keys, every query of a tile at once.
+// A tile of Q, K or V is ROWS rows of STRIDE = ATT_TILE_WORDS / ROWS int32 words in shared
+// memory: a head's dh bytes, zero after; ROWS is the most rows whose dh fits (32 up to
+// dh = 64, 2 at dh = 1,024), so shared memory is bounded for every head size. Thread (qi, g)
+// works for query qi of the tile: it scores keys g + GROUPS u and sums words g + GROUPS u of
+// its output row (4 outputs each).
+#define ATT_THREADS 256
+#define ATT_TILE_WORDS 512
+
+struct AttShared {
+  __align__(16) int q[ATT_TILE_WORDS + 32 * 4];  // rows of STRIDE + 4: no bank conflicts
+  __align__(16) int k[ATT_TILE_WORDS];
+  __align__(16) int v[4 * ATT_TILE_WORDS];  // the values one int each: a multiply per output
+  int w[32 * 32];                           // (key, query): its score, then its weight
+  int table[256];
+  int top[ATT_THREADS];
+  long long den[ATT_THREADS];
+};
+
+// Rows [r0, r0 + n) of one head's slice at src (row stride D, dh bytes) into shared memory as
+// words (row stride `stride`) or, `values`, one int per byte; zero past dh and past row n.
+template <int ROWS>
+__device__ __forceinline__ void att_load(const i8* src, int D, int dh, int r0, int n,
+                                         int stride, bool values, int* dst) {
+  constexpr int STRIDE = ATT_TILE_WORDS / ROWS;
+  bool whole = ((D | dh) & 3) == 0;  // every row starts on a word: one load per word
+#pragma unroll
+  for (int i = threadIdx.x; i < ATT_TILE_WORDS; i += ATT_THREADS) {
+    int r = i / STRIDE, w = i % STRIDE, word = 0;
+    if (r < n && 4 * w < dh) {
+      const i8* p = src + (long long)(r0 + r) * D + 4 * w;
+      if (whole) {
+        word = *(const int*)p;
+      } else {
+        for (int b = 0; b < 4 && 4 * w + b < dh; b++) word |= (p[b] & 0xff) << (8 * b);
+      }
+    }
+    if (values) {
+      *(int4*)(dst + 4 * i) = make_int4((signed char)word, (signed char)(word >> 8),
+                                         (signed char)(word >> 16), word >> 24);
+    } else {
+      dst[r * stride + w] = word;
+    }
+  }
 }
 
-#define KEY_TILE 1024      // keys whose scores (then weights) one pass holds in shared memory
-#define MAX_HEAD_DIM 1024  // model.d_model's bound: a head's int64 sums live in shared memory
+// One query's scores (its words at qrow) with the tile's keys g + GROUPS u: |s| <= 2**24.
+// Past ROWS keys (ROWS <= 8) a thread scores row ROWS - 1 again, to be dropped.
+template <int ROWS, int PAIRS, int GROUPS>
+__device__ __forceinline__ void att_scores(const int* qrow, const int* ks, int words, int g,
+                                           int s[PAIRS]) {
+  constexpr int STRIDE = ATT_TILE_WORDS / ROWS;
+  const int* key = ks + (GROUPS * PAIRS > ROWS ? min(g, ROWS - 1) : g) * STRIDE;
+#pragma unroll
+  for (int u = 0; u < PAIRS; u++) s[u] = 0;
+  for (int w = 0; w < words; w += 4) {
+    int4 qw = *(const int4*)(qrow + w);
+#pragma unroll
+    for (int u = 0; u < PAIRS; u++) {
+      int4 kw = *(const int4*)(key + GROUPS * STRIDE * u + w);
+      s[u] = __dp4a(qw.x, kw.x, __dp4a(qw.y, kw.y, __dp4a(qw.z, kw.z, __dp4a(qw.w, kw.w, s[u]))));
+    }
+  }
+}
 
-// The score q_t . k_c of one head, dh int8 products.
-__device__ __forceinline__ int head_score(const i8* qt, const i8* kc, int dh) {
-  int s = 0;
-  for (int j = 0; j < dh; j++) s += qt[j] * kc[j];
-  return s;
+// floor(x / b) for 0 <= x < 512 b < 2**44: a float estimate within 2**-14 of x / b (three
+// roundings of 2**-24 each), then one exact integer step to the floor.
+__device__ __forceinline__ int att_quotient(long long x, long long b, float inverse) {
+  int q = (int)((float)x * inverse);
+  long long r = x - (long long)q * b;
+  return q - (r < 0) + (r >= b);
+}
+
+// Per query tile: a first pass over its key tiles finds each query's top score (with one key
+// tile, its scores are kept), a second weighs each tile and adds its share of the sums.
+template <int ROWS>
+__device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8* kh,
+                                          const i8* vh, int per, int D, int dh, i8* out) {
+  constexpr int STRIDE = ATT_TILE_WORDS / ROWS, GROUPS = ATT_THREADS / ROWS;
+  constexpr int PAIRS = ROWS * ROWS >= ATT_THREADS ? ROWS * ROWS / ATT_THREADS : 1;
+  constexpr int VWORDS = STRIDE / GROUPS;  // V words a thread sums, 4 outputs each
+  int qi = threadIdx.x % ROWS, g = threadIdx.x / ROWS, words = ((dh + 15) >> 4) << 2;
+  const int* qrow = sh.q + qi * (STRIDE + 4);
+  for (int q0 = 0; q0 < per; q0 += ROWS) {
+    // the last tile's barrier on sh.den (below) leaves every buffer free; sh.table, loaded
+    // before the first, is read after its first barrier
+    int query = q0 + qi, tiles = q0 / ROWS + 1;  // key tiles 0 .. q0 / ROWS
+    int s[PAIRS], top = -2147483647 - 1;
+    att_load<ROWS>(qh, D, dh, q0, min(ROWS, per - q0), STRIDE + 4, false, sh.q);
+    for (int kt = 0; kt < tiles; kt++) {
+      if (kt) __syncthreads();  // sh.k is free
+      att_load<ROWS>(kh, D, dh, kt * ROWS, min(ROWS, per - kt * ROWS), STRIDE, false, sh.k);
+      __syncthreads();
+      att_scores<ROWS, PAIRS, GROUPS>(qrow, sh.k, words, g, s);
+#pragma unroll
+      for (int u = 0; u < PAIRS; u++) {
+        int kj = g + GROUPS * u;
+        if (kj < ROWS && kt * ROWS + kj <= query) {
+          top = max(top, s[u]);
+          sh.w[kj * ROWS + qi] = s[u];
+        }
+      }
+    }
+    sh.top[threadIdx.x] = top;
+    __syncthreads();
+    for (int i = qi; i < ATT_THREADS; i += ROWS) top = max(top, sh.top[i]);
+    long long num[4 * VWORDS], den = 0;
+#pragma unroll
+    for (int i = 0; i < 4 * VWORDS; i++) num[i] = 0;
+    for (int kt = 0; kt < tiles; kt++) {
+      int n = min(ROWS, per - kt * ROWS);
+      if (tiles > 1) {  // the scores again: sh.w held only the last tile's
+        __syncthreads();  // sh.k, sh.v and sh.w are free
+        att_load<ROWS>(kh, D, dh, kt * ROWS, n, STRIDE, false, sh.k);
+        att_load<ROWS>(vh, D, dh, kt * ROWS, n, STRIDE, true, sh.v);
+        __syncthreads();
+        att_scores<ROWS, PAIRS, GROUPS>(qrow, sh.k, words, g, s);
+      } else {
+        att_load<ROWS>(vh, D, dh, 0, n, STRIDE, true, sh.v);
+      }
+#pragma unroll
+      for (int u = 0; u < PAIRS; u++) {
+        int kj = g + GROUPS * u, at = kj * ROWS + qi, weight = 0;
+        if (kj >= ROWS) continue;
+        if (kt * ROWS + kj <= query)
+          weight = sh.table[min((top - (tiles > 1 ? s[u] : sh.w[at])) >> 8, 255)];
+        sh.w[at] = weight;  // a thread reads back only its own scores: no barrier
+        den += weight;
+      }
+      __syncthreads();  // the tile's weights and values are in
+      int acc[4 * VWORDS] = {};  // |sum| <= 32 keys * 2**18 * 128 = 2**30
+      const int* val = sh.v + 4 * g;
+#pragma unroll 4
+      for (int c = 0; c < n; c++, val += 4 * STRIDE) {
+        int weight = sh.w[c * ROWS + qi];
+#pragma unroll
+        for (int u = 0; u < VWORDS; u++) {
+          int4 x = *(const int4*)(val + 4 * GROUPS * u);
+          acc[4 * u] += weight * x.x;
+          acc[4 * u + 1] += weight * x.y;
+          acc[4 * u + 2] += weight * x.z;
+          acc[4 * u + 3] += weight * x.w;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4 * VWORDS; i++) num[i] += acc[i];
+    }
+    sh.den[threadIdx.x] = den;
+    __syncthreads();
+    den = 0;
+    for (int i = qi; i < ATT_THREADS; i += ROWS) den += sh.den[i];  // >= 2**18: the top key's
+    if (query >= per) continue;
+    float inverse = 1.0f / (float)(2 * den);
+    i8* row = out + (long long)query * D;
+#pragma unroll
+    for (int u = 0; u < VWORDS; u++) {
+      int jw = g + GROUPS * u;
+      if (4 * jw >= dh) break;
+      int bytes = 0;
+#pragma unroll
+      for (int b = 0; b < 4; b++) {
+        // (2 num + den) // (2 den) in [-128, 127]: shifted by 128 to divide non-negatives
+        long long x = 2 * num[4 * u + b] + den + 256 * den;
+        bytes |= ((att_quotient(x, 2 * den, inverse) - 128) & 0xff) << (8 * b);
+      }
+      if (((D | dh) & 3) == 0) {
+        *(int*)(row + 4 * jw) = bytes;
+      } else {
+        for (int b = 0; b < 4 && 4 * jw + b < dh; b++) row[4 * jw + b] = (i8)(bytes >> (8 * b));
+      }
+    }
+  }
 }
 
 // Causal attention of member m's head h over its T = per positions, q, k, v, out (R, D) int8:
 // for query t, s_c = q_t . k_c (c <= t), e_c = min((max s - s_c) >> 8, 255),
 // w_c = SOFTMAX[e_c], out = (2 sum w_c v_c + sum w_c) // (2 sum w_c) in int64.
-// Keys go in tiles of KEY_TILE: a first pass finds the top score, a second weighs each tile
-// and adds its share of the sums (with one tile, the first pass's scores are kept).
-// Launch: grid (M, heads), block (128); dh <= MAX_HEAD_DIM.
-extern "C" __global__ void former_attention(const i8* q, const i8* k, const i8* v, int per,
-                                            int D, int dh, const int* softmax, i8* out) {
-  __shared__ int w[KEY_TILE];
-  __shared__ long long num[MAX_HEAD_DIM];
-  __shared__ int imax[32];
-  __shared__ long long lsum[32];
+// Launch: grid (M, heads), block (ATT_THREADS): former_attention for dh <= 64, tiles of 32
+// rows; former_attention_wide for 64 < dh <= 1024, fewer rows (a kernel of its own, so that
+// its registers do not weigh on the narrow heads' occupancy).
+#define ATT_PARAMS \
+  const i8 *q, const i8 *k, const i8 *v, int per, int D, int dh, const int *softmax, i8 *out
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) former_attention(ATT_PARAMS) {
+  __shared__ AttShared sh;
   long long base = (long long)blockIdx.x * per * D + (long long)blockIdx.y * dh;
-  for (int t = 0; t < per; t++) {
-    const i8* qt = q + base + (long long)t * D;
-    bool one_tile = t < KEY_TILE;
-    int top = -2147483647 - 1;
-    for (int c = threadIdx.x; c <= t; c += blockDim.x) {
-      int s = head_score(qt, k + base + (long long)c * D, dh);
-      if (one_tile) w[c] = s;
-      top = max(top, s);
-    }
-    top = block_max(top, imax);
-    for (int j = threadIdx.x; j < dh; j += blockDim.x) num[j] = 0;
-    long long den = 0;
-    for (int c0 = 0; c0 <= t; c0 += KEY_TILE) {
-      int keys = min(KEY_TILE, t + 1 - c0);
-      for (int i = threadIdx.x; i < keys; i += blockDim.x) {
-        int s = one_tile ? w[i] : head_score(qt, k + base + (long long)(c0 + i) * D, dh);
-        int weight = softmax[min((top - s) >> 8, 255)];
-        w[i] = weight;
-        den += weight;
-      }
-      __syncthreads();  // the tile's weights are in
-      for (int j = threadIdx.x; j < dh; j += blockDim.x) {
-        long long sum = 0;
-        for (int i = 0; i < keys; i++) sum += (long long)w[i] * v[base + (long long)(c0 + i) * D + j];
-        num[j] += sum;
-      }
-      __syncthreads();  // w is free for the next tile
-    }
-    den = block_sum(den, lsum);  // >= 2**18: the top key's weight
-    for (int j = threadIdx.x; j < dh; j += blockDim.x) {
-      long long a = 2 * num[j] + den, b = 2 * den, fq = a / b;
-      out[base + (long long)t * D + j] = (i8)(fq - (a % b != 0 && a < 0));  // floor
-    }
-    __syncthreads();  // w and num are rewritten by the next query
+  for (int i = threadIdx.x; i < 256; i += ATT_THREADS) sh.table[i] = softmax[i];
+  att_tiles<32>(sh, q + base, k + base, v + base, per, D, dh, out + base);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) former_attention_wide(ATT_PARAMS) {
+  __shared__ AttShared sh;
+  long long base = (long long)blockIdx.x * per * D + (long long)blockIdx.y * dh;
+  for (int i = threadIdx.x; i < 256; i += ATT_THREADS) sh.table[i] = softmax[i];
+  q += base, k += base, v += base, out += base;
+  if (dh <= 128) {
+    att_tiles<16>(sh, q, k, v, per, D, dh, out);
+  } else if (dh <= 256) {
+    att_tiles<8>(sh, q, k, v, per, D, dh, out);
+  } else if (dh <= 512) {
+    att_tiles<4>(sh, q, k, v, per, D, dh, out);
+  } else {
+    att_tiles<2>(sh, q, k, v, per, D, dh, out);
   }
 }
