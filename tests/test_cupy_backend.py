@@ -298,6 +298,11 @@ def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name
     gpu.apply_step(fitness)
     replays = gpu.kernels.replays
     assert gpu.validate() == ref.validate()
+    largest = max(max(shape) for shape in specs_of(cfg))
+    for _, bufs in gpu._held_out_graphs.values():  # every matrix's noise: one zero buffer
+        noise = [*bufs["a"].values(), *bufs["b"].values()]
+        (base,) = {id(n.base): n.base for n in noise}.values()
+        assert base.size == len(bufs["pairs"]) * largest and not base.any()
     metrics = [validation_windows(cfg, data.valid)]
     if name != "former":
         metrics.append(validation_streams(cfg, data.valid)[0])

@@ -563,18 +563,24 @@ class CupyBackend:
             bufs["hist"] = xp.zeros((steps, n_pairs, 256), dtype=xp.int32)
             bufs["target"] = xp.zeros((steps, n_pairs), dtype=xp.int32)
             bufs["pos"] = xp.zeros(1, dtype=xp.int32)  # the column a replayed step reads
-        bufs.update(self.noise_buffers(n_pairs))
+        bufs.update(self.noise_buffers(n_pairs, zero=held_out))  # zero: no rank-1 correction
         return bufs
 
-    def noise_buffers(self, n_pairs: int) -> dict[str, dict[str, Any]]:
+    def noise_buffers(self, n_pairs: int, zero: bool = False) -> dict[str, dict[str, Any]]:
         """The noise of n_pairs pairs: "a" (P, out) and "b" (P, in) per matrix, "vec" the
-        members' (M, n) per vector parameter."""
+        members' (M, n) per vector parameter. zero (a held-out pass, which never writes
+        them): every matrix's a and b are views of one zero buffer of the largest side."""
         xp, out = self.xp, {"a": {}, "b": {}, "vec": {}}
+        if zero:
+            flat = xp.zeros(n_pairs * max(self._largest_sides()), dtype=xp.int8)
         for spec in self._specs:
             if spec.kind == "matrix":
-                rows, cols = spec.shape
-                out["a"][spec.name] = xp.empty((n_pairs, rows), dtype=xp.int8)
-                out["b"][spec.name] = xp.empty((n_pairs, cols), dtype=xp.int8)
+                for key, side in zip("ab", spec.shape, strict=True):
+                    out[key][spec.name] = (
+                        flat[: n_pairs * side].reshape(n_pairs, side)
+                        if zero
+                        else xp.empty((n_pairs, side), dtype=xp.int8)
+                    )
             else:
                 out["vec"][spec.name] = xp.empty((2 * n_pairs, spec.shape[0]), dtype=xp.int8)
         return out
@@ -970,8 +976,6 @@ class CupyBackend:
                 bufs = self._forward_buffers(n_pairs, steps, held_out=True)
                 graphs = [k.capture(lambda: self._held_out_start(bufs))]
                 graphs += [k.capture(lambda: self._held_out_step(bufs))] * steps
-            for noise in (*bufs["a"].values(), *bufs["b"].values()):
-                noise[...] = 0  # the unperturbed model: no rank-1 correction
             self._held_out_graphs[key] = (graphs, bufs)
         graphs, bufs = self._held_out_graphs[key]
         for name, vector in bufs["vec"].items():

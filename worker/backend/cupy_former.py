@@ -97,7 +97,7 @@ def buffers(backend: CupyBackend, n_pairs: int, held_out: bool = False) -> dict[
         bufs[name] = xp.empty((r, d), dtype=xp.int8)
     if held_out:
         bufs["hist"] = xp.zeros((n_pairs * t, 256), dtype=xp.int32)
-    bufs.update(backend.noise_buffers(n_pairs))
+    bufs.update(backend.noise_buffers(n_pairs, zero=held_out))  # zero: no rank-1 correction
     return bufs
 
 
