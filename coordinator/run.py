@@ -145,6 +145,9 @@ __all__ = [
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
 PROGRESS_S = 10.0  # a step open this long (since its first lease) logs its progress this often
+# Steps a digest tally is kept after the run moves past it: a worker that lags the others (a
+# CPU beside GPUs reports the steps it reaches late) still has its digests compared.
+DIGEST_WINDOW = 64
 
 
 class Fatal(Exception):
@@ -503,8 +506,8 @@ class RunCore:
                     DigestMismatch(peer.name, step),
                 )
             return []
-        if step < self.step - 2:
-            return []  # workers have moved on: a report this old is never agreed now
+        if step < self.step - DIGEST_WINDOW:
+            return []  # its tally is gone: a report this old is never agreed now
         # One report per worker and step, so a peer cannot grow the tally without bound.
         votes = self.tallies.setdefault(step, {})
         _forget(votes, peer.id)
@@ -664,8 +667,8 @@ class RunCore:
                 peer.job_started.clear()
                 out.append(Send(peer.id, message))
         self.jobs = self._open_step(self.step)
-        for old in [s for s in self.tallies if s < self.step - 2]:
-            del self.tallies[old]  # reports this old are never agreed: workers moved on
+        for old in [s for s in self.tallies if s < self.step - DIGEST_WINDOW]:
+            del self.tallies[old]  # at most DIGEST_WINDOW steps of tallies, one vote a worker
         every = self.options.snapshot_every
         if every and self.step % every == 0:
             self.snapshot.step = self.step

@@ -15,6 +15,7 @@ import pytest
 import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
+from eggroll_dist.coordinator import run as run_module
 from eggroll_dist.coordinator.run import (
     Refused,
     Sampled,
@@ -857,6 +858,25 @@ def test_a_digest_needs_two_reporters_and_a_lone_false_report_changes_nothing(
         core.receive(liar, JobRequest(0, truth ^ 0xDEAD, 0))
     assert lie.value.code is ErrorCode.DIVERGED  # the minority is the liar's divergence
     assert "dead" not in lie.value.message  # and the agreed digest is not revealed
+
+
+@pytest.mark.parametrize("window", [run_module.DIGEST_WINDOW, 4])
+def test_a_lagging_workers_digest_is_agreed_within_the_window(
+    store: RunStore, dataset: Dataset, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """A worker that reports step 3 when the run is at 12 (a CPU worker beside faster ones)
+    agrees it with the report the fast worker made then; past the window the tally is gone,
+    and the tallies kept span the window."""
+    monkeypatch.setattr(run_module, "DIGEST_WINDOW", window)
+    net = Network(store, dataset)
+    net.join("fast")
+    net.train(12)
+    core = net.core
+    slow = core.connect("mem:slow")
+    core.peers[slow].ready = True
+    core.receive(slow, JobRequest(3, digest_at(store.path, 3), 0))
+    assert store.digests.get(3) == (digest_at(store.path, 3) if window > 9 else None)
+    assert min(core.tallies) == max(0, 12 - window)
 
 
 def test_rival_digests_without_a_majority_are_reported_not_agreed(
