@@ -3,7 +3,8 @@
 Prints, for each preset (default `egg-paper`: 6 layers, width 256, T = 100, at populations
 32,768 and 262,144; and `d-eggs`: the former, 4 layers, width 256, T = 64, vocabulary 8192,
 adaptive noise and AdamW, at its own 327,680): member-tokens/s of a whole-population
-evaluation (all chunks of a step, as the worker's evaluate_chunks runs them), the update time
+evaluation (all chunks of a step, as the worker's evaluate_chunks runs them), where one
+forward pass's time goes (each kernel's launches timed one by one), the update time
 per step (the captured graph plus the copy of the weights and state back), and the useful
 int8 MACs per second of the GEMMs per member-token (EGG: 12 D^2 per layer + V D; former:
 12 D^2 per layer + 8 D^2 for the embedding MLP + V D) as a fraction of the int8 ceiling: the
@@ -111,7 +112,7 @@ def useful_macs(cfg: RunConfig) -> int:
 
 def bench_population(
     name: str, population: int, seq_len: int | None, repeats: int, batch: int = 65536
-) -> dict[str, float]:
+) -> dict:
     import cupy
 
     from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
@@ -145,6 +146,7 @@ def bench_population(
     graph_s = gpu_seconds(backend._update_graph, repeats)
     member_tokens = population * seq_len
     return {
+        "profile": forward_profile(backend, backend.batch_members // 2),
         "batch": backend.batch_members,
         "member_tokens_per_s": member_tokens / eval_s,
         "macs_per_s": member_tokens * useful_macs(cfg) / eval_s,
@@ -153,6 +155,69 @@ def bench_population(
         "graph_s": graph_s,
         "first_update_s": update[0],
     }
+
+
+def cuda_event_timer() -> tuple[Callable[[Callable[[], None]], object], Callable[[object], float]]:
+    """Time one launch between two CUDA events on the current stream: (start, seconds)."""
+    import cupy
+
+    def start(launch: Callable[[], None]) -> object:
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record()
+        launch()
+        end.record()
+        return begin, end
+
+    def seconds(handle: object) -> float:
+        begin, end = handle  # type: ignore[misc]
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(begin, end) / 1e3
+
+    return start, seconds
+
+
+def forward_profile(
+    backend: object, n_pairs: int, timer: tuple | None = None
+) -> list[tuple[str, int, float]]:
+    """(kernel, launches, seconds) of one forward pass of n_pairs pairs, its launches run one
+    by one (not as the captured graph) and each timed on its own: where a pass's time goes.
+    timer: (start, seconds) as cuda_event_timer gives, the default."""
+    from eggroll_dist.worker.backend import cupy_former
+
+    start, seconds = timer or cuda_event_timer()
+    kernels = backend.kernels  # type: ignore[attr-defined]
+    launched: list[tuple[str, object]] = []
+
+    def timed(name: str, fn: Callable) -> Callable:
+        return lambda grid, block, args: launched.append(
+            (name, start(lambda: fn(grid, block, args)))
+        )
+
+    original = kernels._fn
+    kernels._fn = {name: timed(name, fn) for name, fn in original.items()}
+    try:
+        with backend._scope():  # type: ignore[attr-defined]
+            if backend.config.model.arch == "former":  # type: ignore[attr-defined]
+                cupy_former.sequence(backend, cupy_former.buffers(backend, n_pairs))
+            else:
+                backend._forward_sequence(backend._forward_buffers(n_pairs))  # type: ignore[attr-defined]
+    finally:
+        kernels._fn = original
+    totals: dict[str, list] = {}
+    for name, handle in launched:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds(handle)
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda row: -row[2])
+
+
+def print_profile(name: str, members: int, rows: list[tuple[str, int, float]]) -> None:
+    total = sum(t for _, _, t in rows)
+    print(
+        f"  {name}: one forward pass of {members} members, launch by launch: {1e3 * total:.1f} ms"
+    )
+    for kernel, count, t in rows:
+        print(f"    {kernel:<22} {count:6d} launches {1e3 * t:9.2f} ms {100 * t / total:5.1f}%")
 
 
 def main() -> None:
@@ -200,6 +265,7 @@ def main() -> None:
             f"({1e3 * r['graph_s']:.1f} ms of it the device graph), "
             f"first update with graph capture {1e3 * r['first_update_s']:.1f} ms]"
         )
+        print_profile(name, r["batch"], r["profile"])
 
 
 if __name__ == "__main__":

@@ -283,6 +283,40 @@ def test_a_forward_pass_is_one_replayed_sequence(
             assert launched == []
 
 
+@pytest.mark.skipif(ON_GPU, reason="times launches by the host clock: the CPU build's")
+@pytest.mark.parametrize("name", ["uniform", "former"])
+def test_the_bench_profile_times_every_launch_of_a_forward_pass(name: str) -> None:
+    """scripts/bench_gpu.py's profile runs one forward pass launch by launch, each launch
+    timed on its own (by the host clock here: the CPU build runs a launch to its end): every
+    kernel with its launch count, slowest first, and the backend's own launches restored."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_gpu import forward_profile
+
+    cfg = CONFIGS[name]
+    gpu = cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
+    ticks = iter(range(1000))
+
+    def start(launch: object) -> int:  # each launch "takes" one tick more than the last
+        launch()  # type: ignore[operator]
+        return next(ticks)
+
+    original = gpu.kernels._fn
+    rows = forward_profile(gpu, 3, timer=(start, lambda tick: float(tick)))
+    assert gpu.kernels._fn is original
+    counts = {kernel: count for kernel, count, _ in rows}
+    noise = counts.pop("noise_rows") + counts.pop("member_vector")
+    assert noise > 0 and counts.pop("gather_windows") == 1
+    if name == "former":
+        assert sum(counts.values()) == former_launches(cfg.model.n_layer)
+        assert counts["former_attention"] == cfg.model.n_layer
+    else:
+        assert counts.pop("zero_i32") == 2  # the states and the loss
+        assert sum(counts.values()) == cfg.es.seq_len * forward_launches(cfg.model.n_layer)
+    seconds = [t for _, _, t in rows]
+    assert seconds == sorted(seconds, reverse=True)
+    assert sum(seconds) == sum(range(sum(count for _, count, _ in rows)))  # every launch once
+
+
 @pytest.mark.parametrize("name", ["uniform", "former"])
 def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Both metrics from the device's logit counts, in passes of at most 40 positions (the
