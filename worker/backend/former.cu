@@ -90,7 +90,7 @@ __device__ __forceinline__ void former_mm_epilogue16(const int acc[ACC], const i
       for (int k = k0; k < k0 + 4; k++) {
         v[k - k0] = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
         if (gelus)
-          pack_into(ow, k, gelus[CLIP8(v[k - k0] + lane_of(bv, k)) + 128]);
+          pack_into(ow, k, (gelus + 128)[CLIP8(v[k - k0] + lane_of(bv, k))]);
         else
           v[k - k0] += lane_of(rv, k) + lane_of(bv, k);
       }
@@ -185,6 +185,7 @@ __device__ __forceinline__ void former_head_epilogue16(
       int next = tokens[(m >> 1) * (per + 1) + t + 1] - n;  // its column in this piece
       uint4 av = load16(a + (m >> 1) * V + n);
       uint4 bv = bias ? load16(bias + m * V + n) : make_uint4(0u, 0u, 0u, 0u);
+      const int* exp2_at = exp2s + 128;  // indexed by the logit itself
 #pragma unroll
       for (int k0 = 0; k0 < 16; k0 += 4) {
         int4 s4 = *(const int4*)(&st[rr][c] + k0);
@@ -192,9 +193,12 @@ __device__ __forceinline__ void former_head_epilogue16(
         for (int k = k0; k < k0 + 4; k++) {
           int l = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
           if (bias) l = CLIP8(l + lane_of(bv, k));
-          sum += (u32)exp2s[l + 128];
-          if (k == next) target[r] = l;
+          sum += (u32)exp2_at[l];
         }
+      }
+      if ((unsigned)next < 16) {  // the target's logit again: one thread in V / 16 has it
+        int l = egg_mm<POW2>(st[rr][c + next], sxb, a[(m >> 1) * V + n + next], shift, q);
+        target[r] = bias ? CLIP8(l + bias[m * V + n + next]) : l;
       }
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // the row's four lanes: t = 4 rr + 0..3
