@@ -218,13 +218,13 @@ def test_renorm_with_and_without_rope(k: Kernels, heads: int) -> None:
     [
         (T, 3, 12, 4),
         (130, 1, 6, 4),
-        (1030, 1, 2, 1),
+        (1030, 1, 2, 3),
         (64, 4, 64, 2),
         (100, 2, 64, 2),
-        (40, 2, 128, 1),
-        (12, 1, 130, 1),
-        (7, 1, 300, 1),
-        (9, 1, 1024, 1),
+        (40, 2, 128, 3),
+        (12, 1, 130, 3),
+        (7, 1, 300, 3),
+        (9, 1, 1024, 3),
     ],
     ids=[
         *("short", "long", "tiles", "d-eggs", "partial"),
@@ -236,10 +236,11 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int,
     second over two tiles of keys), fewer rows for wider heads (16 at 128, 8 at 130, 4 at
     300, 2 at 1,024); a last tile cut short (100 positions), heads not a whole number of
     words (6, 2, 130: bytes one by one), 1,030 positions: 33 tiles of keys for the last
-    queries."""
+    queries. Members: the first all 127 (every score equal), the last with one column
+    alternating, the others random (near one-hot weights: a wrong score moves the output)."""
     rng = np.random.default_rng(11)
     q, kk, v = (rng.integers(-127, 128, size=(m, t, heads, dh)).astype(np.int8) for _ in "qkv")
-    q[0], kk[0] = 127, 127  # the largest scores; far keys get weight 0
+    q[0], kk[0] = 127, 127  # every score equal: every weight 2**18
     q[-1, :, :, 0], kk[-1, :, :, 0] = 127, -127 * (np.arange(t) % 2)[:, None]
     want = attention(*(a.astype(np.int32) for a in (q, kk, v)))
     out = poisoned((m * t, heads * dh), np.int8)
@@ -249,6 +250,29 @@ def test_causal_table_softmax_attention(k: Kernels, t: int, heads: int, dh: int,
         (ATTENTION_THREADS,),
         *(dev(q.reshape(m * t, -1)), dev(kk.reshape(m * t, -1)), dev(v.reshape(m * t, -1))),
         *(i32(t), i32(heads * dh), i32(dh), dev(softmax_table().astype(np.int32)), out),
+    )
+    assert np.array_equal(to_host(out), want.reshape(m * t, -1))
+
+
+@pytest.mark.parametrize("dh", [64, 300])
+def test_attention_rounds_exact_halves_and_extreme_values(k: Kernels, dh: int) -> None:
+    """Every score equal (q = k = 0: every weight 2**18), so each output is the mean of
+    the values so far rounded half up: quotients land exactly on integers and halves, where
+    the kernel's float estimate must be set right by its integer step; values at -128 and
+    127 (the int8 ends)."""
+    t, m = 70, 2
+    rng = np.random.default_rng(13)
+    q = np.zeros((m, t, 1, dh), dtype=np.int8)
+    v = rng.choice(np.array([-128, -127, -1, 0, 1, 126, 127], dtype=np.int8), size=q.shape)
+    v[0, :, 0, 0] = np.arange(t) % 2  # means 1/2, 1/3, 2/4, ...: halves and below
+    want = attention(*(a.astype(np.int32) for a in (q, q, v)))
+    out = poisoned((m * t, dh), np.int8)
+    k(
+        attention_kernel(dh),
+        (m, 1),
+        (ATTENTION_THREADS,),
+        *(dev(q.reshape(m * t, -1)), dev(q.reshape(m * t, -1)), dev(v.reshape(m * t, -1))),
+        *(i32(t), i32(dh), i32(dh), dev(softmax_table().astype(np.int32)), out),
     )
     assert np.array_equal(to_host(out), want.reshape(m * t, -1))
 

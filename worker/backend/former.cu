@@ -353,27 +353,46 @@ __device__ __forceinline__ void att_load(const i8* src, int D, int dh, int r0, i
   }
 }
 
-// One query's scores (its words at qrow) with the tile's keys g + GROUPS u: |s| <= 2**24.
-// Past ROWS keys (ROWS <= 8) a thread scores row ROWS - 1 again, to be dropped.
+// The tile's scores (|s| <= 2**24) into sh.w[key * ROWS + query] and, for thread (qi, g), the
+// scores of its keys g + GROUPS u into s. From 16 rows a thread scores its PAIRS keys whole;
+// below, the ROWS x ROWS pairs are fewer than the threads, so SPLIT adjacent lanes take a
+// slice of the head each and add up by shuffles (a barrier, then s from sh.w).
 template <int ROWS, int PAIRS, int GROUPS>
-__device__ __forceinline__ void att_scores(const int* qrow, const int* ks, int words, int g,
+__device__ __forceinline__ void att_scores(AttShared& sh, int qi, int g, int words,
                                            int s[PAIRS]) {
   constexpr int STRIDE = ATT_TILE_WORDS / ROWS;
-  const int* key = ks + (GROUPS * PAIRS > ROWS ? min(g, ROWS - 1) : g) * STRIDE;
+  if (ROWS >= 16) {  // GROUPS * PAIRS == ROWS: every key once
+    const int *qrow = sh.q + qi * (STRIDE + 4), *key = sh.k + g * STRIDE;
 #pragma unroll
-  for (int u = 0; u < PAIRS; u++) s[u] = 0;
-  for (int w = 0; w < words; w += 4) {
-    int4 qw = *(const int4*)(qrow + w);
+    for (int u = 0; u < PAIRS; u++) s[u] = 0;
+    for (int w = 0; w < words; w += 4) {
+      int4 qw = *(const int4*)(qrow + w);
 #pragma unroll
-    for (int u = 0; u < PAIRS; u++) {
-      int4 kw = *(const int4*)(key + GROUPS * STRIDE * u + w);
-      s[u] = __dp4a(qw.x, kw.x, __dp4a(qw.y, kw.y, __dp4a(qw.z, kw.z, __dp4a(qw.w, kw.w, s[u]))));
+      for (int u = 0; u < PAIRS; u++) {
+        int4 kw = *(const int4*)(key + GROUPS * STRIDE * u + w);
+        s[u] = __dp4a(qw.x, kw.x, __dp4a(qw.y, kw.y, __dp4a(qw.z, kw.z, __dp4a(qw.w, kw.w, s[u]))));
+      }
     }
+#pragma unroll
+    for (int u = 0; u < PAIRS; u++) sh.w[(g + GROUPS * u) * ROWS + qi] = s[u];
+    return;
   }
+  constexpr int SPLIT = ATT_THREADS / (ROWS * ROWS) < 32 ? ATT_THREADS / (ROWS * ROWS) : 32;
+  int pair = threadIdx.x / SPLIT, slice = threadIdx.x % SPLIT, sum = 0;
+  const int* qrow = sh.q + (pair % ROWS) * (STRIDE + 4);
+  const int* key = sh.k + (pair / ROWS) * STRIDE;
+  for (int w = 4 * slice; pair < ROWS * ROWS && w < words; w += 4 * SPLIT) {
+    int4 qw = *(const int4*)(qrow + w), kw = *(const int4*)(key + w);
+    sum = __dp4a(qw.x, kw.x, __dp4a(qw.y, kw.y, __dp4a(qw.z, kw.z, __dp4a(qw.w, kw.w, sum))));
+  }
+  for (int off = SPLIT / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (slice == 0 && pair < ROWS * ROWS) sh.w[(pair / ROWS) * ROWS + pair % ROWS] = sum;
+  __syncthreads();
+  s[0] = g < ROWS ? sh.w[g * ROWS + qi] : 0;  // PAIRS = 1; threads past ROWS keys idle
 }
 
-// floor(x / b) for 0 <= x < 512 b < 2**44: a float estimate within 2**-14 of x / b (three
-// roundings of 2**-24 each), then one exact integer step to the floor.
+// floor(x / b) for 0 <= x < 512 b < 2**44: a float estimate within 2**-14 of x / b (four
+// roundings of 2**-24 each: x, b, 1 / b, the product), then one exact integer step.
 __device__ __forceinline__ int att_quotient(long long x, long long b, float inverse) {
   int q = (int)((float)x * inverse);
   long long r = x - (long long)q * b;
@@ -389,7 +408,6 @@ __device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8*
   constexpr int PAIRS = ROWS * ROWS >= ATT_THREADS ? ROWS * ROWS / ATT_THREADS : 1;
   constexpr int VWORDS = STRIDE / GROUPS;  // V words a thread sums, 4 outputs each
   int qi = threadIdx.x % ROWS, g = threadIdx.x / ROWS, words = ((dh + 15) >> 4) << 2;
-  const int* qrow = sh.q + qi * (STRIDE + 4);
   for (int q0 = 0; q0 < per; q0 += ROWS) {
     // the last tile's barrier on sh.den (below) leaves every buffer free; sh.table, loaded
     // before the first, is read after its first barrier
@@ -400,15 +418,10 @@ __device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8*
       if (kt) __syncthreads();  // sh.k is free
       att_load<ROWS>(kh, D, dh, kt * ROWS, min(ROWS, per - kt * ROWS), STRIDE, false, sh.k);
       __syncthreads();
-      att_scores<ROWS, PAIRS, GROUPS>(qrow, sh.k, words, g, s);
+      att_scores<ROWS, PAIRS, GROUPS>(sh, qi, g, words, s);
 #pragma unroll
-      for (int u = 0; u < PAIRS; u++) {
-        int kj = g + GROUPS * u;
-        if (kj < ROWS && kt * ROWS + kj <= query) {
-          top = max(top, s[u]);
-          sh.w[kj * ROWS + qi] = s[u];
-        }
-      }
+      for (int u = 0; u < PAIRS; u++)
+        if (g + GROUPS * u < ROWS && kt * ROWS + g + GROUPS * u <= query) top = max(top, s[u]);
     }
     sh.top[threadIdx.x] = top;
     __syncthreads();
@@ -423,7 +436,7 @@ __device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8*
         att_load<ROWS>(kh, D, dh, kt * ROWS, n, STRIDE, false, sh.k);
         att_load<ROWS>(vh, D, dh, kt * ROWS, n, STRIDE, true, sh.v);
         __syncthreads();
-        att_scores<ROWS, PAIRS, GROUPS>(qrow, sh.k, words, g, s);
+        att_scores<ROWS, PAIRS, GROUPS>(sh, qi, g, words, s);
       } else {
         att_load<ROWS>(vh, D, dh, 0, n, STRIDE, true, sh.v);
       }
@@ -433,7 +446,7 @@ __device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8*
         if (kj >= ROWS) continue;
         if (kt * ROWS + kj <= query)
           weight = sh.table[min((top - (tiles > 1 ? s[u] : sh.w[at])) >> 8, 255)];
-        sh.w[at] = weight;  // a thread reads back only its own scores: no barrier
+        sh.w[at] = weight;  // the slot's score was this thread's own (s[u]) or read by it
         den += weight;
       }
       __syncthreads();  // the tile's weights and values are in
