@@ -308,7 +308,7 @@ class RunCore:
         self.data_votes: dict[bytes, set[int]] = {}  # unsettled data digest -> workers
         # step -> digest -> workers that reported it, for steps not yet agreed
         self.tallies: dict[int, dict[int, set[int]]] = {}
-        self.disagreed_step = -1  # last step whose digest disagreement was reported
+        self.disagreed: set[int] = set()  # steps in the tallies whose disagreement was reported
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self.peers: dict[int, Peer] = {}
@@ -515,8 +515,8 @@ class RunCore:
         voters.add(peer.id)
         if len(voters) >= 2:
             self._agree(step, digest)
-        elif len(votes) > 1 and step > self.disagreed_step:
-            self.disagreed_step = step
+        elif len(votes) > 1 and step not in self.disagreed:  # once a step, late reports too
+            self.disagreed.add(step)
             return [DigestsDisagree(step, len(votes))]
         return []
 
@@ -668,7 +668,8 @@ class RunCore:
                 out.append(Send(peer.id, message))
         self.jobs = self._open_step(self.step)
         for old in [s for s in self.tallies if s < self.step - DIGEST_WINDOW]:
-            del self.tallies[old]  # at most DIGEST_WINDOW steps of tallies, one vote a worker
+            del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
+        self.disagreed = {s for s in self.disagreed if s >= self.step - DIGEST_WINDOW}
         every = self.options.snapshot_every
         if every and self.step % every == 0:
             self.snapshot.step = self.step

@@ -879,6 +879,20 @@ def test_a_lagging_workers_digest_is_agreed_within_the_window(
     assert min(core.tallies) == max(0, 12 - window)
 
 
+def test_a_late_disagreement_is_reported_once_a_step(store: RunStore, dataset: Dataset) -> None:
+    """A worker that lags reports steps older than one already found in dispute: each step's
+    disagreement is reported once, in whatever order the steps come."""
+    net = Network(store, dataset)
+    net.join("fast")
+    net.train(12)
+    odd = net.core.connect("mem:odd")
+    net.core.peers[odd].ready = True
+    with structlog.testing.capture_logs() as events:
+        for step in (10, 5, 5):
+            net.receive(odd, JobRequest(step, digest_at(store.path, step) ^ 1, 0))
+    assert [e["step"] for e in events if e["event"] == "digests disagree"] == [10, 5]
+
+
 def test_rival_digests_without_a_majority_are_reported_not_agreed(
     store: RunStore, dataset: Dataset
 ) -> None:
