@@ -181,7 +181,8 @@ def forward_profile(
 ) -> list[tuple[str, int, float]]:
     """(kernel, launches, seconds) of one forward pass of n_pairs pairs, its launches run one
     by one (not as the captured graph) and each timed on its own: where a pass's time goes.
-    timer: (start, seconds) as cuda_event_timer gives, the default."""
+    A launch shorter than the host's cost of making one (some microseconds) reads as that
+    cost. timer: (start, seconds) as cuda_event_timer gives, the default."""
     from eggroll_dist.worker.backend import cupy_former
 
     start, seconds = timer or cuda_event_timer()
