@@ -177,18 +177,30 @@ def sass_by_kernel(cubin: bytes, workdir: Path) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-def perf_model(sass: str) -> dict[str, float]:
-    """The static model of one tensor-core kernel (see the module docstring)."""
-    insns = [(int(m.group(1), 16), m.group(2)) for m in INSN.finditer(sass)]
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of each instruction of one kernel's SASS."""
+    return [(int(m.group(1), 16), m.group(2)) for m in INSN.finditer(sass)]
+
+
+def loop_spans(insns: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) index of each loop: a branch back to an earlier instruction, its body."""
     index = {addr: i for i, (addr, _) in enumerate(insns)}
-    loops = []
+    spans = []
     for i, (addr, op) in enumerate(insns):
         branch = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", op)
         if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
-            body = insns[index[int(branch.group(1), 16)] : i + 1]
-            imma = sum("IMMA" in o for _, o in body)
-            if imma:
-                loops.append((i, len(body) / imma))
+            spans.append((index[int(branch.group(1), 16)], i))
+    return spans
+
+
+def perf_model(sass: str) -> dict[str, float]:
+    """The static model of one tensor-core kernel (see the module docstring)."""
+    insns = instructions(sass)
+    loops = []
+    for first, last in loop_spans(insns):
+        imma = sum("IMMA" in o for _, o in insns[first : last + 1])
+        if imma:
+            loops.append((last, (last - first + 1) / imma))
     end = max((i for i, _ in loops), default=len(insns))
     return {
         "slots_per_imma": max((r for _, r in loops), default=float("inf")),
@@ -198,14 +210,9 @@ def perf_model(sass: str) -> dict[str, float]:
 
 
 def innermost_loops(sass: str) -> list[list[str]]:
-    """The bodies of the loops (backward branches) that hold no other loop."""
-    insns = [(int(m.group(1), 16), m.group(2)) for m in INSN.finditer(sass)]
-    index = {addr: i for i, (addr, _) in enumerate(insns)}
-    spans = []
-    for i, (addr, op) in enumerate(insns):
-        branch = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", op)
-        if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
-            spans.append((index[int(branch.group(1), 16)], i))
+    """The bodies of the loops that hold no other loop."""
+    insns = instructions(sass)
+    spans = loop_spans(insns)
     inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b)
                                                  for c, d in spans)]  # fmt: skip
     return [[op for _, op in insns[a : b + 1]] for a, b in inner]
