@@ -4,12 +4,12 @@ Prints, for each preset (default `egg-paper`: 6 layers, width 256, T = 100, at p
 32,768 and 262,144; and `d-eggs`: the former, 4 layers, width 256, T = 64, vocabulary 8192,
 adaptive noise and AdamW, at its own 327,680): member-tokens/s of a whole-population
 evaluation (all chunks of a step, as the worker's evaluate_chunks runs them), where one
-forward pass's time goes (each kernel's launches timed one by one), the update time
-per step (the captured graph plus the copy of the weights and state back), and the useful
-int8 MACs per second of the GEMMs per member-token (EGG: 12 D^2 per layer + V D; former:
-12 D^2 per layer + 8 D^2 for the embedding MLP + V D) as a fraction of the int8 ceiling: the
-best of cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when torch is
-installed) on 8192^3.
+forward pass's time and the update's go (each kernel's launches timed one by one), the
+update time per step (the captured graph plus the copy of the weights and state back), and
+the useful int8 MACs per second of the GEMMs per member-token (EGG: 12 D^2 per layer + V D;
+former: 12 D^2 per layer + 8 D^2 for the embedding MLP + V D) as a fraction of the int8
+ceiling: the best of cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when
+torch is installed) on 8192^3.
 
     python scripts/bench_gpu.py [--presets egg-paper d-eggs] [--populations N ...]
                                 [--seq-len T] [--repeats 2] [--batch-members 65536]
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -147,6 +148,7 @@ def bench_population(
     member_tokens = population * seq_len
     return {
         "profile": forward_profile(backend, backend.batch_members // 2),
+        "update_profile": launch_profile(backend, backend._update_sequence),
         "batch": backend.batch_members,
         "member_tokens_per_s": member_tokens / eval_s,
         "macs_per_s": member_tokens * useful_macs(cfg) / eval_s,
@@ -176,15 +178,13 @@ def cuda_event_timer() -> tuple[Callable[[Callable[[], None]], object], Callable
     return start, seconds
 
 
-def forward_profile(
-    backend: object, n_pairs: int, timer: tuple | None = None
+def launch_profile(
+    backend: object, sequence: Callable[[], None], timer: tuple | None = None
 ) -> list[tuple[str, int, float]]:
-    """(kernel, launches, seconds) of one forward pass of n_pairs pairs, its launches run one
-    by one (not as the captured graph) and each timed on its own: where a pass's time goes.
-    A launch shorter than the host's cost of making one (some microseconds) reads as that
-    cost. timer: (start, seconds) as cuda_event_timer gives, the default."""
-    from eggroll_dist.worker.backend import cupy_former
-
+    """(kernel, launches, seconds) of sequence(), the backend's launches run one by one (not
+    as a captured graph) and each timed on its own, slowest kernel first. A launch shorter
+    than the host's cost of making one (some microseconds) reads as that cost.
+    timer: (start, seconds) as cuda_event_timer gives, the default."""
     start, seconds = timer or cuda_event_timer()
     kernels = backend.kernels  # type: ignore[attr-defined]
     launched: list[tuple[str, object]] = []
@@ -198,10 +198,7 @@ def forward_profile(
     kernels._fn = {name: timed(name, fn) for name, fn in original.items()}
     try:
         with backend._scope():  # type: ignore[attr-defined]
-            if backend.config.model.arch == "former":  # type: ignore[attr-defined]
-                cupy_former.sequence(backend, cupy_former.buffers(backend, n_pairs))
-            else:
-                backend._forward_sequence(backend._forward_buffers(n_pairs))  # type: ignore[attr-defined]
+            sequence()
     finally:
         kernels._fn = original
     totals: dict[str, list] = {}
@@ -212,11 +209,23 @@ def forward_profile(
     return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda row: -row[2])
 
 
-def print_profile(name: str, members: int, rows: list[tuple[str, int, float]]) -> None:
+def forward_profile(
+    backend: object, n_pairs: int, timer: tuple | None = None
+) -> list[tuple[str, int, float]]:
+    """launch_profile of one forward pass of n_pairs pairs: where a pass's time goes."""
+    from eggroll_dist.worker.backend import cupy_former
+
+    gpu: Any = backend
+    if gpu.config.model.arch == "former":
+        bufs = cupy_former.buffers(gpu, n_pairs)
+        return launch_profile(gpu, lambda: cupy_former.sequence(gpu, bufs), timer)
+    bufs = gpu._forward_buffers(n_pairs)
+    return launch_profile(gpu, lambda: gpu._forward_sequence(bufs), timer)
+
+
+def print_profile(title: str, rows: list[tuple[str, int, float]]) -> None:
     total = sum(t for _, _, t in rows)
-    print(
-        f"  {name}: one forward pass of {members} members, launch by launch: {1e3 * total:.1f} ms"
-    )
+    print(f"  {title}, launch by launch: {1e3 * total:.1f} ms")
     for kernel, count, t in rows:
         print(f"    {kernel:<22} {count:6d} launches {1e3 * t:9.2f} ms {100 * t / total:5.1f}%")
 
@@ -266,7 +275,8 @@ def main() -> None:
             f"({1e3 * r['graph_s']:.1f} ms of it the device graph), "
             f"first update with graph capture {1e3 * r['first_update_s']:.1f} ms]"
         )
-        print_profile(name, r["batch"], r["profile"])
+        print_profile(f"{name}: one forward pass of {r['batch']} members", r["profile"])
+        print_profile(f"{name}: the update", r["update_profile"])
 
 
 if __name__ == "__main__":

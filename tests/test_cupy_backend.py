@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -285,12 +286,13 @@ def test_a_forward_pass_is_one_replayed_sequence(
 
 @pytest.mark.skipif(ON_GPU, reason="times launches by the host clock: the CPU build's")
 @pytest.mark.parametrize("name", ["uniform", "former"])
-def test_the_bench_profile_times_every_launch_of_a_forward_pass(name: str) -> None:
-    """scripts/bench_gpu.py's profile runs one forward pass launch by launch, each launch
-    timed on its own (by the host clock here: the CPU build runs a launch to its end): every
-    kernel with its launch count, slowest first, and the backend's own launches restored."""
+def test_the_bench_profile_times_every_launch(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """scripts/bench_gpu.py's profile runs one forward pass, then the update, launch by
+    launch, each launch timed on its own (by the host clock here: the CPU build runs a launch
+    to its end): every kernel with its launch count, slowest first, and the backend's own
+    launches restored."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from bench_gpu import forward_profile
+    from bench_gpu import forward_profile, launch_profile
 
     cfg = CONFIGS[name]
     gpu = cupy_backend(cfg, dataset(cfg), VARIANTS[0], True)
@@ -315,6 +317,20 @@ def test_the_bench_profile_times_every_launch_of_a_forward_pass(name: str) -> No
     seconds = [t for _, _, t in rows]
     assert seconds == sorted(seconds, reverse=True)
     assert sum(seconds) == sum(range(sum(count for _, count, _ in rows)))  # every launch once
+    # the update's sequence the same way, after a step (which allocated its buffers)
+    gpu.apply_step(np.zeros(cfg.pairs, dtype=np.int8))
+    launched: list[str] = []
+    checked = Kernels.__call__
+
+    def counting(self: Kernels, kernel: str, *rest: object) -> None:
+        launched.append(kernel)
+        checked(self, kernel, *rest)
+
+    monkeypatch.setattr(Kernels, "__call__", counting)
+    gpu._update_sequence()
+    monkeypatch.undo()
+    rows = launch_profile(gpu, gpu._update_sequence, timer=(start, lambda tick: float(tick)))
+    assert {kernel: count for kernel, count, _ in rows} == Counter(launched)
 
 
 @pytest.mark.parametrize("name", ["uniform", "former"])
