@@ -118,6 +118,19 @@ CONFIGS = {
 }
 
 
+def count_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels launched through the argument checks from now on."""
+    launched: list[str] = []
+    checked = Kernels.__call__
+
+    def counting(self: Kernels, name: str, *rest: object) -> None:
+        launched.append(name)
+        checked(self, name, *rest)
+
+    monkeypatch.setattr(Kernels, "__call__", counting)
+    return launched
+
+
 def dataset(cfg: RunConfig) -> SimpleNamespace:
     rng = np.random.default_rng(1)
     v = cfg.model.vocab_size
@@ -244,14 +257,7 @@ def test_a_forward_pass_is_one_replayed_sequence(
     data = dataset(cfg)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
     gpu = cupy_backend(cfg, data, VARIANTS[0], True)
-    launched: list[str] = []
-    checked = Kernels.__call__
-
-    def counting(self: Kernels, name: str, *rest: object) -> None:
-        launched.append(name)
-        checked(self, name, *rest)
-
-    monkeypatch.setattr(Kernels, "__call__", counting)
+    launched = count_launches(monkeypatch)
     chunks = [(c * cfg.es.chunk_size, cfg.es.chunk_size) for c in range(cfg.chunks)]
     want = [ref.evaluate_chunk(0, *c) for c in chunks]
     # 8 pairs in forward batches of 3 pairs: 3, 3, 2, so two shapes, each captured once
@@ -319,14 +325,7 @@ def test_the_bench_profile_times_every_launch(monkeypatch: pytest.MonkeyPatch, n
     assert sum(seconds) == sum(range(sum(count for _, count, _ in rows)))  # every launch once
     # the update's sequence the same way, after a step (which allocated its buffers)
     gpu.apply_step(np.zeros(cfg.pairs, dtype=np.int8))
-    launched: list[str] = []
-    checked = Kernels.__call__
-
-    def counting(self: Kernels, kernel: str, *rest: object) -> None:
-        launched.append(kernel)
-        checked(self, kernel, *rest)
-
-    monkeypatch.setattr(Kernels, "__call__", counting)
+    launched = count_launches(monkeypatch)
     gpu._update_sequence()
     monkeypatch.undo()
     rows = launch_profile(gpu, gpu._update_sequence, timer=(start, lambda tick: float(tick)))
