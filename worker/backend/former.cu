@@ -353,10 +353,10 @@ __device__ __forceinline__ void att_load(const i8* src, int D, int dh, int r0, i
   }
 }
 
-// The tile's scores (|s| <= 2**24) into sh.w[key * ROWS + query] and, for thread (qi, g), the
-// scores of its keys g + GROUPS u into s. From 16 rows a thread scores its PAIRS keys whole;
-// below, the ROWS x ROWS pairs are fewer than the threads, so SPLIT adjacent lanes take a
-// slice of the head each and add up by shuffles (a barrier, then s from sh.w).
+// For thread (qi, g), the scores (|s| <= 2**24) of its keys g + GROUPS u with query qi into s.
+// From 16 rows a thread scores its PAIRS keys whole; below, the ROWS x ROWS pairs are fewer
+// than the threads, so SPLIT adjacent lanes take a slice of the head each and add up by
+// shuffles into sh.w[key * ROWS + query] (a barrier, then s from there).
 template <int ROWS, int PAIRS, int GROUPS>
 __device__ __forceinline__ void att_scores(AttShared& sh, int qi, int g, int words,
                                            int s[PAIRS]) {
@@ -373,8 +373,6 @@ __device__ __forceinline__ void att_scores(AttShared& sh, int qi, int g, int wor
         s[u] = __dp4a(qw.x, kw.x, __dp4a(qw.y, kw.y, __dp4a(qw.z, kw.z, __dp4a(qw.w, kw.w, s[u]))));
       }
     }
-#pragma unroll
-    for (int u = 0; u < PAIRS; u++) sh.w[(g + GROUPS * u) * ROWS + qi] = s[u];
     return;
   }
   constexpr int SPLIT = ATT_THREADS / (ROWS * ROWS) < 32 ? ATT_THREADS / (ROWS * ROWS) : 32;
@@ -445,8 +443,8 @@ __device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8*
         int kj = g + GROUPS * u, at = kj * ROWS + qi, weight = 0;
         if (kj >= ROWS) continue;
         if (kt * ROWS + kj <= query)
-          weight = sh.table[min((top - (tiles > 1 ? s[u] : sh.w[at])) >> 8, 255)];
-        sh.w[at] = weight;  // the slot's score was this thread's own (s[u]) or read by it
+          weight = sh.table[min((top - s[u]) >> 8, 255)];  // one tile: s from the first pass
+        sh.w[at] = weight;  // a slot only its owner reads or writes until the barrier
         den += weight;
       }
       __syncthreads();  // the tile's weights and values are in
@@ -502,24 +500,25 @@ __device__ __forceinline__ void att_tiles(AttShared& sh, const i8* qh, const i8*
 // its registers do not weigh on the narrow heads' occupancy).
 #define ATT_PARAMS \
   const i8 *q, const i8 *k, const i8 *v, int per, int D, int dh, const int *softmax, i8 *out
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) former_attention(ATT_PARAMS) {
-  __shared__ AttShared sh;
+template <int ROWS>
+__device__ __forceinline__ void att_head(AttShared& sh, ATT_PARAMS) {
   long long base = (long long)blockIdx.x * per * D + (long long)blockIdx.y * dh;
   for (int i = threadIdx.x; i < 256; i += ATT_THREADS) sh.table[i] = softmax[i];
-  att_tiles<32>(sh, q + base, k + base, v + base, per, D, dh, out + base);
+  att_tiles<ROWS>(sh, q + base, k + base, v + base, per, D, dh, out + base);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) former_attention(ATT_PARAMS) {
+  __shared__ AttShared sh;
+  att_head<32>(sh, q, k, v, per, D, dh, softmax, out);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) former_attention_wide(ATT_PARAMS) {
   __shared__ AttShared sh;
-  long long base = (long long)blockIdx.x * per * D + (long long)blockIdx.y * dh;
-  for (int i = threadIdx.x; i < 256; i += ATT_THREADS) sh.table[i] = softmax[i];
-  q += base, k += base, v += base, out += base;
   if (dh <= 128) {
-    att_tiles<16>(sh, q, k, v, per, D, dh, out);
+    att_head<16>(sh, q, k, v, per, D, dh, softmax, out);
   } else if (dh <= 256) {
-    att_tiles<8>(sh, q, k, v, per, D, dh, out);
+    att_head<8>(sh, q, k, v, per, D, dh, softmax, out);
   } else if (dh <= 512) {
-    att_tiles<4>(sh, q, k, v, per, D, dh, out);
+    att_head<4>(sh, q, k, v, per, D, dh, softmax, out);
   } else {
-    att_tiles<2>(sh, q, k, v, per, D, dh, out);
+    att_head<2>(sh, q, k, v, per, D, dh, softmax, out);
   }
 }
