@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_former_mm(FORMER_MM_PARA
   int acc[ACC];
   tile_gemm<true>(x, w, R, N, K, 0, K / 4, acc);
   former_mm_epilogue16<true, true>(acc, xb, a, R, N, make_divisor(per), shift,
-                                   make_divisor(div), bias, res, gelus, out8, out32);
+                                   make_divisor(div), bias, gelus, out8);
 }
 extern "C" __global__ void __launch_bounds__(256) probe_former_head(FORMER_HEAD_PARAMS) {
   __shared__ int exp2s[256];

@@ -132,31 +132,29 @@ def test_norm_with_the_members_gain_bias_and_dots(k: Kernels) -> None:
     assert np.array_equal(to_host(xb), want_xb)
 
 
-def former_mm(k: Kernels, suffix: str, x, name: str, params, pn, *, bias=None, res=None,
-              gelu=None) -> tuple:  # fmt: skip
-    """One former_mm launch over rows x (R, K); returns (out8, out32) on the host."""
+def former_mm(k: Kernels, suffix: str, x, name: str, params, pn, *, bias=None,
+              gelu=None) -> np.ndarray:  # fmt: skip
+    """One former_mm launch over rows x (R, K); returns its int8 outputs on the host."""
     n_out, k_in = params[name].shape
     r = len(x)
     xb = (x.astype(np.int64) * np.repeat(pn.b[name], 2 * T, axis=0)).sum(axis=1)
-    null8, null32 = xp.zeros(0, dtype=xp.int8), xp.zeros(0, dtype=xp.int32)
-    out8 = poisoned((r, n_out), np.int8) if gelu is not None else null8
-    out32 = poisoned((r, n_out), np.int32) if gelu is None else null32
+    out = poisoned((r, n_out), np.int8)
     k(
         "former_mm" + suffix,
         (cdiv(n_out, TILE_N), cdiv(r, TILE_M)),
         (256,),
         *(dev(x), dev(params[name]), dev(xb.astype(np.int32)), dev(pn.a[name]), i32(r)),
         *(i32(n_out), i32(k_in), i32(T), i32(7), i32(16 * isqrt(k_in))),
-        *(null8 if bias is None else dev(bias), null8 if res is None else dev(res)),
-        *(null32 if gelu is None else dev(gelu), out8, out32),
+        *(xp.zeros(0, dtype=xp.int8) if bias is None else dev(bias),),
+        *(xp.zeros(0, dtype=xp.int32) if gelu is None else dev(gelu), out),
     )
-    return to_host(out8), to_host(out32)
+    return to_host(out)
 
 
 # width 36: divisors 96 and 192 (multiply-high); 64: 128 and 256 (a shift), heads of 32
 @pytest.mark.parametrize("d", [36, 64])
 @pytest.mark.parametrize("suffix", GEMM_SUFFIXES)
-def test_mm_epilogues_plain_gelu_and_residual(k: Kernels, suffix: str, d: int) -> None:
+def test_mm_epilogues_plain_and_gelu(k: Kernels, suffix: str, d: int) -> None:
     cfg = cfg_for(d=d, heads=2 if d == 64 else 3)
     params, pn, mn, _, model = batch(cfg)
     m, d = 2 * len(pn.pairs), cfg.model.d_model
@@ -164,7 +162,7 @@ def test_mm_epilogues_plain_gelu_and_residual(k: Kernels, suffix: str, d: int) -
     x = rng.integers(-127, 128, size=(m, T, d)).astype(np.int8)
     x[0] = 127  # MM clips high, the bias adds past it
     plain = model._mm(x.astype(np.int32), "layers.0.wq", mn)
-    assert np.array_equal(former_mm(k, suffix, rows_of(x), "layers.0.wq", params, pn)[1],
+    assert np.array_equal(former_mm(k, suffix, rows_of(x), "layers.0.wq", params, pn),
                           rows_of(plain))  # fmt: skip
     # the MLP's up projection: GELU[clip(MM + up_bias) + 128]
     up_bias = mn.vectors["layers.0.up_bias"] + rng.integers(-60, 61, size=(m, 4 * d))
@@ -172,45 +170,51 @@ def test_mm_epilogues_plain_gelu_and_residual(k: Kernels, suffix: str, d: int) -
     up = model._mm(model._norm(x.astype(np.int32), "layers.0.ln2", mn), "layers.0.up", mn)
     normed = rows_of(model._norm(x.astype(np.int32), "layers.0.ln2", mn)).astype(np.int8)
     want = gelu_table()[(up + up_bias[:, None, :]).clip(-127, 127) + 128]
-    got8, _ = former_mm(k, suffix, normed, "layers.0.up", params, pn,
-                        bias=up_bias.astype(np.int8), gelu=gelu_table())  # fmt: skip
-    assert np.array_equal(got8, rows_of(want))
-    # the MLP's down projection: MM + x + down_bias, before the renorm
+    got = former_mm(k, suffix, normed, "layers.0.up", params, pn,
+                    bias=up_bias.astype(np.int8), gelu=gelu_table())  # fmt: skip
+    assert np.array_equal(got, rows_of(want))
+    # the MLP's down projection over the 4D hidden: MM alone (the renorm adds x and the bias)
     hidden = rng.integers(-3, 128, size=(m, T, 4 * d)).astype(np.int8)
-    down_bias = mn.vectors["layers.0.down_bias"].astype(np.int8)
     down = model._mm(hidden.astype(np.int32), "layers.0.down", mn)
-    want32 = down + x.astype(np.int32) + down_bias[:, None, :]
-    _, got32 = former_mm(k, suffix, rows_of(hidden), "layers.0.down", params, pn,
-                         bias=down_bias, res=rows_of(x))  # fmt: skip
-    assert np.array_equal(got32, rows_of(want32))
+    got = former_mm(k, suffix, rows_of(hidden), "layers.0.down", params, pn)
+    assert np.array_equal(got, rows_of(down))
 
 
-@pytest.mark.parametrize("heads", [1, 3])
-def test_renorm_with_and_without_rope(k: Kernels, heads: int) -> None:
-    d = 36
+# width 36 (whole words), 10, 6 and 1,022 (rows not whole words: byte by byte; 6 with heads
+# of 2), 1,024: the widest row, 8 words a lane
+@pytest.mark.parametrize("d, heads", [(36, 1), (36, 3), (10, 1), (6, 3), (1022, 1), (1024, 16)])
+def test_renorm_with_rope_or_residual_and_bias(k: Kernels, d: int, heads: int) -> None:
+    """R(RoPE(MM)) for q and k; R(MM), R(x + MM) for v and o; R(x + MM + bias) for down,
+    in place in x. MM outputs are clipped int8, so |x + MM + bias| <= 381."""
     rng = np.random.default_rng(10)
     m = 9
-    v = rng.integers(-381, 382, size=(m, T, d)).astype(np.int32)
-    v[0] = 0  # the max is 0 -> 1
-    v[1, 1, :4] = [381, -381, 1, -1]
+    mm = rng.integers(-127, 128, size=(m, T, d)).astype(np.int8)
+    x = rng.integers(-127, 128, size=(m, T, d)).astype(np.int8)
+    bias = rng.integers(-127, 128, size=(m, d)).astype(np.int8)
+    mm[0], x[0] = 0, 0  # the max is 0 -> 1
+    mm[1, 1, :4], x[1, 1, :4] = [127, -127, 1, -1], [127, -127, 0, 0]
+    bias[1, :4] = [127, -127, 0, 0]  # 381 and -381: the largest sums
+    mm[2] = 127  # RoPE's largest pairs
     cos, sin = rope_table(T, d // heads)
+    wide = mm.astype(np.int32)
+    rotated = rope(wide.reshape(m, T, heads, d // heads), cos, sin).reshape(m, T, d)
+    null8, null32 = xp.zeros(0, dtype=xp.int8), xp.zeros(0, dtype=xp.int32)
     cases = (
-        (np.clip(v, -127, 127), True),  # q and k: clipped MM outputs, rotated
-        (v, False),  # v and the residual sums
+        ("rope", rotated, null8, null8, (dev(cos), dev(sin))),
+        ("plain", wide, null8, null8, (null32, null32)),
+        ("residual", wide + x, dev(rows_of(x)), null8, (null32, null32)),
+        ("bias", wide + x + bias[:, None, :], dev(rows_of(x)), dev(bias), (null32, null32)),
     )
-    for src, rotate in cases:
-        want = src.reshape(m, T, heads, d // heads)
-        want = rope(want, cos, sin) if rotate else want
-        want = renorm(want.reshape(m, T, d))
-        got = poisoned((m * T, d), np.int8)
-        tables = (dev(cos), dev(sin)) if rotate else (xp.zeros(0, dtype=xp.int32),) * 2
+    for case, v, res, b, tables in cases:
+        got = res if len(res) else poisoned((m * T, d), np.int8)  # the residual: in place
         k(
             "former_renorm",
             (cdiv(m * T, 8),),
             (256,),
-            *(dev(rows_of(src)), i32(m * T), i32(T), i32(d), i32(d // heads), *tables, got),
+            *(dev(rows_of(mm)), res, b, i32(m * T), i32(T), i32(d), i32(d // heads), *tables),
+            got,
         )
-        assert np.array_equal(to_host(got), rows_of(want)), rotate
+        assert np.array_equal(to_host(got), rows_of(renorm(v))), case
 
 
 @pytest.mark.parametrize(

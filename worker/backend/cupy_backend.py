@@ -98,7 +98,7 @@ _CAND = (*_GATE[:-2], I8, I8, I8)
 _ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I64)
 _OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
 _SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, the divisor
-_FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I8, I32, I8, I32)
+_FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I32, I8)
 _FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32, I32)
 _ATTENTION = (I8, I8, I8, "int32", "int32", "int32", I32, I8)
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -161,7 +161,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "former_head_tc": _FORMER_HEAD,
     "former_head_dp4a": _FORMER_HEAD,
     "former_loss": (U64, I32, "int32", "int32", I64, I64),
-    "former_renorm": (I32, "int32", "int32", "int32", "int32", I32, I32, I8),
+    "former_renorm": (I8, I8, I8, "int32", "int32", "int32", "int32", I32, I32, I8),
     "former_attention": _ATTENTION,
     "former_attention_wide": _ATTENTION,
     # the replica digest's leaves (digest.cu)

@@ -4,10 +4,11 @@
 Rows are (member, position): member m's seq_len positions are rows m T .. m T + T - 1, and
 every GEMM runs over all R = M T rows at once with the member's rank-1 correction in its
 epilogue. Per layer: the norm with the q and k dots, the v dot, three GEMMs each followed by
-the renorm (RoPE for q and k), the attention, the o dot and GEMM with the residual, the
-renorm; then the MLP (norm with the up dot, the up GEMM with the GELU table in its epilogue,
-the down dot and GEMM with the residual and bias, the renorm). The tied head is fused with
-the loss, so a chunk's logits are never stored.
+the renorm (RoPE for q and k), the attention, the o dot and GEMM, the renorm with the
+residual; then the MLP (norm with the up dot, the up GEMM with the GELU table in its epilogue,
+the down dot and GEMM, the renorm with the residual and bias). A GEMM hands its renorm int8
+(its clipped outputs), not int32 sums. The tied head is fused with the loss, so a chunk's
+logits are never stored.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def check(cfg: RunConfig) -> str | None:
 
 def member_bytes(cfg: RunConfig) -> int:
     """Device bytes of one member in a forward batch: its seq_len rows of activations
-    (x, h, q, k, v, att, the 4D hidden, the int32 GEMM output, three dots, the loss sums),
+    (x, h, q, k, v, att, a GEMM's output before its renorm, the 4D hidden, three dots, the
+    loss sums),
     its half of its pair's noise and window, its own vector parameters."""
     d, t = cfg.model.d_model, cfg.es.seq_len
-    rows = t * (6 * d + 4 * d + 4 * d + 3 * 4 + 8 + 4)
+    rows = t * (7 * d + 4 * d + 3 * 4 + 8 + 4)
     noise = sum(
         sum(s.shape) // 2 if s.kind == "matrix" else s.shape[0] for s in param_specs(cfg.model)
     )
@@ -87,13 +89,12 @@ def buffers(backend: CupyBackend, n_pairs: int, held_out: bool = False) -> dict[
         "pairs": xp.zeros(n_pairs, dtype=xp.int64),
         "tokens": xp.zeros((n_pairs, t + 1), dtype=xp.int32),
         "hidden": xp.empty((r, 4 * d), dtype=xp.int8),
-        "acc": xp.empty((r, d), dtype=xp.int32),
         "xb": [xp.empty(r, dtype=xp.int32) for _ in range(3)],
         "total": xp.zeros(r, dtype=xp.uint64),
         "target": xp.zeros(r, dtype=xp.int32),
         "loss": xp.zeros(m, dtype=xp.int64),
     }
-    for name in ("x", "h", "q", "k", "v", "att"):
+    for name in ("x", "h", "q", "k", "v", "att", "pre"):
         bufs[name] = xp.empty((r, d), dtype=xp.int8)
     if held_out:
         bufs["hist"] = xp.zeros((n_pairs * t, 256), dtype=xp.int32)
@@ -117,7 +118,7 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
     if not held_out:
         backend.gather(bufs)
         backend.noise(bufs["pairs"], n_pairs, a, b, vec)
-    x, h, acc, xb, hidden = bufs["x"], bufs["h"], bufs["acc"], bufs["xb"], bufs["hidden"]
+    x, h, pre, xb, hidden = bufs["x"], bufs["h"], bufs["pre"], bufs["xb"], bufs["hidden"]
     null8, null32 = backend.null8, backend.null32
     sfx, block = backend.suffix, (256,)
     tile_m, tile_n = backend.tile
@@ -140,27 +141,33 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
         k("rowdot", rows, block, src, b[name], i32(r), per, i32(src.shape[1]), out)
         return out
 
-    def mm(src: Any, name: str, src_xb: Any, *, bias=null8, res=null8, gelu=null32, out8=null8,
-           out32=null32) -> None:  # fmt: skip
+    def mm(src: Any, name: str, src_xb: Any, out: Any = pre, bias=null8, gelu=null32) -> None:
+        """out = MM(src, name), clipped; with the GELU table GELU[clip(MM + bias) + 128]."""
         n_out, k_in = w[name].shape
         k(
             "former_mm" + sfx,
             (-(-n_out // tile_n), -(-r // tile_m)),
             block,
             *(src, w[name], src_xb, a[name], i32(r), i32(n_out), i32(k_in), per, shift),
-            *(i32(16 * isqrt(k_in)), bias, res, gelu, out8, out32),
+            *(i32(16 * isqrt(k_in)), bias, gelu, out),
         )
 
-    def renorm(out: Any, rope: bool = False) -> None:
+    def renorm(out: Any, rope: bool = False, bias: Any = null8) -> None:
+        """out = R(pre) (RoPE first where `rope`); out = R(x + pre + bias) where out is x."""
         cos, sin = (tab["cos"], tab["sin"]) if rope else (null32, null32)
-        k("former_renorm", rows, block, acc, i32(r), per, i32(d), i32(d // heads), cos, sin, out)
+        res = x if out is x else null8
+        k(
+            "former_renorm",
+            rows,
+            block,
+            *(pre, res, bias, i32(r), per, i32(d), i32(d // heads), cos, sin, out),
+        )
 
     def mlp(p: str, ln: str) -> None:
         norm(p + ln, (p + "up",))
-        mm(h, p + "up", xb[0], bias=vec[p + "up_bias"], gelu=tab["gelu"], out8=hidden)
-        mm(hidden, p + "down", rowdot(hidden, p + "down", xb[1]), bias=vec[p + "down_bias"],
-           res=x, out32=acc)  # fmt: skip
-        renorm(x)
+        mm(h, p + "up", xb[0], hidden, vec[p + "up_bias"], tab["gelu"])
+        mm(hidden, p + "down", rowdot(hidden, p + "down", xb[1]))
+        renorm(x, bias=vec[p + "down_bias"])
 
     def attention(p: str) -> None:
         norm(p + "ln1", (p + "wq", p + "wk"))
@@ -169,7 +176,7 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
             ("wk", xb[1], bufs["k"], True),
             ("wv", rowdot(h, p + "wv", xb[2]), bufs["v"], False),
         ):
-            mm(h, p + name, dots, out32=acc)
+            mm(h, p + name, dots)
             renorm(out, rope)
         k(
             attention_kernel(d // heads),
@@ -178,7 +185,7 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
             *(bufs["q"], bufs["k"], bufs["v"], per, i32(d), i32(d // heads), tab["softmax"]),
             bufs["att"],
         )
-        mm(bufs["att"], p + "wo", rowdot(bufs["att"], p + "wo", xb[0]), res=x, out32=acc)
+        mm(bufs["att"], p + "wo", rowdot(bufs["att"], p + "wo", xb[0]))
         renorm(x)
 
     k(

@@ -34,97 +34,81 @@ __device__ __forceinline__ int former_mm_out(int acc, int r, int n, int N, const
   return egg_mm<POW2>(acc, sxb, a[(member >> 1) * N + n], shift, q);
 }
 
-// MM(x, W) for rows of x (R, K), W (N, K), with xb (R) the rows' dots with b and a (P, N).
+// MM(x, W) for rows of x (R, K), W (N, K), with xb (R) the rows' dots with b and a (P, N):
 //   gelu given (the MLP's up projection): out8 = GELU[clip(MM + bias[m]) + 128];
-//   else out32 = MM + res (R, N) + bias[m] where given (the renorm kernel takes it from there).
+//   else out8 = MM, clipped (the renorm adds the residual and bias and rotates from there).
 // Launch: grid (ceil(N / TILE_N), ceil(R / TILE_M)), block (256).
 template <bool TC, bool POW2>
 __device__ __forceinline__ void former_mm_epilogue(const int acc[ACC], const int* xb,
                                                    const i8* a, int R, int N, Divisor rows,
                                                    int shift, Divisor q, const i8* bias,
-                                                   const i8* res, const int* gelu, i8* out8,
-                                                   int* out32) {
+                                                   const int* gelu, i8* out8) {
 #pragma unroll
   for (int i = 0; i < ACC; i++) {
     int r, n;
     if (!tile_out<TC>(i, R, N, r, n)) continue;
-    long long m, o = (long long)r * N + n;
+    long long m;
     int v = former_mm_out<POW2>(acc[i], r, n, N, xb, a, rows, shift, q, m);
-    if (gelu) {
-      out8[o] = (i8)gelu[CLIP8(v + bias[m * N + n]) + 128];
-    } else {
-      if (res) v += res[o];
-      if (bias) v += bias[m * N + n];
-      out32[o] = v;
-    }
+    out8[(long long)r * N + n] = (i8)(gelu ? gelu[CLIP8(v + bias[m * N + n]) + 128] : v);
   }
 }
 
 // The same through shared memory (N % 16 == 0, 16-byte aligned bases): the tile's sums
 // staged whole, each thread finishes outputs n .. n + 15 of rows t / 4 and t / 4 + 64, the
-// row's member and sign once, a, bias and res in 16-byte loads, out32 in 16-byte stores (out8
-// in one), GELU from a copy in shared memory.
+// row's member and sign once, a and bias in 16-byte loads, out8 in one 16-byte store, GELU
+// from a copy in shared memory.
 template <bool TC, bool POW2>
 __device__ __forceinline__ void former_mm_epilogue16(const int acc[ACC], const int* xb,
                                                      const i8* a, int R, int N, Divisor rows,
                                                      int shift, Divisor q, const i8* bias,
-                                                     const i8* res, const int* gelus,
-                                                     i8* out8, int* out32) {
+                                                     const int* gelus, i8* out8) {
   int (*st)[STAGE_ROW] = stage_tile<TC>(acc);
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   int c = (threadIdx.x & 3) * 16, n = blockIdx.x * TILE_N + c;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
     int rr = (threadIdx.x >> 2) + 64 * h, r = blockIdx.y * TILE_M + rr;
     if (r >= R || n >= N) continue;
-    long long m = floor_by(r, rows), o = (long long)r * N + n;
+    long long m = floor_by(r, rows);
     int sxb = (m & 1) ? -xb[r] : xb[r];
     uint4 av = load16(a + (m >> 1) * N + n);
-    uint4 bv = bias ? load16(bias + m * N + n) : zero, rv = res ? load16(res + o) : zero;
+    uint4 bv = gelus ? load16(bias + m * N + n) : make_uint4(0u, 0u, 0u, 0u);
     u32 ow[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int k0 = 0; k0 < 16; k0 += 4) {
       int4 s4 = *(const int4*)(&st[rr][c] + k0);
-      int v[4];
 #pragma unroll
       for (int k = k0; k < k0 + 4; k++) {
-        v[k - k0] = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
-        if (gelus)
-          pack_into(ow, k, (gelus + 128)[CLIP8(v[k - k0] + lane_of(bv, k))]);
-        else
-          v[k - k0] += lane_of(rv, k) + lane_of(bv, k);
+        int v = egg_mm<POW2>(sum_of(s4, k - k0), sxb, lane_of(av, k), shift, q);
+        pack_into(ow, k, gelus ? (gelus + 128)[CLIP8(v + lane_of(bv, k))] : v);
       }
-      if (!gelus) *(int4*)(out32 + o + k0) = make_int4(v[0], v[1], v[2], v[3]);
     }
-    if (gelus) store16(out8 + o, ow);
+    store16(out8 + (long long)r * N + n, ow);
   }
 }
 
 template <bool TC>
 __device__ void former_mm_body(const i8* x, const i8* w, const int* xb, const i8* a, int R,
                                int N, int K, int per, int shift, int div, const i8* bias,
-                               const i8* res, const int* gelu, i8* out8, int* out32) {
+                               const int* gelu, i8* out8) {
   __shared__ int gelus[256];
   if (gelu)
     for (int i = threadIdx.x; i < 256; i += blockDim.x) gelus[i] = gelu[i];
   int acc[ACC];
   tile_gemm<TC>(x, w, R, N, K, 0, K / 4, acc);  // its barriers order the copy too
   Divisor q = make_divisor(div), rows = make_divisor(per);
-  u64 bases = (u64)a | (u64)bias | (u64)res | (u64)out8 | (u64)out32;
+  u64 bases = (u64)a | (u64)bias | (u64)out8;
   if (N % 16 == 0 && (bases & 15) == 0) {
     const int* table = gelu ? gelus : 0;
     if (q.pow2)
-      former_mm_epilogue16<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, res, table, out8,
-                                     out32);
+      former_mm_epilogue16<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, table, out8);
     else
-      former_mm_epilogue16<TC, false>(acc, xb, a, R, N, rows, shift, q, bias, res, table, out8,
-                                      out32);
+      former_mm_epilogue16<TC, false>(acc, xb, a, R, N, rows, shift, q, bias, table, out8);
     return;
   }
   if (q.pow2)
-    former_mm_epilogue<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, res, gelu, out8, out32);
+    former_mm_epilogue<TC, true>(acc, xb, a, R, N, rows, shift, q, bias, gelu, out8);
   else
-    former_mm_epilogue<TC, false>(acc, xb, a, R, N, rows, shift, q, bias, res, gelu, out8, out32);
+    former_mm_epilogue<TC, false>(acc, xb, a, R, N, rows, shift, q, bias, gelu, out8);
 }
 
 // The tied head fused with the loss: the logits l = MM(x, EMB) (+ the member's head bias,
@@ -243,17 +227,17 @@ __device__ void former_head_body(const i8* x, const i8* w, const int* xb, const 
 
 #define FORMER_MM_PARAMS                                                                     \
   const i8 *x, const i8 *w, const int *xb, const i8 *a, int R, int N, int K, int per,       \
-      int shift, int div, const i8 *bias, const i8 *res, const int *gelu, i8 *out8, int *out32
+      int shift, int div, const i8 *bias, const int *gelu, i8 *out8
 #define FORMER_HEAD_PARAMS                                                                  \
   const i8 *x, const i8 *w, const int *xb, const i8 *a, int R, int V, int K, int per,      \
       int shift, int div, const i8 *bias, const int *tokens, const int *exp2_table,         \
       u64 *total, int *target, int *hist
 
 extern "C" __global__ void __launch_bounds__(256) former_mm_tc(FORMER_MM_PARAMS) {
-  former_mm_body<true>(x, w, xb, a, R, N, K, per, shift, div, bias, res, gelu, out8, out32);
+  former_mm_body<true>(x, w, xb, a, R, N, K, per, shift, div, bias, gelu, out8);
 }
 extern "C" __global__ void __launch_bounds__(256) former_mm_dp4a(FORMER_MM_PARAMS) {
-  former_mm_body<false>(x, w, xb, a, R, N, K, per, shift, div, bias, res, gelu, out8, out32);
+  former_mm_body<false>(x, w, xb, a, R, N, K, per, shift, div, bias, gelu, out8);
 }
 extern "C" __global__ void __launch_bounds__(256) former_head_tc(FORMER_HEAD_PARAMS) {
   former_head_body<true>(x, w, xb, a, R, V, K, per, shift, div, bias, tokens, exp2_table, total,
@@ -276,35 +260,76 @@ extern "C" __global__ void former_loss(const u64* total, const int* target, int 
   loss[m] = sum;
 }
 
-// The value at column n of row r before the renorm: in[r, n], or with the RoPE tables (cos,
-// sin: (T, dh / 2), 1/2**14) the rotated pair (2i, 2i + 1) of its head at position r % per.
-__device__ __forceinline__ int rope_value(const int* row, int n, int t, int dh, const int* cos,
-                                          const int* sin) {
-  if (!cos) return row[n];
-  int half = dh / 2, i = (n % dh) / 2, e = row[n & ~1], o = row[n | 1];
-  int c = cos[t * half + i], s = sin[t * half + i];
-  return ((n & 1) ? e * s + o * c : e * c - o * s) + (1 << 13) >> 14;
+// Word w of a row of n bytes at p (bytes 4w .. 4w + 3, zero past n): one load where the row
+// is whole aligned words, else byte by byte; and its store.
+__device__ __forceinline__ u32 row_word(const i8* p, int w, int n, bool whole) {
+  if (whole) return *(const u32*)(p + 4 * w);
+  u32 word = 0;
+  for (int b = 0; b < 4 && 4 * w + b < n; b++) word |= (u32)(p[4 * w + b] & 0xff) << (8 * b);
+  return word;
+}
+__device__ __forceinline__ void store_row_word(i8* p, int w, int n, bool whole, u32 word) {
+  if (whole) {
+    *(u32*)(p + 4 * w) = word;
+    return;
+  }
+  for (int b = 0; b < 4 && 4 * w + b < n; b++) p[4 * w + b] = (i8)(word >> (8 * b));
 }
 
-// R: out[r] = (254 v + mx) // (2 mx), mx = max(max_n |v|, 1), v the row of in (R, D) int32,
-// optionally rotated first (RoPE of q and k). Launch: grid (ceil(R / 8)), block (256): one
-// warp per row.
-extern "C" __global__ void former_renorm(const int* in, int R, int per, int D, int dh,
-                                         const int* cos, const int* sin, i8* out) {
-  int row = blockIdx.x * 8 + (threadIdx.x >> 5);
-  int lane = threadIdx.x & 31;
+// R: out[r] = (254 v + mx) // (2 mx), mx = max(max_n |v|, 1), with v row r of pre (R, D), the
+// clipped MM outputs, either rotated by RoPE (q and k: cos, sin (T, dh / 2) in units of
+// 2**-14, the pairs (2i, 2i + 1) of each head at position r % per) or plus the residual res
+// (R, D) and the member's bias (M, D) where given (|v| <= 381). out may be res (x in place):
+// each lane reads its own words before it writes them. Launch: grid (ceil(R / 8)), block
+// (256): a warp per row, lane l holding words l + 32 j in registers (D <= 1,024: j < 8), so
+// the row is read once; a word's two pairs never straddle it (dh and its offsets are even).
+#define RENORM_WORDS 8
+
+extern "C" __global__ void former_renorm(const i8* pre, const i8* res, const i8* bias, int R,
+                                         int per, int D, int dh, const int* cos,
+                                         const int* sin, i8* out) {
+  int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= R) return;  // warp-uniform
-  const int* src = in + (long long)row * D;
-  int t = row % per, top = 0;
-  for (int n = lane; n < D; n += 32) {
-    int v = rope_value(src, n, t, dh, cos, sin);
-    top = max(top, v < 0 ? -v : v);
+  long long m = row / per, o = (long long)row * D;
+  int t = row - m * per, half = dh / 2, top = 0;
+  bool whole = ((D | (int)((u64)pre | (u64)res | (u64)bias | (u64)out)) & 3) == 0;
+  int v[RENORM_WORDS][4];
+#pragma unroll
+  for (int j = 0; j < RENORM_WORDS; j++) {
+    int w = lane + 32 * j;
+    u32 p = 0u, rw = 0u, bw = 0u;
+    if (4 * w < D) {
+      p = row_word(pre + o, w, D, whole);
+      if (res) rw = row_word(res + o, w, D, whole);
+      if (bias) bw = row_word(bias + m * D, w, D, whole);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+      v[j][k] = (int)(signed char)(p >> 8 * k) + (signed char)(rw >> 8 * k) +
+                (signed char)(bw >> 8 * k);
+    if (cos && 4 * w < D) {
+#pragma unroll
+      for (int k = 0; k < 4; k += 2) {
+        int i = t * half + (4 * w + k) % dh / 2, e = v[j][k], od = v[j][k + 1];
+        v[j][k] = e * cos[i] - od * sin[i] + (1 << 13) >> 14;
+        v[j][k + 1] = e * sin[i] + od * cos[i] + (1 << 13) >> 14;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) top = max(top, abs(v[j][k]));
   }
   for (int off = 16; off > 0; off >>= 1) top = max(top, __shfl_xor_sync(0xffffffffu, top, off));
   top = max(top, 1);
   Divisor q = make_divisor(2 * top);
-  for (int n = lane; n < D; n += 32)
-    out[(long long)row * D + n] = (i8)floor_by(254 * rope_value(src, n, t, dh, cos, sin) + top, q);
+#pragma unroll
+  for (int j = 0; j < RENORM_WORDS; j++) {
+    int w = lane + 32 * j;
+    if (4 * w >= D) break;
+    u32 word = 0u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) word |= (u32)(floor_by(254 * v[j][k] + top, q) & 0xff) << 8 * k;
+    store_row_word(out + o, w, D, whole, word);
+  }
 }
 
 // The former's attention in tiles of ROWS queries by ROWS keys, every query of a tile at once.
@@ -335,15 +360,8 @@ __device__ __forceinline__ void att_load(const i8* src, int D, int dh, int r0, i
   bool whole = ((D | dh) & 3) == 0;  // every row starts on a word: one load per word
 #pragma unroll
   for (int i = threadIdx.x; i < ATT_TILE_WORDS; i += ATT_THREADS) {
-    int r = i / STRIDE, w = i % STRIDE, word = 0;
-    if (r < n && 4 * w < dh) {
-      const i8* p = src + (long long)(r0 + r) * D + 4 * w;
-      if (whole) {
-        word = *(const int*)p;
-      } else {
-        for (int b = 0; b < 4 && 4 * w + b < dh; b++) word |= (p[b] & 0xff) << (8 * b);
-      }
-    }
+    int r = i / STRIDE, w = i % STRIDE;
+    int word = r < n && 4 * w < dh ? row_word(src + (long long)(r0 + r) * D, w, dh, whole) : 0;
     if (values) {
       *(int4*)(dst + 4 * i) = make_int4((signed char)word, (signed char)(word >> 8),
                                          (signed char)(word >> 16), word >> 24);
