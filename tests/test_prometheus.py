@@ -316,6 +316,80 @@ def test_promtool_accepts_the_scrape_config() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+ALERTS_TEST = """\
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'up{{job="eggroll",instance="a"}}'
+        values: '1 1 0 0 0 0'
+      - series: 'eggroll_save_dir_write_failures_total{{job="eggroll",instance="a",file="run"}}'
+        values: '0 0 1 1 1 1'
+      - series: 'eggroll_replica_digest_mismatches_total{{job="eggroll",instance="a"}}'
+        values: '0 0 0 2 2 2'
+      - series: 'eggroll_workers_connected{{job="eggroll",instance="a"}}'
+        values: '2x45'
+      - series: 'eggroll_last_commit_timestamp_seconds{{job="eggroll",instance="a"}}'
+        values: '60x45'
+      - series: 'eggroll_workers_connected{{job="eggroll",instance="b"}}'
+        values: '1 0x20'
+      - series: 'eggroll_last_commit_timestamp_seconds{{job="eggroll",instance="b"}}'
+        values: '0x45'
+    alert_rule_test:
+{cases}
+"""
+
+
+def alert_case(name: str, minute: int, summary: str | None = None, **labels: str) -> str:
+    """One alert_rule_test entry: `name` at `minute`, firing on instance a (or `labels`)
+    with this summary, or not firing (no summary)."""
+    case = f"      - eval_time: {minute}m\n        alertname: {name}\n        exp_alerts:"
+    if summary is None:
+        return case + " []"
+    labels = {"job": "eggroll", "instance": "a", "severity": "warning", **labels}
+    return (
+        f"{case}\n          - exp_labels: {json.dumps(labels)}\n"
+        f"            exp_annotations: {{summary: {json.dumps(summary)}}}"
+    )
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_the_alerts_fire_when_and_only_when_they_should(tmp_path: Path) -> None:
+    """The shipped alerting rules through `promtool test rules`: each fires on the series
+    that should raise it, after its `for`, and not before (instance b: no worker; a: the
+    rest, its last commit at 1 minute)."""
+    down = "The coordinator at a does not answer scrapes."
+    write = (
+        "Writes of run to the save directory fail on a: free space before the fitness "
+        "log runs out of room."
+    )
+    diverged = (
+        "A worker's replica digest differed from the agreed one on a (the worker resyncs; a "
+        "repeat points at its host)."
+    )
+    idle = "No worker has been connected to b for 10 minutes."
+    stale = "No step committed on a for over 30 minutes while workers are connected."
+    cases = [
+        alert_case("EggrollCoordinatorDown", 3),  # down from 2m, for 2m
+        alert_case("EggrollCoordinatorDown", 5, down, severity="critical"),
+        alert_case("EggrollSaveDirWriteFailing", 1),
+        alert_case("EggrollSaveDirWriteFailing", 3, write, file="run"),
+        alert_case("EggrollReplicaDiverged", 4, diverged),
+        alert_case("EggrollNoWorkers", 10),  # none from 1m, for 10m
+        alert_case("EggrollNoWorkers", 12, idle, instance="b"),
+        alert_case("EggrollNoCommit", 33),  # stale from 31m, for 5m; b never committed
+        alert_case("EggrollNoCommit", 37, stale),
+    ]
+    test_file = tmp_path / "alerts_test.yml"
+    rules = PROM_CONFIG.parent / "alerts.yml"
+    test_file.write_text(ALERTS_TEST.format(rules=json.dumps(str(rules)), cases="\n".join(cases)))
+    done = subprocess.run(
+        ["promtool", "test", "rules", str(test_file)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_grafana_dashboard_uses_the_datasource_variable() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
