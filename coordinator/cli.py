@@ -140,11 +140,22 @@ def _run(
 )
 @click.option("--keep-snapshots", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option(
+    "--chunk-timeout-s",
     "--chunk-timeout",
     type=click.FloatRange(min=0.1),
     default=None,
     help="Seconds before a leased chunk is leased again (default: 3x the median of the "
     "worker's own chunk times, everyone's before its first, at least 5 s).",
+)
+@click.option(
+    "--verify-fraction",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.05,
+    show_default=True,
+    help="Share of each step's chunks, drawn at random, that a second worker scores too "
+    "(at another address where one is connected). A worker whose fitness loses the vote is "
+    "dropped with its results of the step, and every result from its address is checked "
+    "from then on. 1: every chunk twice (a run no single worker can steer); 0: off.",
 )
 @click.option(
     "--metrics-port",
@@ -240,7 +251,8 @@ def main(
     snapshot_every: int,
     sample_every: int,
     keep_snapshots: int,
-    chunk_timeout: float | None,
+    chunk_timeout_s: float | None,
+    verify_fraction: float,
     metrics_port: int,
     metrics_host: str,
     token_file: Path | None,
@@ -298,7 +310,8 @@ def main(
             max_steps=max_steps,
             snapshot_every=snapshot_every,
             sample_every=sample_every,
-            chunk_timeout_s=chunk_timeout,
+            chunk_timeout_s=chunk_timeout_s,
+            verify_fraction=verify_fraction,
         ),
         max_connections=max_connections,
         max_connections_per_address=max_connections_per_address,

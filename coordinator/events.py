@@ -14,6 +14,7 @@ from ..protocol import ErrorCode, Validation
 __all__ = [
     "CatchupServed",
     "ChunkAccepted",
+    "ChunkChecked",
     "ChunkTimed",
     "Committed",
     "DataDigestAgreed",
@@ -25,6 +26,7 @@ __all__ = [
     "Leased",
     "Left",
     "NoSnapshotSource",
+    "Outvoted",
     "Progress",
     "Rejected",
     "Requeued",
@@ -107,6 +109,27 @@ class ChunkTimed(Event):
 @dataclass(frozen=True)
 class ChunkAccepted(Event):
     worker: str
+    step: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class ChunkChecked(Event):
+    """Checks by a second worker: "agreed" (it confirmed the result), "disputed" (results
+    differ: further workers decide), "waived" (no other connected worker could check)."""
+
+    result: str
+    step: int
+    chunks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Outvoted(Event):
+    """A worker's result lost a vote: its results of the step are dropped, every result
+    from its address is checked from now on, and it is refused at its next message."""
+
+    worker: str
+    address: str
     step: int
     chunk: int
 

@@ -1,10 +1,19 @@
-"""The open step's chunk queue and leases: pure code with an injected clock, no I/O.
+"""The open step's chunk queue, leases and checks: pure code with an injected clock, no I/O.
 
 A step's population is split into `chunks` chunks of `chunk_members` members. Chunks are
 leased to the first worker that asks; a lease past its deadline, or whose worker left, puts
 the chunk back in the queue; once the queue is empty, idle workers get backup copies of the
-longest-running chunks. The first valid result of a chunk wins; a later copy must be
-byte-identical (the fitness is a pure function of the replica at the step).
+longest-running chunks.
+
+A chunk's result is settled by its first valid result, except where another worker must
+confirm it: chunks drawn for a check (`verify`), results from workers under suspicion, and
+chunks whose results differ. The fitness is a pure function of the replica at the step, so
+honest results are byte-identical: a result another worker must confirm waits for an equal
+one from a second worker (a check copy, leased before the queue), and where two differ the
+chunk is disputed until one result has two votes and more than any other; the workers
+whose results lost are `outvoted` (the core drops them and their votes). A check no
+connected worker could make is waived (`waive`). Runs whose fitness is not bit-exact across
+devices (`exact=False`) settle on the first result and compare nothing.
 
 A result counts only from a worker that was leased that chunk of this step, and only with
 a loss sum the chunk could produce; a worker holds at most `max_leases` live leases (as many
@@ -16,7 +25,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,14 +37,21 @@ Clock = Callable[[], float]
 
 
 class Outcome(enum.Enum):
-    ACCEPTED = "accepted"
-    DUPLICATE = "duplicate"  # a backup copy, identical to the accepted result
-    MISMATCH = "mismatch"  # a copy that differs from the accepted result: a determinism bug
+    ACCEPTED = "accepted"  # settled the chunk: its fitness counts
+    VOTED = "voted"  # kept: the chunk waits for a second worker's equal result
+    DISPUTED = "disputed"  # differs from another worker's: further workers decide
+    DUPLICATE = "duplicate"  # equal to the chunk's settled result (a backup or check copy)
+    OUTVOTED = "outvoted"  # differs from the result a majority settled the chunk on
+    MISMATCH = "mismatch"  # the sender's second result for the chunk, and a different one
+    COPY = "copy"  # a later copy in a run whose fitness is not exact (not compared)
     STALE = "stale"  # for another step
     OUT_OF_RANGE = "out_of_range"  # no such chunk
     BAD_SIZE = "bad_size"  # wrong number of fitness values for the chunk
     UNLEASED = "unleased"  # the sender was never leased this chunk
     BAD_LOSS = "bad_loss"  # a loss sum no chunk of this run can produce
+
+
+Key = tuple[bytes, int]  # a result: its packed fitness and loss sum
 
 
 @dataclass
@@ -87,7 +103,7 @@ class ChunkTimer:
 
 
 class StepJobs:
-    """Chunks of one step: queued, leased, done."""
+    """Chunks of one step: queued, leased, checked, settled."""
 
     def __init__(
         self,
@@ -99,23 +115,30 @@ class StepJobs:
         *,
         loss_range: tuple[int, int] | None = None,
         max_leases: int = MAX_CHUNKS_PER_REQUEST,
+        verify: Iterable[int] = (),
+        exact: bool = True,
     ) -> None:
         self.step = step
         self.chunks = chunks
         self.chunk_members = chunk_members
         self.clock = clock
         self.timer = timer
-        self.queue: deque[int] = deque(range(chunks))
+        self.queue: deque[int] = deque(range(chunks))  # no result and no live lease yet
+        self.checks: deque[int] = deque()  # unsettled, with results: waiting for another
         self.leases: dict[int, list[Lease]] = {}
         self.holders: dict[int, set[Hashable]] = {}  # chunk -> every worker ever leased it
         self.live: Counter[Hashable] = Counter()  # worker -> leases not done nor expired
         self.loss_range = loss_range  # inclusive bounds of one chunk's loss sum
         self.max_leases = max_leases
-        self.results: dict[int, bytes] = {}  # chunk -> packed fitness of the first result
-        # (chunk, worker) -> start of a lease whose chunk someone else finished first: its
-        # late copy still tells how long that worker takes (one entry per lease: bounded)
+        self.exact = exact
+        self.verify = set(verify)  # chunks whose first result another worker must confirm
+        self.votes: dict[int, dict[Key, list[Hashable]]] = {}  # chunk -> result -> workers
+        self.results: dict[int, bytes] = {}  # chunk -> packed fitness it is settled on
+        self.losses: dict[int, int] = {}  # chunk -> the loss sum it is settled on
+        self.outvoted: list[tuple[Hashable, int]] = []  # (worker, chunk): for the core
+        # (chunk, worker) -> start of a lease whose chunk was settled without it: its late
+        # copy still tells how long that worker takes (one entry per lease: bounded)
         self.finished_leases: dict[tuple[int, Hashable], float] = {}
-        self.loss_sum = 0
         self.requeued = {"disconnect": 0, "deadline": 0}
         self.opened = clock()
         self.first_lease: float | None = None
@@ -124,16 +147,35 @@ class StepJobs:
     def complete(self) -> bool:
         return len(self.results) == self.chunks
 
+    @property
+    def loss_sum(self) -> int:
+        return sum(self.losses.values())
+
     def member_range(self, chunk: int) -> tuple[int, int]:
         return chunk * self.chunk_members, self.chunk_members
 
-    def lease(self, worker: Hashable, queued_only: bool = False) -> int | None:
+    def voters(self, chunk: int) -> set[Hashable]:
+        """Workers with a result for `chunk` or a lease on it: none of them checks it."""
+        done = {w for ws in self.votes.get(chunk, {}).values() for w in ws}
+        return done | {x.worker for x in self.leases.get(chunk, ())}
+
+    def lease(
+        self,
+        worker: Hashable,
+        queued_only: bool = False,
+        may_check: Callable[[int], bool] = lambda chunk: True,
+    ) -> int | None:
         """The chunk `worker` should evaluate next, or None when there is nothing to do
-        (or the worker already holds `max_leases` live leases); `queued_only`: never a
-        backup copy of a chunk someone else holds."""
+        (or the worker already holds `max_leases` live leases): a check it may make first
+        (`may_check`: the caller's say, e.g. on addresses), then the queue; `queued_only`:
+        never a backup copy of a chunk someone else holds."""
         now = self.clock()
         if self.live[worker] >= self.max_leases:
             return None
+        for chunk in self.checks:
+            if worker not in self.voters(chunk) and may_check(chunk):
+                self.checks.remove(chunk)
+                return self._add_lease(chunk, worker, now)
         while self.queue:
             chunk = self.queue.popleft()
             if chunk not in self.results:
@@ -146,7 +188,10 @@ class StepJobs:
         candidates = [
             (held[0].started, chunk)
             for chunk, held in self.leases.items()
-            if len(held) == 1 and held[0].worker != worker and held[0].started <= slow
+            if len(held) == 1
+            and held[0].started <= slow
+            and worker not in self.voters(chunk)
+            and chunk not in self.results
         ]
         if not candidates:
             return None
@@ -169,8 +214,9 @@ class StepJobs:
         fitness: bytes,
         pair_count: int,
         loss_sum: int,
+        verify: bool = False,
     ) -> Outcome:
-        """Record a RESULT; only the first valid result of a chunk counts."""
+        """Record a RESULT; `verify`: another worker must confirm it (a suspect sender)."""
         if step != self.step:
             return Outcome.STALE
         if not 0 <= chunk < self.chunks:
@@ -183,26 +229,111 @@ class StepJobs:
             self.loss_range[0] <= loss_sum <= self.loss_range[1]
         ):
             return Outcome.BAD_LOSS
-        if chunk in self.results:
-            if self.results[chunk] != fitness:
-                return Outcome.MISMATCH
-            started = self.finished_leases.pop((chunk, worker), None)
-            if started is not None:  # a late copy still times its worker
-                self.timer.observe(self.clock() - started, worker)
-            return Outcome.DUPLICATE
-        held = self.leases.pop(chunk, [])
-        self.live.subtract(lease.worker for lease in held if not lease.expired)
-        for lease in held:
-            if lease.worker != worker:
-                self.finished_leases.setdefault((chunk, lease.worker), lease.started)
-        mine = [lease for lease in held if lease.worker == worker]
+        key = (fitness, loss_sum)
+        votes = self.votes.setdefault(chunk, {})
+        said = next((k for k, ws in votes.items() if worker in ws), None)
+        if said is not None:  # a worker has one vote a chunk
+            return Outcome.DUPLICATE if said == key else Outcome.MISMATCH
+        self._lease_done(chunk, worker)
+        settled = (self.results[chunk], self.losses[chunk]) if chunk in self.results else None
+        if settled is not None and not self.exact:
+            return Outcome.COPY
+        votes.setdefault(key, []).append(worker)
+        if verify:
+            self.verify.add(chunk)
+        if settled is not None:
+            if key == settled:
+                return Outcome.DUPLICATE
+            if len(votes[settled]) >= 2:
+                self.outvoted.append((worker, chunk))
+                return Outcome.OUTVOTED
+            del self.results[chunk], self.losses[chunk]  # one worker's word against another's
+        return self._decide(chunk)
+
+    def _lease_done(self, chunk: int, worker: Hashable) -> None:
+        """`worker`'s result for `chunk` is in: its lease ends, and times it."""
+        held = self.leases.get(chunk, [])
+        mine = [x for x in held if x.worker == worker]
+        started = mine[0].started if mine else self.finished_leases.pop((chunk, worker), None)
         if mine:
-            self.timer.observe(self.clock() - mine[0].started, worker)
+            rest = [x for x in held if x.worker != worker]
+            if rest:
+                self.leases[chunk] = rest
+            else:
+                del self.leases[chunk]
+            self.live.subtract(x.worker for x in mine if not x.expired)
+        if started is not None:
+            self.timer.observe(self.clock() - started, worker)
+
+    def _decide(self, chunk: int) -> Outcome:
+        """Settle `chunk` on a result with enough votes and more than any other, or wait."""
+        votes = self.votes[chunk]
+        if len(votes) > 1:
+            self.verify.add(chunk)  # disputed: whatever remains needs a second worker
+        counts = sorted((len(ws) for ws in votes.values()), reverse=True)
+        key = max(votes, key=lambda k: len(votes[k]))
+        needed = 2 if chunk in self.verify else 1
+        if counts[0] >= needed and (len(counts) == 1 or counts[0] > counts[1]):
+            self._settle(chunk, key)
+            self.outvoted += [(w, chunk) for k, ws in votes.items() if k != key for w in ws]
+            return Outcome.ACCEPTED
+        self._want_check(chunk)
+        return Outcome.DISPUTED if len(votes) > 1 else Outcome.VOTED
+
+    def _want_check(self, chunk: int) -> None:
+        """An unsettled chunk with results and no live lease waits for another worker."""
+        live = any(not x.expired for x in self.leases.get(chunk, ()))
+        if not live and chunk not in self.checks and chunk not in self.results:
+            self.checks.append(chunk)
+
+    def _settle(self, chunk: int, key: Key) -> None:
+        self.results[chunk], self.losses[chunk] = key
+        held = self.leases.pop(chunk, [])
+        self.live.subtract(x.worker for x in held if not x.expired)
+        for x in held:
+            self.finished_leases.setdefault((chunk, x.worker), x.started)
         if chunk in self.queue:
             self.queue.remove(chunk)
-        self.results[chunk] = fitness
-        self.loss_sum += loss_sum
-        return Outcome.ACCEPTED
+        if chunk in self.checks:
+            self.checks.remove(chunk)
+
+    def take_outvoted(self) -> list[tuple[Hashable, int]]:
+        """The (worker, chunk) pairs outvoted since last asked."""
+        taken, self.outvoted = self.outvoted, []
+        return taken
+
+    def drop_worker(self, worker: Hashable) -> list[int]:
+        """An outvoted worker: its leases go, and so do its votes; chunks it alone settled
+        are unsettled, and chunks left with no result go back first. Returns the chunks
+        that need work again."""
+        requeued = self.release_worker(worker)
+        for chunk, votes in self.votes.items():
+            for key in [k for k, ws in votes.items() if worker in ws]:
+                votes[key].remove(worker)
+                if not votes[key]:
+                    del votes[key]
+                    if chunk in self.results and key == (self.results[chunk], self.losses[chunk]):
+                        del self.results[chunk], self.losses[chunk]
+                        requeued.append(chunk)
+            if chunk in self.results or any(not x.expired for x in self.leases.get(chunk, ())):
+                continue
+            if votes:
+                self._decide(chunk)
+            elif chunk not in self.queue:
+                if chunk in self.checks:
+                    self.checks.remove(chunk)
+                self.queue.appendleft(chunk)
+        return sorted(set(requeued))
+
+    def waive(self, can_check: Callable[[int], bool]) -> list[int]:
+        """Settle the checks no connected worker could make (`can_check` says whether one
+        could) on their one result; a disputed chunk is never waived."""
+        waived = [
+            chunk for chunk in self.checks if len(self.votes[chunk]) == 1 and not can_check(chunk)
+        ]
+        for chunk in waived:
+            self._settle(chunk, next(iter(self.votes[chunk])))
+        return waived
 
     def release_worker(self, worker: Hashable) -> list[int]:
         """Drop a departed worker's leases; chunks left with no live lease go back first."""
@@ -216,25 +347,37 @@ class StepJobs:
                 self.leases[chunk] = held
             else:
                 del self.leases[chunk]
-                if chunk not in self.results and chunk not in self.queue:
-                    self.queue.appendleft(chunk)
+                if self._put_back(chunk, first=True):
                     requeued.append(chunk)
         self.requeued["disconnect"] += len(requeued)
         return requeued
 
+    def _put_back(self, chunk: int, first: bool = False) -> bool:
+        """An unsettled chunk whose leases ended: to the checks if it has results, else
+        the queue; whether it went back."""
+        if chunk in self.results or chunk in self.queue or chunk in self.checks:
+            return False
+        if self.votes.get(chunk):
+            self.checks.append(chunk)
+        elif first:
+            self.queue.appendleft(chunk)
+        else:
+            self.queue.append(chunk)
+        return True
+
     def expire(self) -> list[int]:
         """Re-queue chunks whose live leases are all past their deadline; a late result
-        from such a lease still counts (first valid result wins)."""
+        from such a lease still counts."""
         now = self.clock()
         requeued = []
         for chunk, held in self.leases.items():
             live = [lease for lease in held if not lease.expired]
-            if live and chunk not in self.queue and all(lease.deadline <= now for lease in live):
+            if live and all(lease.deadline <= now for lease in live):
                 for lease in live:
                     lease.expired = True
                     self.live[lease.worker] -= 1
-                self.queue.append(chunk)
-                requeued.append(chunk)
+                if self._put_back(chunk):
+                    requeued.append(chunk)
         self.requeued["deadline"] += len(requeued)
         return requeued
 

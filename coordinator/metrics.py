@@ -27,8 +27,11 @@ from prometheus_client.exposition import start_http_server
 from ..protocol import ErrorCode, MsgType, Validation
 from .jobs import Outcome
 
-# Why a RESULT is not used: every non-accepted outcome, and a diverged replica.
-DROP_REASONS = (*(o.value for o in Outcome if o is not Outcome.ACCEPTED), "diverged")
+# Why a RESULT is not used: every outcome but those that count (a result that settles its
+# chunk, or one kept for its check), and a diverged replica.
+KEPT = (Outcome.ACCEPTED, Outcome.VOTED, Outcome.DISPUTED)
+DROP_REASONS = (*(o.value for o in Outcome if o not in KEPT), "diverged")
+CHECK_RESULTS = ("agreed", "disputed", "waived")  # how a chunk's check ended (or went on)
 
 # Training steps take from milliseconds (tiny models) to minutes (GPU populations of 2**20).
 STEP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -130,6 +133,18 @@ class Metrics:
         self.results_dropped = Counter(
             "eggroll_results_dropped_total", "RESULT messages not used.", ["reason"], registry=r
         )
+        self.chunk_checks = Counter(
+            "eggroll_chunk_checks_total",
+            "Chunks checked by a second worker: agreed, disputed (results differ: more workers "
+            "decide), waived (no other worker connected could check).",
+            ["result"],
+            registry=r,
+        )
+        self.workers_outvoted = Counter(
+            "eggroll_workers_outvoted_total",
+            "Workers whose fitness lost a vote to other workers' (dropped, then checked).",
+            registry=r,
+        )
         self.protocol_errors = Counter(
             "eggroll_protocol_errors_total",
             "Protocol errors, received or sent.",
@@ -210,10 +225,12 @@ class Metrics:
         ):
             gauge.set(float("nan"))
         # Label values that exist from the start, so the first event shows in rate().
-        for reason in ("disconnect", "deadline"):
+        for reason in ("disconnect", "deadline", "outvoted"):
             self.chunks_requeued.labels(reason)
         for reason in DROP_REASONS:
             self.results_dropped.labels(reason)
+        for result in CHECK_RESULTS:
+            self.chunk_checks.labels(result)
         for code in ErrorCode:
             self.protocol_errors.labels(code.name)
         for file in ("snapshot", "digests", "run", "history"):

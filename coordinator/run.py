@@ -16,10 +16,12 @@ shell, off its loop.
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
 - Handshake: HELLO's protocol version, then the AUTH MAC, then the data digest: the one the
-  operator gave (--data-dir, --data-digest), else the one two workers agree on (until then
+  operator gave (--data-dir, --data-digest), else the one two workers agree on (by the
+  digests' quorum rule; until then
   every worker is admitted and none can settle it alone); WELCOME carries the run id,
   config, open step S, snapshot step.
-- Digests (quorum): a step's replica digest is agreed when two distinct workers report it;
+- Digests (quorum): a step's replica digest is agreed when two workers at distinct addresses
+  report it (two connections where every worker shares one address);
   only agreed digests are stored. A report that differs from the agreed digest is that
   worker's divergence (DIVERGED), never the run's. With one worker in the run, its report
   is agreed by the snapshot it uploads, whose digest the coordinator recomputes.
@@ -28,9 +30,15 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   on has already been sent (those answer it). At s == S it gets a JOB, or WAIT; a worker
   told to WAIT gets a JOB pushed when a chunk is re-queued.
 - Results: only for a chunk leased to that worker, with a loss sum the chunk can produce
-  (else the worker is refused); the first valid result of a chunk wins; the rest are
-  dropped and counted. When the last chunk is in, the step is committed: log append +
-  fsync, then STEP to everyone. An append that fails raises `Fatal`: the coordinator stops.
+  (else the worker is refused); the first valid result of a chunk settles it, except for
+  checks (jobs.py): a share of each step's chunks drawn at random (--verify-fraction),
+  every result from an address where a worker was outvoted, and chunks whose results
+  differ wait for an equal result from another worker (at another address where one is
+  connected); a worker whose result loses a vote is refused with DIVERGED at its next
+  message (its replica may be what is wrong) and its results of the step are dropped. A
+  check no connected worker can make is waived. When the last chunk is settled, the step
+  is committed: log append + fsync, then STEP to everyone. An append that fails raises
+  `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
@@ -58,6 +66,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -98,6 +107,7 @@ from ..shared.vocab import escape
 from .events import (
     CatchupServed,
     ChunkAccepted,
+    ChunkChecked,
     ChunkTimed,
     Committed,
     DataDigestAgreed,
@@ -109,6 +119,7 @@ from .events import (
     Leased,
     Left,
     NoSnapshotSource,
+    Outvoted,
     Progress,
     Rejected,
     Requeued,
@@ -210,6 +221,7 @@ class RunOptions:
     snapshot_every: int = 100  # 0: only the final snapshot
     sample_every: int = 0  # 0: no samples
     chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
+    verify_fraction: float = 0.0  # share of each step's chunks a second worker checks
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,11 @@ class Peer:
     snapshot_total: int = 0  # its size, fixed by the first chunk
     # chunk -> lease time and the chunks leased with it (scored together in one pass)
     job_started: dict[int, tuple[float, int]] = field(default_factory=dict)
+    outvoted: str = ""  # why it is refused at its next message (its result lost a vote)
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
 
 
 @dataclass
@@ -311,6 +328,11 @@ class RunCore:
         self.disagreed: set[int] = set()  # steps in the tallies whose disagreement was reported
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
+        self.suspect_hosts: set[str] = set()  # where a worker was outvoted: every result checked
+        self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
+        # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
+        # to compare, so no checks; every other run's is a pure function of the replica.
+        self.exact = self.cfg.model.arch != "hf"
         self.peers: dict[int, Peer] = {}
         self._ids = itertools.count(1)
         self.jobs = self._open_step(store.steps)
@@ -374,10 +396,11 @@ class RunCore:
             _forget(votes, peer_id)
         _forget(self.data_votes, peer_id)  # a vote counts while its worker is connected
         requeued = self.jobs.release_worker(peer_id)
-        if not requeued:
-            return out
-        out.append(Requeued("disconnect", tuple(requeued), self.step))
-        return out + self._push_jobs()
+        if requeued:
+            out.append(Requeued("disconnect", tuple(requeued), self.step))
+        waived = self._waive()  # it may have been the only worker that could check
+        out += waived + self._push_jobs()
+        return out + self._commit() if waived and self.jobs.complete else out
 
     def expire(self) -> list[Output]:
         """Re-queue chunks past their deadline and push them to idle workers; report how far
@@ -411,7 +434,10 @@ class RunCore:
         handler = _HANDLERS.get(msg.TYPE)
         if handler is None:  # the connection's state machine lets no other type through
             raise Refused(ErrorCode.ILLEGAL_STATE, f"unexpected {msg.TYPE.name}")
-        out = handler(self, self.peers[peer_id], msg)
+        peer = self.peers[peer_id]
+        if peer.outvoted:
+            raise self.refuse(peer, ErrorCode.DIVERGED, peer.outvoted)
+        out = handler(self, peer, msg)
         return out + self.store_events()  # a digest agreed, a data digest set
 
     def store_events(self) -> list[Event]:
@@ -486,7 +512,7 @@ class RunCore:
             return []
         voters = self.data_votes.setdefault(mine, set())
         voters.add(peer.id)
-        if len(voters) < 2:
+        if not self._quorum(voters):
             return []
         self.store.set_data_digest(mine)
         self.data_votes.clear()
@@ -513,12 +539,21 @@ class RunCore:
         _forget(votes, peer.id)
         voters = votes.setdefault(digest, set())
         voters.add(peer.id)
-        if len(voters) >= 2:
+        if self._quorum(voters):
             self._agree(step, digest)
         elif len(votes) > 1 and step not in self.disagreed:  # once a step, late reports too
             self.disagreed.add(step)
             return [DigestsDisagree(step, len(votes))]
         return []
+
+    def _quorum(self, voters: set[int]) -> bool:
+        """Whether these workers settle a digest: two at distinct addresses, or two
+        connections where every worker of the run shares one address (one host), so that
+        one machine's connections cannot outvote the others'."""
+        hosts = {self.peers[v].host for v in voters if v in self.peers}
+        if len(hosts) >= 2:
+            return True
+        return len(voters) >= 2 and all(p.host in hosts for p in self.peers.values() if p.ready)
 
     def _agree(self, step: int, digest: int) -> None:
         self.store.record_digest(step, digest)
@@ -576,7 +611,9 @@ class RunCore:
         want = min(want, self._share(MAX_CHUNKS_PER_REQUEST) - self.jobs.live[peer.id])
         chunks: list[int] = []
         while len(chunks) < want:  # a backup copy only as the first (and then only) chunk
-            chunk = self.jobs.lease(peer.id, queued_only=bool(chunks))
+            chunk = self.jobs.lease(
+                peer.id, queued_only=bool(chunks), may_check=lambda c: self._may_check(peer, c)
+            )
             if chunk is None:
                 break
             chunks.append(chunk)
@@ -596,10 +633,51 @@ class RunCore:
         """Re-queued chunks go straight to idle workers that are at the open step."""
         out: list[Output] = []
         for peer in self.peers.values():
-            if not self.jobs.queue:
+            if not self.jobs.queue and not self.jobs.checks:
                 break
-            if peer.waiting and peer.ready and peer.replica_step == self.step:
+            if peer.waiting and peer.ready and not peer.outvoted and peer.replica_step == self.step:
                 out += self._lease_to(peer)
+        return out
+
+    def _may_check(self, peer: Peer, chunk: int) -> bool:
+        """Whether `peer` should make the check of `chunk`: a worker at another address than
+        those with a result or lease for it, or any other worker where none is connected."""
+        voters = self.jobs.voters(chunk)
+        if peer.id in voters or peer.outvoted:
+            return False
+        hosts = {self.peers[v].host for v in voters if v in self.peers}
+        if peer.host not in hosts:
+            return True
+        return not any(
+            p.ready and not p.outvoted and p.host not in hosts for p in self.peers.values()
+        )
+
+    def _waive(self) -> list[Output]:
+        """Settle the checks no connected worker can make (the run's only worker)."""
+        if not self.jobs.checks:
+            return []
+        ready = [p for p in self.peers.values() if p.ready]
+        waived = self.jobs.waive(lambda c: any(self._may_check(p, c) for p in ready))
+        return [ChunkChecked("waived", self.step, tuple(waived))] if waived else []
+
+    def _convict(self) -> list[Output]:
+        """Workers whose results lost a vote: dropped with their results of the step, their
+        address checked from now on, refused at their next message."""
+        out: list[Output] = []
+        for worker, chunk in self.jobs.take_outvoted():
+            requeued = self.jobs.drop_worker(worker)
+            if requeued:
+                out.append(Requeued("outvoted", tuple(requeued), self.step))
+            peer = self.peers.get(worker)
+            if peer is None or peer.outvoted:
+                continue
+            self.suspect_hosts.add(peer.host)
+            peer.outvoted = (
+                f"its fitness for chunk {chunk} of step {self.step} lost a vote to other "
+                "workers': resync"
+            )
+            peer.waiting = False
+            out.append(Outvoted(peer.name, peer.address, self.step, chunk))
         return out
 
     def _on_result(self, peer: Peer, msg: Result) -> list[Output]:
@@ -618,7 +696,8 @@ class RunCore:
                 exc.events.append(ResultDropped("diverged", peer.name, msg.step, msg.chunk, True))
                 raise
         outcome = self.jobs.complete_chunk(
-            peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum
+            *(peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum),
+            verify=peer.host in self.suspect_hosts,
         )
         dropped = ResultDropped(outcome.value, peer.name, msg.step, msg.chunk)
         if outcome is Outcome.UNLEASED:
@@ -639,9 +718,15 @@ class RunCore:
                 *out,
                 ResultDropped(outcome.value, peer.name, msg.step, msg.chunk, True),
             )
-        if outcome is not Outcome.ACCEPTED:
-            return [*out, dropped]
-        out.append(ChunkAccepted(peer.name, msg.step, msg.chunk))
+        if outcome is Outcome.ACCEPTED:
+            out.append(ChunkAccepted(peer.name, msg.step, msg.chunk))
+            if len(self.jobs.votes[msg.chunk]) > 1 or msg.chunk in self.jobs.verify:
+                out.append(ChunkChecked("agreed", msg.step, (msg.chunk,)))
+        elif outcome is Outcome.DISPUTED:
+            out.append(ChunkChecked("disputed", msg.step, (msg.chunk,)))
+        elif outcome is not Outcome.VOTED:
+            out.append(dropped)
+        out += self._convict() + self._waive() + self._push_jobs()
         return out + self._commit() if self.jobs.complete else out
 
     def _commit(self) -> list[Output]:
@@ -662,7 +747,7 @@ class RunCore:
         message = Step(step, self.cfg.pairs, packed)
         out: list[Output] = [self._committed(step, jobs)]  # reported before any STEP goes out
         for peer in self.peers.values():
-            if peer.ready:
+            if peer.ready and not peer.outvoted:
                 peer.waiting = False
                 peer.job_started.clear()
                 out.append(Send(peer.id, message))
@@ -691,6 +776,7 @@ class RunCore:
             self.snapshot.step = self.step
 
     def _open_step(self, step: int) -> StepJobs:
+        share = self.options.verify_fraction if self.exact else 0.0
         return StepJobs(
             step,
             self.cfg.chunks,
@@ -698,6 +784,8 @@ class RunCore:
             self.clock,
             self.timer,
             loss_range=self.loss_range,
+            verify=[c for c in range(self.cfg.chunks) if self._draw.random() < share],
+            exact=self.exact,
         )
 
     def _committed(self, step: int, jobs: StepJobs) -> Committed:

@@ -130,6 +130,29 @@ def record(
             metrics.worker_chunk(event.worker, event.seconds, event.member_tokens)
         case events.ChunkAccepted():
             metrics.chunks_completed.inc()
+        case events.ChunkChecked():
+            metrics.chunk_checks.labels(event.result).inc(len(event.chunks))
+            if event.result == "disputed":
+                log.warning(
+                    "results differ",
+                    step=event.step,
+                    chunk=event.chunks[0],
+                    hint="further workers score the chunk; the result with the most votes wins",
+                )
+            elif event.result == "waived":
+                log.info("check waived", step=event.step, chunks=event.chunks, reason="one worker")
+        case events.Outvoted():
+            metrics.workers_outvoted.inc()
+            log.error(
+                "worker outvoted",
+                worker=event.worker,
+                peer=event.address,
+                step=event.step,
+                chunk=event.chunk,
+                hint="its fitness differs from other workers' for the same chunk (a fault or "
+                "a lie): its results of the step are dropped, it resyncs, and every result "
+                "from its address is checked from now on",
+            )
         case events.ResultDropped():
             metrics.results_dropped.labels(event.reason).inc()
             if not event.refused:

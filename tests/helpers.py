@@ -382,7 +382,13 @@ class Network:
         return next((e for e in reversed(self.events) if isinstance(e, kind)), None)
 
     def join(
-        self, name: str, *, replica: Replica | None = None, token: bytes = b"", **me: Any
+        self,
+        name: str,
+        *,
+        replica: Replica | None = None,
+        token: bytes = b"",
+        host: str = "mem",
+        **me: Any,
     ) -> Worker:
         identity = Identity(
             name=name,
@@ -394,8 +400,8 @@ class Network:
             train_tokens=len(self.dataset.train),
         )
         w = Worker(self, name, identity, replica or sync_replica(self.dataset))
-        w.peer = self.core.connect(f"mem:{name}")
-        self.links[w.peer] = Link(w.peer, f"mem:{name}", _Wire(w), self.metrics, 30.0)  # type: ignore[arg-type]
+        w.peer = self.core.connect(f"{host}:{name}")
+        self.links[w.peer] = Link(w.peer, f"{host}:{name}", _Wire(w), self.metrics, 30.0)  # type: ignore[arg-type]
         self.workers.append(w)
         w.start()
         return w

@@ -9,6 +9,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
 from eggroll_dist.coordinator import run as run_module
+from eggroll_dist.coordinator.events import ChunkAccepted, Outvoted
+from eggroll_dist.coordinator.metrics import CHECK_RESULTS
 from eggroll_dist.coordinator.run import (
     Refused,
     Sampled,
@@ -67,7 +70,7 @@ from eggroll_dist.shared.replica import (
 from eggroll_dist.shared.sample import TrainingSamples
 from eggroll_dist.shared.vocab import NEWLINE_MARK, escape
 from eggroll_dist.worker import session as session_module
-from eggroll_dist.worker.backend import HeldOut
+from eggroll_dist.worker.backend import ChunkResult, HeldOut
 from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.data.build import prepare_data_dir
@@ -918,6 +921,116 @@ def test_the_sole_worker_is_agreed_by_the_snapshot_it_uploads(
     assert store.latest_snapshot == 2 and store.digests[2] == digest_at(store.path, 2)
     assert 3 not in store.digests  # reported by one worker, no snapshot: not agreed
     assert w.replica.digest == digest_at(store.path, 3)
+
+
+class Liar:
+    """A replica whose fitness is made up (every value changed): a fault or a lie."""
+
+    def __init__(self, replica: Any) -> None:
+        self.replica = replica
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.replica, name)
+
+    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> list[ChunkResult]:
+        results = await self.replica.evaluate(step, chunks)
+        return [ChunkResult(np.where(r.fitness == 1, -1, 1), r.loss_sum) for r in results]
+
+
+def checks(net: Network) -> dict[str, float]:
+    return {k: net.metrics.chunk_checks.labels(k)._value.get() for k in CHECK_RESULTS}
+
+
+def fitness_log(store: RunStore) -> list[bytes]:
+    return store.fitness_log.read(0, store.steps)
+
+
+def plain_run(tmp_path: Path, dataset: Dataset, steps: int) -> list[bytes]:
+    """The same run's fitness log, one worker and no checks."""
+    other = RunStore.open(tmp_path / "plain", CFG.replace(es=ESConfig(32, 8, 8)))
+    try:
+        net = Network(other, dataset)
+        net.join("alone")
+        net.train(steps)
+        return fitness_log(other)
+    finally:
+        other.close()
+
+
+def test_every_chunk_checked_by_a_worker_elsewhere_trains_the_same_run(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    net = Network(store4, dataset, verify_fraction=1.0)
+    a, b = net.join("a", host="10.0.0.1"), net.join("b", host="10.0.0.2")
+    net.run()
+    net.train(3)
+    assert checks(net) == {"agreed": 4 * 3, "disputed": 0, "waived": 0}
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, 3)
+    assert a.replica.digest == b.replica.digest == store4.digests[3]
+
+
+def test_the_only_worker_has_its_checks_waived(store4: RunStore, dataset: Dataset) -> None:
+    net = Network(store4, dataset, verify_fraction=1.0)
+    net.join("alone")
+    net.train(2)
+    assert checks(net) == {"agreed": 0, "disputed": 0, "waived": 4 * 2}
+
+
+def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """Every chunk checked: the liar's results lose to two honest workers' (at other
+    addresses), it is refused (DIVERGED) at its next message, and the run is the one
+    honest workers make alone."""
+    net = Network(store4, dataset, verify_fraction=1.0)
+    liar = net.join("liar", host="10.0.0.9", replica=Liar(sync_replica(dataset)))
+    net.join("a", host="10.0.0.1")
+    net.join("b", host="10.0.0.2")
+    net.run()
+    net.train(3)
+    net.advance(1.0)  # it asks again (or heartbeats): the answer is DIVERGED
+    assert ("liar", ErrorCode.DIVERGED) in net.refused and not liar.alive
+    assert net.metrics.workers_outvoted._value.get() == 1
+    assert checks(net)["disputed"] >= 1
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, 3)
+    outvoted = net.latest(Outvoted)
+    assert outvoted is not None and outvoted.worker == "liar" and outvoted.step == 0
+    assert net.core.suspect_hosts == {"10.0.0.9"}
+
+
+def test_every_result_from_an_outvoted_address_is_checked(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """No chunk drawn for a check, but where a worker was outvoted, another worker's equal
+    result must confirm every result from its address: none settles a chunk alone."""
+    net = Network(store4, dataset)
+    net.core.suspect_hosts.add("10.0.0.9")
+    net.join("suspect", host="10.0.0.9")
+    net.join("a", host="10.0.0.1")
+    net.run()
+    net.train(2)
+    settled_by = {e.worker for e in net.events if isinstance(e, ChunkAccepted)}
+    assert settled_by == {"a"} and checks(net)["agreed"] >= 1
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, 2)
+
+
+def test_digests_need_two_addresses_where_there_are_two(store: RunStore, dataset: Dataset) -> None:
+    """Two connections from one machine settle neither the data digest nor a replica
+    digest while a worker elsewhere is connected; one machine alone settles both."""
+    core = Network(store, dataset).core
+    one, two, far = (core.connect(a) for a in ("10.0.0.1:1", "10.0.0.1:2", "10.0.0.2:1"))
+    core.peers[far].ready = True
+    truth = digest_at(store.path, 0)
+    for peer in (one, two):
+        core.peers[peer].ready = True
+        core.receive(peer, JobRequest(0, truth ^ 0xDEAD, 0))
+    assert 0 not in store.digests  # one machine's two voices
+    core.receive(far, JobRequest(0, truth, 0))
+    assert 0 not in store.digests
+    core.peer_left(far)
+    core.receive(one, JobRequest(0, truth, 0))  # only 10.0.0.1 now: its connections count
+    core.receive(two, JobRequest(0, truth, 0))
+    assert store.digests[0] == truth
 
 
 def test_results_only_for_a_lease_and_with_a_possible_loss(

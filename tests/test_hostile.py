@@ -9,13 +9,23 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, command, inspect_run, start_coordinator, start_worker
+from conftest import Proc
+from helpers import (
+    TINY_RUN,
+    command,
+    digest_at,
+    inspect_run,
+    start_coordinator,
+    start_worker,
+    trained_digest,
+)
 
 from eggroll_dist.protocol import (
     LATEST_SNAPSHOT,
@@ -279,6 +289,50 @@ def test_e3_one_false_digest_report_neither_halts_nor_diverges_the_run(
     assert "deadbeef" not in digests  # a minority report is never the run's
 
 
+# ------------------------------------------------------------------------------- E15
+
+# A real worker whose backend makes up every fitness value it reports (replaying the log,
+# it applies the run's steps like anyone).
+LIAR = """
+import sys
+import numpy as np
+from eggroll_dist.worker.backend import ChunkResult, numpy_backend
+from eggroll_dist.worker.cli import main
+real = numpy_backend.NumpyBackend.evaluate_chunks
+def lie(self, step, chunks):
+    made_up = lambda r: ChunkResult(np.where(r.fitness == 1, -1, 1).astype(np.int8), r.loss_sum)
+    return [made_up(r) for r in real(self, step, chunks)]
+numpy_backend.NumpyBackend.evaluate_chunks = lie
+sys.exit(main())
+"""
+
+
+def test_e15_a_worker_that_makes_up_its_fitness_is_outvoted(
+    spawn, tmp_path: Path, config_file: Path, words_data: Path, token_env
+) -> None:
+    """Every chunk checked: a worker that joins a running run and makes up its fitness
+    loses its votes to the two honest workers and is dropped (each time it comes back),
+    and the fitness log stays the one the honest workers make alone."""
+    save = tmp_path / "run"
+    coord, port = start_coordinator(spawn, save, config_file, "--verify-fraction", "1")
+    for i in range(2):
+        start_worker(spawn, port, words_data, f"honest{i}")
+    coord.wait_for(lambda e: e.get("event") == "step" and e["step"] >= 2, 60, "step 2")
+    flags = ("--data-dir", str(words_data), "--name", "liar", "--log-format", "json")
+    liar = Proc([sys.executable, "-c", LIAR, f"127.0.0.1:{port}", *flags], "liar")
+    try:
+        outvoted = coord.wait_for(lambda e: e.get("event") == "worker outvoted", 60, "outvoted")
+        assert outvoted["worker"] == "liar"
+        later = outvoted["step"] + 3
+        coord.wait_for(lambda e: e.get("event") == "step" and e["step"] >= later, 60, "steps")
+        liar.wait_for(lambda e: e.get("event") == "replica dropped", 30, "DIVERGED")
+    finally:
+        liar.stop()
+        coord.stop()
+    assert digest_at(save, later) == trained_digest(words_data, config_file, later)
+
+
+# -------------------------------------------------------------------------------- E4
 # -------------------------------------------------------------------------------- E4
 
 

@@ -170,3 +170,81 @@ def test_no_worker_holds_more_than_max_leases() -> None:
     assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 1) is Outcome.ACCEPTED
     assert jobs.lease("a") == 3  # one lease done: room for the next
     assert jobs.release_worker("a") == [1, 3]
+
+
+def _settle(jobs: StepJobs, worker: str, chunk: int, seed: int) -> Outcome:
+    return jobs.complete_chunk(worker, 7, chunk, _fit(seed), 5, seed)
+
+
+def test_a_checked_chunk_waits_for_an_equal_result_from_another_worker() -> None:
+    jobs, _ = _jobs(chunks=2)
+    jobs.verify.add(0)
+    assert jobs.lease("a") == 0
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    assert not jobs.complete and list(jobs.checks) == [0]
+    assert jobs.lease("a") == 1  # not its own check: the queue
+    assert jobs.lease("b", may_check=lambda chunk: False) is None  # the caller says no
+    assert jobs.lease("b") == 0  # a check before anything else
+    assert _settle(jobs, "a", 1, 2) is Outcome.ACCEPTED  # unchecked: one result settles
+    assert _settle(jobs, "b", 0, 1) is Outcome.ACCEPTED
+    assert jobs.complete and jobs.loss_sum == 3 and jobs.take_outvoted() == []
+
+
+def test_results_that_differ_are_decided_by_a_third_worker() -> None:
+    jobs, clock = _jobs(chunks=2, timer=ChunkTimer())
+    for w in "ab":
+        jobs.lease(w)
+    clock.now += 1
+    assert _settle(jobs, "b", 1, 2) is Outcome.ACCEPTED  # b's pace is known: a is slow
+    clock.now += 10
+    assert jobs.lease("c") == 0  # a backup of a's chunk
+    assert _settle(jobs, "c", 0, 9) is Outcome.ACCEPTED
+    assert _settle(jobs, "a", 0, 1) is Outcome.DISPUTED  # one word against another
+    assert not jobs.complete and list(jobs.checks) == [0]
+    assert jobs.lease("a") is None and jobs.lease("c") is None  # both have spoken
+    assert jobs.lease("d") == 0
+    assert _settle(jobs, "d", 0, 1) is Outcome.ACCEPTED  # two votes to one
+    assert jobs.take_outvoted() == [("c", 0)]
+    assert jobs.results[0] == _fit(1) and jobs.losses[0] == 1
+    assert _settle(jobs, "c", 0, 1) is Outcome.MISMATCH  # one vote a worker, whatever it says
+
+
+def test_an_outvoted_workers_other_results_go_back() -> None:
+    jobs, _ = _jobs(chunks=3)
+    for w in "abc":
+        jobs.lease(w)
+    assert _settle(jobs, "c", 2, 5) is Outcome.ACCEPTED  # c alone settles chunk 2
+    jobs.verify.add(0)
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    assert jobs.lease("c") == 0
+    assert _settle(jobs, "c", 0, 9) is Outcome.DISPUTED
+    assert jobs.lease("b") == 0  # beside its own chunk 1
+    assert _settle(jobs, "b", 0, 1) is Outcome.ACCEPTED
+    assert _settle(jobs, "b", 1, 3) is Outcome.ACCEPTED
+    assert jobs.take_outvoted() == [("c", 0)]
+    assert jobs.drop_worker("c") == [2]  # what it alone said is unsaid
+    assert 2 not in jobs.results and list(jobs.queue) == [2] and not jobs.complete
+    assert jobs.lease("a") == 2
+
+
+def test_a_lone_result_settles_a_check_nobody_can_make_but_a_dispute_waits() -> None:
+    jobs, _ = _jobs(chunks=2)
+    jobs.verify.update((0, 1))
+    jobs.lease("a")
+    jobs.lease("b")
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    assert _settle(jobs, "b", 1, 2) is Outcome.VOTED
+    assert jobs.lease("a") == 1 and _settle(jobs, "a", 1, 8) is Outcome.DISPUTED
+    assert jobs.waive(lambda chunk: False) == [0]  # disputed chunk 1 waits for a third
+    assert 0 in jobs.results and 1 not in jobs.results
+    assert jobs.waive(lambda chunk: False) == []
+
+
+def test_a_run_whose_fitness_is_not_exact_compares_nothing() -> None:
+    jobs, _ = _jobs(chunks=1)
+    jobs.exact = False
+    jobs.lease("a")
+    jobs.holders[0].add("b")
+    assert _settle(jobs, "a", 0, 1) is Outcome.ACCEPTED
+    assert _settle(jobs, "b", 0, 2) is Outcome.COPY
+    assert jobs.results[0] == _fit(1) and jobs.take_outvoted() == []
