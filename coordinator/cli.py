@@ -152,10 +152,11 @@ def _run(
     type=click.FloatRange(0.0, 1.0),
     default=0.05,
     show_default=True,
-    help="Share of each step's chunks, drawn at random, that a second worker scores too "
-    "(at another address where one is connected). A worker whose fitness loses the vote is "
-    "dropped with its results of the step, and every result from its address is checked "
-    "from then on. 1: every chunk twice (a run no single worker can steer); 0: off.",
+    help="Share of each step's chunks, drawn at random, that a second worker scores too: "
+    "another machine's once the run has workers on two (one vote per address and chunk). "
+    "A worker whose fitness loses the vote is dropped with its results of the step, and "
+    "every result from its address is checked from then on. 1: every chunk twice, so that "
+    "no result counts without a second machine's; 0: off.",
 )
 @click.option(
     "--metrics-port",

@@ -57,6 +57,7 @@ class Joined(Event):
 class Left(Event):
     worker: str
     workers: int
+    namesakes: int = 0  # connected workers still using its name: they keep its series
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,15 @@ longest-running chunks.
 A chunk's result is settled by its first valid result, except where another worker must
 confirm it: chunks drawn for a check (`verify`), results from workers under suspicion, and
 chunks whose results differ. The fitness is a pure function of the replica at the step, so
-honest results are byte-identical: a result another worker must confirm waits for an equal
-one from a second worker (a check copy, leased before the queue), and where two differ the
-chunk is disputed until one result has two votes and more than any other; the workers
-whose results lost are `outvoted` (the core drops them and their votes). A check no
-connected worker could make is waived (`waive`). Runs whose fitness is not bit-exact across
-devices (`exact=False`) settle on the first result and compare nothing.
+honest results are byte-identical. Votes are counted by `group` (the core's: a worker's
+address, where the run spans several), one per group and chunk, so one machine's
+connections cannot confirm each other. A result another group must confirm waits for an
+equal one (a check copy, leased before the queue to a group with no result or lease for
+that chunk); where results differ the chunk is disputed until one has the votes of two
+groups and more than any other; the workers whose results lost are `outvoted` (the core
+drops them and their votes). A check no connected group could make is waived (`waive`).
+Runs whose fitness is not bit-exact across devices (`exact=False`) settle on the first
+result and compare nothing.
 
 A result counts only from a worker that was leased that chunk of this step, and only with
 a loss sum the chunk could produce; a worker holds at most `max_leases` live leases (as many
@@ -125,9 +128,11 @@ class StepJobs:
         self.timer = timer
         self.queue: deque[int] = deque(range(chunks))  # no result and no live lease yet
         self.checks: deque[int] = deque()  # unsettled, with results: waiting for another
+        self.check_since: dict[int, float] = {}  # a check -> when it began to wait
         self.leases: dict[int, list[Lease]] = {}
         self.holders: dict[int, set[Hashable]] = {}  # chunk -> every worker ever leased it
         self.live: Counter[Hashable] = Counter()  # worker -> leases not done nor expired
+        self.group_of: dict[Hashable, Hashable] = {}  # worker -> whose votes it casts
         self.loss_range = loss_range  # inclusive bounds of one chunk's loss sum
         self.max_leases = max_leases
         self.exact = exact
@@ -139,7 +144,7 @@ class StepJobs:
         # (chunk, worker) -> start of a lease whose chunk was settled without it: its late
         # copy still tells how long that worker takes (one entry per lease: bounded)
         self.finished_leases: dict[tuple[int, Hashable], float] = {}
-        self.requeued = {"disconnect": 0, "deadline": 0}
+        self.requeued = {"disconnect": 0, "deadline": 0, "outvoted": 0}
         self.opened = clock()
         self.first_lease: float | None = None
 
@@ -155,26 +160,29 @@ class StepJobs:
         return chunk * self.chunk_members, self.chunk_members
 
     def voters(self, chunk: int) -> set[Hashable]:
-        """Workers with a result for `chunk` or a lease on it: none of them checks it."""
-        done = {w for ws in self.votes.get(chunk, {}).values() for w in ws}
-        return done | {x.worker for x in self.leases.get(chunk, ())}
+        """Groups with a result for `chunk` or a lease on it (live or not: a late worker
+        may still answer): none of them checks it."""
+        done = {self.group_of[w] for ws in self.votes.get(chunk, {}).values() for w in ws}
+        return done | {self.group_of[x.worker] for x in self.leases.get(chunk, ())}
+
+    def _groups(self, workers: list[Hashable]) -> int:
+        return len({self.group_of[w] for w in workers})
 
     def lease(
-        self,
-        worker: Hashable,
-        queued_only: bool = False,
-        may_check: Callable[[int], bool] = lambda chunk: True,
+        self, worker: Hashable, queued_only: bool = False, group: Hashable = None
     ) -> int | None:
-        """The chunk `worker` should evaluate next, or None when there is nothing to do
-        (or the worker already holds `max_leases` live leases): a check it may make first
-        (`may_check`: the caller's say, e.g. on addresses), then the queue; `queued_only`:
-        never a backup copy of a chunk someone else holds."""
+        """The chunk `worker` (voting for `group`, itself by default) should evaluate next,
+        or None when there is nothing to do (or the worker already holds `max_leases` live
+        leases): a check its group may make first, then the queue; `queued_only`: never a
+        backup copy of a chunk someone else holds."""
         now = self.clock()
+        self.group_of[worker] = worker if group is None else group
         if self.live[worker] >= self.max_leases:
             return None
         for chunk in self.checks:
-            if worker not in self.voters(chunk) and may_check(chunk):
+            if self.group_of[worker] not in self.voters(chunk):
                 self.checks.remove(chunk)
+                self.check_since.pop(chunk, None)
                 return self._add_lease(chunk, worker, now)
         while self.queue:
             chunk = self.queue.popleft()
@@ -190,7 +198,7 @@ class StepJobs:
             for chunk, held in self.leases.items()
             if len(held) == 1
             and held[0].started <= slow
-            and worker not in self.voters(chunk)
+            and self.group_of[worker] not in self.voters(chunk)
             and chunk not in self.results
         ]
         if not candidates:
@@ -229,12 +237,13 @@ class StepJobs:
             self.loss_range[0] <= loss_sum <= self.loss_range[1]
         ):
             return Outcome.BAD_LOSS
-        key = (fitness, loss_sum)
-        votes = self.votes.setdefault(chunk, {})
-        said = next((k for k, ws in votes.items() if worker in ws), None)
-        if said is not None:  # a worker has one vote a chunk
-            return Outcome.DUPLICATE if said == key else Outcome.MISMATCH
+        key, group = (fitness, loss_sum), self.group_of[worker]
         self._lease_done(chunk, worker)
+        votes = self.votes.setdefault(chunk, {})
+        said = next((k for k, ws in votes.items() if group in map(self.group_of.get, ws)), None)
+        if said is not None:  # a group has one vote a chunk
+            self._want_check(chunk)  # this worker's lease is over: another group checks it
+            return Outcome.DUPLICATE if said == key else Outcome.MISMATCH
         settled = (self.results[chunk], self.losses[chunk]) if chunk in self.results else None
         if settled is not None and not self.exact:
             return Outcome.COPY
@@ -244,7 +253,7 @@ class StepJobs:
         if settled is not None:
             if key == settled:
                 return Outcome.DUPLICATE
-            if len(votes[settled]) >= 2:
+            if self._groups(votes[settled]) >= 2:
                 self.outvoted.append((worker, chunk))
                 return Outcome.OUTVOTED
             del self.results[chunk], self.losses[chunk]  # one worker's word against another's
@@ -270,8 +279,8 @@ class StepJobs:
         votes = self.votes[chunk]
         if len(votes) > 1:
             self.verify.add(chunk)  # disputed: whatever remains needs a second worker
-        counts = sorted((len(ws) for ws in votes.values()), reverse=True)
-        key = max(votes, key=lambda k: len(votes[k]))
+        counts = sorted((self._groups(ws) for ws in votes.values()), reverse=True)
+        key = max(votes, key=lambda k: self._groups(votes[k]))
         needed = 2 if chunk in self.verify else 1
         if counts[0] >= needed and (len(counts) == 1 or counts[0] > counts[1]):
             self._settle(chunk, key)
@@ -281,10 +290,18 @@ class StepJobs:
         return Outcome.DISPUTED if len(votes) > 1 else Outcome.VOTED
 
     def _want_check(self, chunk: int) -> None:
-        """An unsettled chunk with results and no live lease waits for another worker."""
+        """An unsettled chunk with results and no live lease waits for another group (out
+        of the queue, where a lease that expired before its result came may have put it)."""
         live = any(not x.expired for x in self.leases.get(chunk, ()))
-        if not live and chunk not in self.checks and chunk not in self.results:
-            self.checks.append(chunk)
+        if live or chunk in self.results or chunk in self.checks:
+            return
+        if chunk in self.queue:
+            self.queue.remove(chunk)
+        self._add_check(chunk)
+
+    def _add_check(self, chunk: int) -> None:
+        self.checks.append(chunk)
+        self.check_since.setdefault(chunk, self.clock())
 
     def _settle(self, chunk: int, key: Key) -> None:
         self.results[chunk], self.losses[chunk] = key
@@ -296,6 +313,7 @@ class StepJobs:
             self.queue.remove(chunk)
         if chunk in self.checks:
             self.checks.remove(chunk)
+        self.check_since.pop(chunk, None)
 
     def take_outvoted(self) -> list[tuple[Hashable, int]]:
         """The (worker, chunk) pairs outvoted since last asked."""
@@ -306,7 +324,7 @@ class StepJobs:
         """An outvoted worker: its leases go, and so do its votes; chunks it alone settled
         are unsettled, and chunks left with no result go back first. Returns the chunks
         that need work again."""
-        requeued = self.release_worker(worker)
+        requeued = self.release_worker(worker, "outvoted")
         for chunk, votes in self.votes.items():
             for key in [k for k, ws in votes.items() if worker in ws]:
                 votes[key].remove(worker)
@@ -322,20 +340,27 @@ class StepJobs:
             elif chunk not in self.queue:
                 if chunk in self.checks:
                     self.checks.remove(chunk)
+                self.check_since.pop(chunk, None)
                 self.queue.appendleft(chunk)
+        self.requeued["outvoted"] += len(set(requeued))
         return sorted(set(requeued))
 
     def waive(self, can_check: Callable[[int], bool]) -> list[int]:
-        """Settle the checks no connected worker could make (`can_check` says whether one
-        could) on their one result; a disputed chunk is never waived."""
+        """Settle on their one result the checks no connected worker could make
+        (`can_check` says whether one could) and those nobody took for as long as a lease
+        lasts (the others hung, or too slow to wait for); a disputed chunk is never waived."""
+        now, wait = self.clock(), self.timer.timeout_s()
         waived = [
-            chunk for chunk in self.checks if len(self.votes[chunk]) == 1 and not can_check(chunk)
+            chunk
+            for chunk in self.checks
+            if len(self.votes[chunk]) == 1
+            and (now - self.check_since[chunk] >= wait or not can_check(chunk))
         ]
         for chunk in waived:
             self._settle(chunk, next(iter(self.votes[chunk])))
         return waived
 
-    def release_worker(self, worker: Hashable) -> list[int]:
+    def release_worker(self, worker: Hashable, reason: str = "disconnect") -> list[int]:
         """Drop a departed worker's leases; chunks left with no live lease go back first."""
         self.live.pop(worker, None)
         requeued = []
@@ -349,7 +374,8 @@ class StepJobs:
                 del self.leases[chunk]
                 if self._put_back(chunk, first=True):
                     requeued.append(chunk)
-        self.requeued["disconnect"] += len(requeued)
+        if reason == "disconnect":  # drop_worker counts its own
+            self.requeued[reason] += len(requeued)
         return requeued
 
     def _put_back(self, chunk: int, first: bool = False) -> bool:
@@ -358,7 +384,7 @@ class StepJobs:
         if chunk in self.results or chunk in self.queue or chunk in self.checks:
             return False
         if self.votes.get(chunk):
-            self.checks.append(chunk)
+            self._add_check(chunk)
         elif first:
             self.queue.appendleft(chunk)
         else:
@@ -382,8 +408,10 @@ class StepJobs:
         return requeued
 
     def next_deadline(self) -> float | None:
-        """When `expire` could next have something to do."""
+        """When `expire` (or `waive`) could next have something to do."""
         live = [x.deadline for held in self.leases.values() for x in held if not x.expired]
+        wait = self.timer.timeout_s()
+        live += [t + wait for c, t in self.check_since.items() if len(self.votes.get(c, ())) == 1]
         return min(live, default=None)
 
     def step_fitness(self) -> bytes:

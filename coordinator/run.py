@@ -16,12 +16,10 @@ shell, off its loop.
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
 - Handshake: HELLO's protocol version, then the AUTH MAC, then the data digest: the one the
-  operator gave (--data-dir, --data-digest), else the one two workers agree on (by the
-  digests' quorum rule; until then
+  operator gave (--data-dir, --data-digest), else the one two workers agree on (until then
   every worker is admitted and none can settle it alone); WELCOME carries the run id,
   config, open step S, snapshot step.
-- Digests (quorum): a step's replica digest is agreed when two workers at distinct addresses
-  report it (two connections where every worker shares one address);
+- Digests (quorum): a step's replica digest is agreed when two distinct workers report it;
   only agreed digests are stored. A report that differs from the agreed digest is that
   worker's divergence (DIVERGED), never the run's. With one worker in the run, its report
   is agreed by the snapshot it uploads, whose digest the coordinator recomputes.
@@ -33,12 +31,12 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   (else the worker is refused); the first valid result of a chunk settles it, except for
   checks (jobs.py): a share of each step's chunks drawn at random (--verify-fraction),
   every result from an address where a worker was outvoted, and chunks whose results
-  differ wait for an equal result from another worker (at another address where one is
-  connected); a worker whose result loses a vote is refused with DIVERGED at its next
+  differ wait for an equal result from another group (an address once the run has had two:
+  `_group`); a worker whose result loses a vote is refused with DIVERGED at its next
   message (its replica may be what is wrong) and its results of the step are dropped. A
-  check no connected worker can make is waived. When the last chunk is settled, the step
-  is committed: log append + fsync, then STEP to everyone. An append that fails raises
-  `Fatal`: the coordinator stops.
+  check no connected worker can make, or that nobody took for as long as a lease lasts, is
+  waived. When the last chunk is settled, the step is committed: log append + fsync, then
+  STEP to everyone. An append that fails raises `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
@@ -329,6 +327,8 @@ class RunCore:
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self.suspect_hosts: set[str] = set()  # where a worker was outvoted: every result checked
+        self.hosts: set[str] = set()  # of the workers leased chunks in this run
+        self.multi_host = False  # votes are counted per address from the second one on
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
         # to compare, so no checks; every other run's is a pure function of the replica.
@@ -388,7 +388,8 @@ class RunCore:
             return []
         out: list[Output] = []
         if peer.ready or peer.replica_step is not None:
-            out.append(Left(peer.name, self.ready_count()))
+            namesakes = sum(1 for p in self.peers.values() if p.ready and p.name == peer.name)
+            out.append(Left(peer.name, self.ready_count(), namesakes))
         self.snapshot.retry(peer_id)  # another worker is asked
         if self.sample.drop(peer_id) is not None:
             self.sample.step = self.step  # another worker writes it
@@ -413,10 +414,12 @@ class RunCore:
             seconds = round(now - (self.jobs.first_lease or now))
             out.append(Progress(self.step + 1, len(self.jobs.results), self.jobs.chunks, seconds))
         requeued = self.jobs.expire()
-        if not requeued:
-            return out
-        out.append(Requeued("deadline", tuple(requeued), self.step))
-        return out + self._push_jobs()
+        if requeued:
+            out.append(Requeued("deadline", tuple(requeued), self.step))
+        waived = self._waive()  # checks nobody took in time, or whose checker hangs
+        if requeued or waived:
+            out += waived + self._push_jobs()
+        return out + self._commit() if waived and self.jobs.complete else out
 
     def next_deadline(self) -> float | None:
         """When `expire` could next have something to do."""
@@ -512,7 +515,7 @@ class RunCore:
             return []
         voters = self.data_votes.setdefault(mine, set())
         voters.add(peer.id)
-        if not self._quorum(voters):
+        if len(voters) < 2:
             return []
         self.store.set_data_digest(mine)
         self.data_votes.clear()
@@ -539,21 +542,12 @@ class RunCore:
         _forget(votes, peer.id)
         voters = votes.setdefault(digest, set())
         voters.add(peer.id)
-        if self._quorum(voters):
+        if len(voters) >= 2:
             self._agree(step, digest)
         elif len(votes) > 1 and step not in self.disagreed:  # once a step, late reports too
             self.disagreed.add(step)
             return [DigestsDisagree(step, len(votes))]
         return []
-
-    def _quorum(self, voters: set[int]) -> bool:
-        """Whether these workers settle a digest: two at distinct addresses, or two
-        connections where every worker of the run shares one address (one host), so that
-        one machine's connections cannot outvote the others'."""
-        hosts = {self.peers[v].host for v in voters if v in self.peers}
-        if len(hosts) >= 2:
-            return True
-        return len(voters) >= 2 and all(p.host in hosts for p in self.peers.values() if p.ready)
 
     def _agree(self, step: int, digest: int) -> None:
         self.store.record_digest(step, digest)
@@ -605,21 +599,20 @@ class RunCore:
         workers = sum(1 for p in self.peers.values() if p.ready)
         return max(1, min(asked, -(-self.cfg.chunks // max(workers, 1))))
 
-    def _lease_to(self, peer: Peer, want: int = 1) -> list[Output]:
+    def _lease_to(self, peer: Peer, want: int = 1, pushed: bool = False) -> list[Output]:
         """Up to `want` chunks to `peer`, within its share of live leases (a worker that asks
-        again while it holds them gets no more)."""
+        again while it holds them gets no more); WAIT if none, unless `pushed` (unasked: a
+        waiting worker's retry time stands)."""
         want = min(want, self._share(MAX_CHUNKS_PER_REQUEST) - self.jobs.live[peer.id])
         chunks: list[int] = []
         while len(chunks) < want:  # a backup copy only as the first (and then only) chunk
-            chunk = self.jobs.lease(
-                peer.id, queued_only=bool(chunks), may_check=lambda c: self._may_check(peer, c)
-            )
+            chunk = self.jobs.lease(peer.id, queued_only=bool(chunks), group=self._group(peer))
             if chunk is None:
                 break
             chunks.append(chunk)
         if not chunks:
             peer.waiting = True
-            return [Send(peer.id, Wait(WAIT_MS))]
+            return [] if pushed else [Send(peer.id, Wait(WAIT_MS))]
         peer.waiting = False
         out: list[Output] = []
         for i, chunk in enumerate(chunks):
@@ -636,48 +629,47 @@ class RunCore:
             if not self.jobs.queue and not self.jobs.checks:
                 break
             if peer.waiting and peer.ready and not peer.outvoted and peer.replica_step == self.step:
-                out += self._lease_to(peer)
+                out += self._lease_to(peer, pushed=True)
         return out
 
-    def _may_check(self, peer: Peer, chunk: int) -> bool:
-        """Whether `peer` should make the check of `chunk`: a worker at another address than
-        those with a result or lease for it, or any other worker where none is connected."""
-        voters = self.jobs.voters(chunk)
-        if peer.id in voters or peer.outvoted:
-            return False
-        hosts = {self.peers[v].host for v in voters if v in self.peers}
-        if peer.host not in hosts:
-            return True
-        return not any(
-            p.ready and not p.outvoted and p.host not in hosts for p in self.peers.values()
-        )
+    def _group(self, peer: Peer) -> tuple[str, ...]:
+        """Whose vote `peer` casts on a chunk: its address's, once the run has had workers
+        at two addresses (a machine's connections never confirm each other); before
+        that, each connection its own. The address comes first."""
+        if peer.host not in self.hosts:
+            self.hosts.add(peer.host)
+            self.multi_host = len(self.hosts) > 1
+        return (peer.host,) if self.multi_host else (peer.host, str(peer.id))
 
     def _waive(self) -> list[Output]:
-        """Settle the checks no connected worker can make (the run's only worker)."""
+        """Settle the checks no connected worker can make (the run's only worker, or the
+        others voted or hold the chunk's leases), and those nobody took for as long as a
+        lease lasts (the others hung, or too slow to wait for)."""
         if not self.jobs.checks:
             return []
-        ready = [p for p in self.peers.values() if p.ready]
-        waived = self.jobs.waive(lambda c: any(self._may_check(p, c) for p in ready))
+        groups = {self._group(p) for p in self.peers.values() if p.ready and not p.outvoted}
+        waived = self.jobs.waive(lambda chunk: bool(groups - self.jobs.voters(chunk)))
         return [ChunkChecked("waived", self.step, tuple(waived))] if waived else []
 
     def _convict(self) -> list[Output]:
         """Workers whose results lost a vote: dropped with their results of the step, their
         address checked from now on, refused at their next message."""
         out: list[Output] = []
-        for worker, chunk in self.jobs.take_outvoted():
-            requeued = self.jobs.drop_worker(worker)
-            if requeued:
-                out.append(Requeued("outvoted", tuple(requeued), self.step))
-            peer = self.peers.get(worker)
-            if peer is None or peer.outvoted:
-                continue
-            self.suspect_hosts.add(peer.host)
-            peer.outvoted = (
-                f"its fitness for chunk {chunk} of step {self.step} lost a vote to other "
-                "workers': resync"
-            )
-            peer.waiting = False
-            out.append(Outvoted(peer.name, peer.address, self.step, chunk))
+        while taken := self.jobs.take_outvoted():  # dropping votes may settle more chunks
+            for worker, chunk in taken:
+                requeued = self.jobs.drop_worker(worker)
+                if requeued:
+                    out.append(Requeued("outvoted", tuple(requeued), self.step))
+                self.suspect_hosts.add(self.jobs.group_of[worker][0])  # it may have left
+                peer = self.peers.get(worker)
+                if peer is None or peer.outvoted:
+                    continue
+                peer.outvoted = (
+                    f"its fitness for chunk {chunk} of step {self.step} lost a vote to other "
+                    "workers': resync"
+                )
+                peer.waiting = False
+                out.append(Outvoted(peer.name, peer.address, self.step, chunk))
         return out
 
     def _on_result(self, peer: Peer, msg: Result) -> list[Output]:

@@ -183,7 +183,8 @@ def record(
             )
         case events.Left():
             log.info("worker left", worker=event.worker, workers=event.workers)
-            metrics.worker_left(event.worker)
+            if not event.namesakes:  # a reconnected worker's new session keeps its series
+                metrics.worker_left(event.worker)
         case events.Rejected():
             metrics.protocol_errors.labels(event.code.name).inc()
             log.warning(

@@ -17,7 +17,7 @@ import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
 from eggroll_dist.coordinator import run as run_module
-from eggroll_dist.coordinator.events import ChunkAccepted, Outvoted
+from eggroll_dist.coordinator.events import ChunkAccepted, Leased, Outvoted
 from eggroll_dist.coordinator.metrics import CHECK_RESULTS
 from eggroll_dist.coordinator.run import (
     Refused,
@@ -976,6 +976,26 @@ def test_the_only_worker_has_its_checks_waived(store4: RunStore, dataset: Datase
     assert checks(net) == {"agreed": 0, "disputed": 0, "waived": 4 * 2}
 
 
+def test_a_hung_worker_holds_up_no_check(store4: RunStore, dataset: Dataset) -> None:
+    """Every chunk checked, two workers: one hangs on its chunks (still connected). Past
+    their deadline the other scores them, and the checks only the hung one could make are
+    waived: the step is committed."""
+    net = Network(store4, dataset, verify_fraction=1.0, chunk_timeout_s=30.0)
+    net.join("a", host="10.0.0.1")
+    hung = net.join("b", host="10.0.0.2")
+    hung.hold_jobs = True
+    net.run()  # both through the handshake, each holding chunks of step 0
+    net.stop_at = 100  # a's run from now on
+    net.run()
+    assert store4.steps == 0  # a's results wait for b's checks
+    net.advance(31.0)  # b's leases expire: a scores its chunks, and b (late) checks nothing
+    assert store4.steps == 1
+    net.run()
+    assert store4.steps == 1  # b never asks again: a's checks wait as long as a lease
+    net.advance(31.0)
+    assert store4.steps == 2 and checks(net) == {"agreed": 0, "disputed": 0, "waived": 8}
+
+
 def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
     store4: RunStore, dataset: Dataset, tmp_path: Path
 ) -> None:
@@ -998,6 +1018,33 @@ def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
     assert net.core.suspect_hosts == {"10.0.0.9"}
 
 
+def test_a_machine_cannot_confirm_its_own_result_by_coming_back(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """A liar's results wait for checks; it leaves and comes back from the same address
+    under another name: it gets none of those checks (its address has voted), the honest
+    workers outvote it, and its address is checked from then on."""
+    net = Network(store4, dataset, verify_fraction=1.0)
+    a, b = net.join("a", host="10.0.0.1"), net.join("b", host="10.0.0.2")
+    a.hold_jobs = b.hold_jobs = True
+    liar = net.join("liar", host="10.0.0.9", replica=Liar(sync_replica(dataset)))
+    net.stop_at = 100
+    net.run()
+    voted = {c for c, votes in net.core.jobs.votes.items() if votes}
+    assert voted and store4.steps == 0
+    net.disconnect(liar)
+    again = net.join("again", host="10.0.0.9", replica=Liar(sync_replica(dataset)))
+    net.run()
+    leased = {e.chunk for e in net.events if isinstance(e, Leased) and e.worker == "again"}
+    assert not leased & voted
+    a.finish_held()
+    b.finish_held()
+    net.train(2)
+    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
+    assert again.alive or ("again", ErrorCode.DIVERGED) in net.refused
+
+
 def test_every_result_from_an_outvoted_address_is_checked(
     store4: RunStore, dataset: Dataset, tmp_path: Path
 ) -> None:
@@ -1012,25 +1059,6 @@ def test_every_result_from_an_outvoted_address_is_checked(
     settled_by = {e.worker for e in net.events if isinstance(e, ChunkAccepted)}
     assert settled_by == {"a"} and checks(net)["agreed"] >= 1
     assert fitness_log(store4) == plain_run(tmp_path, dataset, 2)
-
-
-def test_digests_need_two_addresses_where_there_are_two(store: RunStore, dataset: Dataset) -> None:
-    """Two connections from one machine settle neither the data digest nor a replica
-    digest while a worker elsewhere is connected; one machine alone settles both."""
-    core = Network(store, dataset).core
-    one, two, far = (core.connect(a) for a in ("10.0.0.1:1", "10.0.0.1:2", "10.0.0.2:1"))
-    core.peers[far].ready = True
-    truth = digest_at(store.path, 0)
-    for peer in (one, two):
-        core.peers[peer].ready = True
-        core.receive(peer, JobRequest(0, truth ^ 0xDEAD, 0))
-    assert 0 not in store.digests  # one machine's two voices
-    core.receive(far, JobRequest(0, truth, 0))
-    assert 0 not in store.digests
-    core.peer_left(far)
-    core.receive(one, JobRequest(0, truth, 0))  # only 10.0.0.1 now: its connections count
-    core.receive(two, JobRequest(0, truth, 0))
-    assert store.digests[0] == truth
 
 
 def test_results_only_for_a_lease_and_with_a_possible_loss(

@@ -183,7 +183,7 @@ def test_a_checked_chunk_waits_for_an_equal_result_from_another_worker() -> None
     assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
     assert not jobs.complete and list(jobs.checks) == [0]
     assert jobs.lease("a") == 1  # not its own check: the queue
-    assert jobs.lease("b", may_check=lambda chunk: False) is None  # the caller says no
+    assert jobs.lease("a2", group="a") is None  # a's other connection: a's vote again
     assert jobs.lease("b") == 0  # a check before anything else
     assert _settle(jobs, "a", 1, 2) is Outcome.ACCEPTED  # unchecked: one result settles
     assert _settle(jobs, "b", 0, 1) is Outcome.ACCEPTED
@@ -241,10 +241,59 @@ def test_a_lone_result_settles_a_check_nobody_can_make_but_a_dispute_waits() -> 
 
 
 def test_a_run_whose_fitness_is_not_exact_compares_nothing() -> None:
-    jobs, _ = _jobs(chunks=1)
+    jobs, clock = _jobs(chunks=2, timer=ChunkTimer())
     jobs.exact = False
     jobs.lease("a")
-    jobs.holders[0].add("b")
+    jobs.lease("b")
+    clock.now += 1
+    assert _settle(jobs, "b", 1, 2) is Outcome.ACCEPTED
+    clock.now += 10
+    assert jobs.lease("c") == 0  # a backup
     assert _settle(jobs, "a", 0, 1) is Outcome.ACCEPTED
-    assert _settle(jobs, "b", 0, 2) is Outcome.COPY
+    assert _settle(jobs, "c", 0, 3) is Outcome.COPY
     assert jobs.results[0] == _fit(1) and jobs.take_outvoted() == []
+
+
+def test_a_group_votes_once_whatever_its_connections_say() -> None:
+    """Two connections of one machine (one group): the second cannot confirm the first,
+    nor reconnecting under a new name make a second vote."""
+    jobs, _ = _jobs(chunks=1)
+    jobs.verify.add(0)
+    assert jobs.lease("h1", group="h") == 0
+    assert _settle(jobs, "h1", 0, 9) is Outcome.VOTED
+    assert jobs.lease("h2", group="h") is None  # h has voted on the only chunk
+    jobs.holders[0].add("h2")  # were it leased anyway (as a backup before the vote)
+    jobs.group_of["h2"] = "h"
+    assert _settle(jobs, "h2", 0, 9) is Outcome.DUPLICATE and 0 not in jobs.results
+    assert jobs.lease("a", group="a") == 0
+    assert _settle(jobs, "a", 0, 1) is Outcome.DISPUTED  # one group against another
+    assert jobs.lease("b", group="b") == 0
+    assert _settle(jobs, "b", 0, 1) is Outcome.ACCEPTED
+    assert jobs.take_outvoted() == [("h1", 0)]
+
+
+def test_a_late_result_for_a_requeued_chunk_moves_it_to_the_checks() -> None:
+    """A lease expires, the chunk goes back to the queue, then its result comes: the chunk
+    leaves the queue for the checks (never in both), and its worker cannot take it again."""
+    jobs, clock = _jobs(chunks=1)
+    jobs.verify.add(0)
+    assert jobs.lease("a") == 0
+    clock.now += 31
+    assert jobs.expire() == [0] and list(jobs.queue) == [0]
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    assert list(jobs.queue) == [] and list(jobs.checks) == [0]
+    assert jobs.lease("a") is None
+    assert jobs.lease("b") == 0
+
+
+def test_a_hung_checker_leaves_a_check_nobody_else_can_make() -> None:
+    jobs, clock = _jobs(chunks=1)
+    jobs.verify.add(0)
+    jobs.lease("a")
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    assert jobs.lease("b") == 0
+    clock.now += 31
+    assert jobs.expire() == [0] and list(jobs.checks) == [0]
+    assert jobs.voters(0) == {"a", "b"}  # b holds an expired lease: it may still answer
+    assert jobs.waive(lambda chunk: bool({"a", "b"} - jobs.voters(chunk))) == [0]
+    assert jobs.complete

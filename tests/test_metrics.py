@@ -143,3 +143,19 @@ def test_a_reward_run_sets_its_reward_gauges_not_the_loss(registry: CollectorReg
     assert value("eggroll_valid_reward") == -0.5
     metrics.validated(Validation(4, 64, 70.0, 4.5, 64))  # a loss run's: no reward to show
     assert value("eggroll_valid_reward") == -0.5
+
+
+def test_a_workers_series_outlive_its_old_session_but_not_the_last(
+    store: RunStore, dataset: Dataset, registry: CollectorRegistry
+) -> None:
+    """A worker reconnects under its name while its old session lingers: the old one's
+    end keeps the series the new one feeds; the last one's end removes them."""
+    net = Network(store, dataset, metrics=Metrics(registry))
+    old, new = net.join("w", host="10.0.0.1"), net.join("w", host="10.0.0.2")
+    net.train(2)
+    series = "eggroll_worker_member_tokens_per_second"
+    assert registry.get_sample_value(series, {"worker": "w"}) is not None
+    net.disconnect(old)
+    assert registry.get_sample_value(series, {"worker": "w"}) is not None
+    net.disconnect(new)
+    assert registry.get_sample_value(series, {"worker": "w"}) is None
