@@ -117,7 +117,7 @@ class ChunkAccepted(Event):
 @dataclass(frozen=True)
 class ChunkChecked(Event):
     """Checks by a second worker: "agreed" (it confirmed the result), "disputed" (results
-    differ: further workers decide), "waived" (no other connected worker could check)."""
+    differ: further workers decide), "waived" (no other machine connected could check)."""
 
     result: str
     step: int

@@ -8,13 +8,14 @@ longest-running chunks.
 A chunk's result is settled by its first valid result, except where another worker must
 confirm it: chunks drawn for a check (`verify`), results from workers under suspicion, and
 chunks whose results differ. The fitness is a pure function of the replica at the step, so
-honest results are byte-identical. Votes are counted by `group` (the core's: a worker's
-address, where the run spans several), one per group and chunk, so one machine's
-connections cannot confirm each other. A result another group must confirm waits for an
-equal one (a check copy, leased before the queue to a group with no result or lease for
-that chunk); where results differ the chunk is disputed until one has the votes of two
-groups and more than any other; the workers whose results lost are `outvoted` (the core
-drops them and their votes). A check no connected group could make is waived (`waive`).
+honest results are byte-identical. Votes are counted by `group` (the core's, worked out
+when counted: a worker's address where the run spans several), one per group and chunk,
+so one machine's connections cannot confirm each other. A result another group must
+confirm waits for an equal one (a check copy, leased before the queue to a group with no
+result or lease for that chunk); where results differ the chunk is disputed until one has
+the votes of two groups and more than any other; the workers whose results lost are
+`outvoted` (the core drops them and their votes). The core decides which checks to waive
+(`waivable`, `waive`): a dispute never.
 Runs whose fitness is not bit-exact across devices (`exact=False`) settle on the first
 result and compare nothing.
 
@@ -120,6 +121,7 @@ class StepJobs:
         max_leases: int = MAX_CHUNKS_PER_REQUEST,
         verify: Iterable[int] = (),
         exact: bool = True,
+        group: Callable[[Hashable], Hashable] = lambda worker: worker,
     ) -> None:
         self.step = step
         self.chunks = chunks
@@ -128,11 +130,10 @@ class StepJobs:
         self.timer = timer
         self.queue: deque[int] = deque(range(chunks))  # no result and no live lease yet
         self.checks: deque[int] = deque()  # unsettled, with results: waiting for another
-        self.check_since: dict[int, float] = {}  # a check -> when it began to wait
         self.leases: dict[int, list[Lease]] = {}
         self.holders: dict[int, set[Hashable]] = {}  # chunk -> every worker ever leased it
         self.live: Counter[Hashable] = Counter()  # worker -> leases not done nor expired
-        self.group_of: dict[Hashable, Hashable] = {}  # worker -> whose votes it casts
+        self.group = group  # worker -> whose vote it casts
         self.loss_range = loss_range  # inclusive bounds of one chunk's loss sum
         self.max_leases = max_leases
         self.exact = exact
@@ -159,30 +160,29 @@ class StepJobs:
     def member_range(self, chunk: int) -> tuple[int, int]:
         return chunk * self.chunk_members, self.chunk_members
 
+    def voted(self, chunk: int) -> set[Hashable]:
+        """Groups with a result for `chunk`."""
+        return {self.group(w) for ws in self.votes.get(chunk, {}).values() for w in ws}
+
     def voters(self, chunk: int) -> set[Hashable]:
         """Groups with a result for `chunk` or a lease on it (live or not: a late worker
-        may still answer): none of them checks it."""
-        done = {self.group_of[w] for ws in self.votes.get(chunk, {}).values() for w in ws}
-        return done | {self.group_of[x.worker] for x in self.leases.get(chunk, ())}
+        may still answer): none of them is leased it again."""
+        return self.voted(chunk) | {self.group(x.worker) for x in self.leases.get(chunk, ())}
 
     def _groups(self, workers: list[Hashable]) -> int:
-        return len({self.group_of[w] for w in workers})
+        return len({self.group(w) for w in workers})
 
-    def lease(
-        self, worker: Hashable, queued_only: bool = False, group: Hashable = None
-    ) -> int | None:
-        """The chunk `worker` (voting for `group`, itself by default) should evaluate next,
-        or None when there is nothing to do (or the worker already holds `max_leases` live
-        leases): a check its group may make first, then the queue; `queued_only`: never a
-        backup copy of a chunk someone else holds."""
+    def lease(self, worker: Hashable, queued_only: bool = False) -> int | None:
+        """The chunk `worker` should evaluate next, or None when there is nothing to do (or
+        the worker already holds `max_leases` live leases): a check its group may make
+        first, then the queue; `queued_only`: never a backup copy of a chunk someone else
+        holds."""
         now = self.clock()
-        self.group_of[worker] = worker if group is None else group
         if self.live[worker] >= self.max_leases:
             return None
         for chunk in self.checks:
-            if self.group_of[worker] not in self.voters(chunk):
+            if self.group(worker) not in self.voters(chunk):
                 self.checks.remove(chunk)
-                self.check_since.pop(chunk, None)
                 return self._add_lease(chunk, worker, now)
         while self.queue:
             chunk = self.queue.popleft()
@@ -198,7 +198,7 @@ class StepJobs:
             for chunk, held in self.leases.items()
             if len(held) == 1
             and held[0].started <= slow
-            and self.group_of[worker] not in self.voters(chunk)
+            and self.group(worker) not in self.voters(chunk)
             and chunk not in self.results
         ]
         if not candidates:
@@ -237,10 +237,10 @@ class StepJobs:
             self.loss_range[0] <= loss_sum <= self.loss_range[1]
         ):
             return Outcome.BAD_LOSS
-        key, group = (fitness, loss_sum), self.group_of[worker]
+        key, group = (fitness, loss_sum), self.group(worker)
         self._lease_done(chunk, worker)
         votes = self.votes.setdefault(chunk, {})
-        said = next((k for k, ws in votes.items() if group in map(self.group_of.get, ws)), None)
+        said = next((k for k, ws in votes.items() if group in map(self.group, ws)), None)
         if said is not None:  # a group has one vote a chunk
             self._want_check(chunk)  # this worker's lease is over: another group checks it
             return Outcome.DUPLICATE if said == key else Outcome.MISMATCH
@@ -297,11 +297,7 @@ class StepJobs:
             return
         if chunk in self.queue:
             self.queue.remove(chunk)
-        self._add_check(chunk)
-
-    def _add_check(self, chunk: int) -> None:
         self.checks.append(chunk)
-        self.check_since.setdefault(chunk, self.clock())
 
     def _settle(self, chunk: int, key: Key) -> None:
         self.results[chunk], self.losses[chunk] = key
@@ -313,7 +309,6 @@ class StepJobs:
             self.queue.remove(chunk)
         if chunk in self.checks:
             self.checks.remove(chunk)
-        self.check_since.pop(chunk, None)
 
     def take_outvoted(self) -> list[tuple[Hashable, int]]:
         """The (worker, chunk) pairs outvoted since last asked."""
@@ -340,25 +335,18 @@ class StepJobs:
             elif chunk not in self.queue:
                 if chunk in self.checks:
                     self.checks.remove(chunk)
-                self.check_since.pop(chunk, None)
                 self.queue.appendleft(chunk)
         self.requeued["outvoted"] += len(set(requeued))
         return sorted(set(requeued))
 
-    def waive(self, can_check: Callable[[int], bool]) -> list[int]:
-        """Settle on their one result the checks no connected worker could make
-        (`can_check` says whether one could) and those nobody took for as long as a lease
-        lasts (the others hung, or too slow to wait for); a disputed chunk is never waived."""
-        now, wait = self.clock(), self.timer.timeout_s()
-        waived = [
-            chunk
-            for chunk in self.checks
-            if len(self.votes[chunk]) == 1
-            and (now - self.check_since[chunk] >= wait or not can_check(chunk))
-        ]
-        for chunk in waived:
+    def waivable(self) -> list[int]:
+        """Checks that may be waived: those with one result (a dispute never is)."""
+        return [chunk for chunk in self.checks if len(self.votes[chunk]) == 1]
+
+    def waive(self, chunks: Iterable[int]) -> None:
+        """Settle these checks on their one result."""
+        for chunk in list(chunks):
             self._settle(chunk, next(iter(self.votes[chunk])))
-        return waived
 
     def release_worker(self, worker: Hashable, reason: str = "disconnect") -> list[int]:
         """Drop a departed worker's leases; chunks left with no live lease go back first."""
@@ -384,7 +372,7 @@ class StepJobs:
         if chunk in self.results or chunk in self.queue or chunk in self.checks:
             return False
         if self.votes.get(chunk):
-            self._add_check(chunk)
+            self.checks.append(chunk)
         elif first:
             self.queue.appendleft(chunk)
         else:
@@ -408,10 +396,8 @@ class StepJobs:
         return requeued
 
     def next_deadline(self) -> float | None:
-        """When `expire` (or `waive`) could next have something to do."""
+        """When `expire` could next have something to do."""
         live = [x.deadline for held in self.leases.values() for x in held if not x.expired]
-        wait = self.timer.timeout_s()
-        live += [t + wait for c, t in self.check_since.items() if len(self.votes.get(c, ())) == 1]
         return min(live, default=None)
 
     def step_fitness(self) -> bytes:

@@ -16,10 +16,11 @@ shell, off its loop.
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
 - Handshake: HELLO's protocol version, then the AUTH MAC, then the data digest: the one the
-  operator gave (--data-dir, --data-digest), else the one two workers agree on (until then
+  operator gave (--data-dir, --data-digest), else the one two groups agree on (until then
   every worker is admitted and none can settle it alone); WELCOME carries the run id,
   config, open step S, snapshot step.
-- Digests (quorum): a step's replica digest is agreed when two distinct workers report it;
+- Digests (quorum): a step's replica digest is agreed when two groups report it (`_group`:
+  two addresses once workers at two have joined, else two connections);
   only agreed digests are stored. A report that differs from the agreed digest is that
   worker's divergence (DIVERGED), never the run's. With one worker in the run, its report
   is agreed by the snapshot it uploads, whose digest the coordinator recomputes.
@@ -31,12 +32,12 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   (else the worker is refused); the first valid result of a chunk settles it, except for
   checks (jobs.py): a share of each step's chunks drawn at random (--verify-fraction),
   every result from an address where a worker was outvoted, and chunks whose results
-  differ wait for an equal result from another group (an address once the run has had two:
-  `_group`); a worker whose result loses a vote is refused with DIVERGED at its next
+  differ wait for an equal result from another group (an address once workers at two have
+  joined: `_group`); a worker whose result loses a vote is refused with DIVERGED at its next
   message (its replica may be what is wrong) and its results of the step are dropped. A
-  check no connected worker can make, or that nobody took for as long as a lease lasts, is
-  waived. When the last chunk is settled, the step is committed: log append + fsync, then
-  STEP to everyone. An append that fails raises `Fatal`: the coordinator stops.
+  check is waived only when every connected group has voted on it. When the last chunk is
+  settled, the step is committed: log append + fsync, then STEP to everyone. An append that
+  fails raises `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
@@ -327,8 +328,9 @@ class RunCore:
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self.suspect_hosts: set[str] = set()  # where a worker was outvoted: every result checked
-        self.hosts: set[str] = set()  # of the workers leased chunks in this run
+        self.hosts: set[str] = set()  # of the workers that passed AUTH in this process
         self.multi_host = False  # votes are counted per address from the second one on
+        self.departed: dict[int, str] = {}  # the address of each worker gone in this step
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
         # to compare, so no checks; every other run's is a pure function of the replica.
@@ -386,6 +388,8 @@ class RunCore:
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
+        if any(peer_id in held for held in self.jobs.holders.values()):
+            self.departed[peer_id] = peer.host  # its votes of the step still count as its
         out: list[Output] = []
         if peer.ready or peer.replica_step is not None:
             namesakes = sum(1 for p in self.peers.values() if p.ready and p.name == peer.name)
@@ -414,12 +418,10 @@ class RunCore:
             seconds = round(now - (self.jobs.first_lease or now))
             out.append(Progress(self.step + 1, len(self.jobs.results), self.jobs.chunks, seconds))
         requeued = self.jobs.expire()
-        if requeued:
-            out.append(Requeued("deadline", tuple(requeued), self.step))
-        waived = self._waive()  # checks nobody took in time, or whose checker hangs
-        if requeued or waived:
-            out += waived + self._push_jobs()
-        return out + self._commit() if waived and self.jobs.complete else out
+        if not requeued:
+            return out
+        out.append(Requeued("deadline", tuple(requeued), self.step))
+        return out + self._push_jobs()
 
     def next_deadline(self) -> float | None:
         """When `expire` could next have something to do."""
@@ -487,6 +489,8 @@ class RunCore:
                 ErrorCode.AUTH_FAILED,
                 "wrong token: give the coordinator's token (--token-file or EGGROLL_TOKEN)",
             )
+        self.hosts.add(peer.host)  # holding the token: its address counts for the groups
+        self.multi_host = len(self.hosts) > 1
         out: list[Output] = list(self._check_data_digest(peer))
         snapshot = self.store.latest_snapshot
         welcome = Welcome(
@@ -515,7 +519,7 @@ class RunCore:
             return []
         voters = self.data_votes.setdefault(mine, set())
         voters.add(peer.id)
-        if len(voters) < 2:
+        if len({self._group(v) for v in voters}) < 2:
             return []
         self.store.set_data_digest(mine)
         self.data_votes.clear()
@@ -542,7 +546,7 @@ class RunCore:
         _forget(votes, peer.id)
         voters = votes.setdefault(digest, set())
         voters.add(peer.id)
-        if len(voters) >= 2:
+        if len({self._group(v) for v in voters}) >= 2:
             self._agree(step, digest)
         elif len(votes) > 1 and step not in self.disagreed:  # once a step, late reports too
             self.disagreed.add(step)
@@ -606,7 +610,7 @@ class RunCore:
         want = min(want, self._share(MAX_CHUNKS_PER_REQUEST) - self.jobs.live[peer.id])
         chunks: list[int] = []
         while len(chunks) < want:  # a backup copy only as the first (and then only) chunk
-            chunk = self.jobs.lease(peer.id, queued_only=bool(chunks), group=self._group(peer))
+            chunk = self.jobs.lease(peer.id, queued_only=bool(chunks))
             if chunk is None:
                 break
             chunks.append(chunk)
@@ -632,23 +636,28 @@ class RunCore:
                 out += self._lease_to(peer, pushed=True)
         return out
 
-    def _group(self, peer: Peer) -> tuple[str, ...]:
-        """Whose vote `peer` casts on a chunk: its address's, once the run has had workers
-        at two addresses (a machine's connections never confirm each other); before
-        that, each connection its own. The address comes first."""
-        if peer.host not in self.hosts:
-            self.hosts.add(peer.host)
-            self.multi_host = len(self.hosts) > 1
-        return (peer.host,) if self.multi_host else (peer.host, str(peer.id))
+    def _host(self, worker: int) -> str:
+        peer = self.peers.get(worker)
+        return peer.host if peer is not None else self.departed[worker]
+
+    def _group(self, worker: int) -> tuple[str, ...]:
+        """Whose vote a worker casts (on a chunk, a digest): its address's, once workers at
+        two addresses have joined (a machine's connections never confirm each other, nor
+        one that comes back); before that, each connection its own. Worked out when the
+        votes are counted, so every vote of a step counts the same way."""
+        host = self._host(worker)
+        return (host,) if self.multi_host else (host, str(worker))
 
     def _waive(self) -> list[Output]:
-        """Settle the checks no connected worker can make (the run's only worker, or the
-        others voted or hold the chunk's leases), and those nobody took for as long as a
-        lease lasts (the others hung, or too slow to wait for)."""
+        """Settle on its one result a check that no connected worker could make: every
+        connected group has voted on it (the run's only machine). A checker that is slow,
+        even past its lease's deadline, is waited for: being slow says nothing of whether
+        another worker lies, and a liar could make honest leases expire early."""
         if not self.jobs.checks:
             return []
-        groups = {self._group(p) for p in self.peers.values() if p.ready and not p.outvoted}
-        waived = self.jobs.waive(lambda chunk: bool(groups - self.jobs.voters(chunk)))
+        groups = {self._group(p.id) for p in self.peers.values() if p.ready and not p.outvoted}
+        waived = [c for c in self.jobs.waivable() if groups <= self.jobs.voted(c)]
+        self.jobs.waive(waived)
         return [ChunkChecked("waived", self.step, tuple(waived))] if waived else []
 
     def _convict(self) -> list[Output]:
@@ -660,7 +669,7 @@ class RunCore:
                 requeued = self.jobs.drop_worker(worker)
                 if requeued:
                     out.append(Requeued("outvoted", tuple(requeued), self.step))
-                self.suspect_hosts.add(self.jobs.group_of[worker][0])  # it may have left
+                self.suspect_hosts.add(self._host(worker))  # it may have left
                 peer = self.peers.get(worker)
                 if peer is None or peer.outvoted:
                     continue
@@ -744,6 +753,7 @@ class RunCore:
                 peer.job_started.clear()
                 out.append(Send(peer.id, message))
         self.jobs = self._open_step(self.step)
+        self.departed.clear()
         for old in [s for s in self.tallies if s < self.step - DIGEST_WINDOW]:
             del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
         self.disagreed = {s for s in self.disagreed if s >= self.step - DIGEST_WINDOW}
@@ -778,6 +788,7 @@ class RunCore:
             loss_range=self.loss_range,
             verify=[c for c in range(self.cfg.chunks) if self._draw.random() < share],
             exact=self.exact,
+            group=self._group,
         )
 
     def _committed(self, step: int, jobs: StepJobs) -> Committed:

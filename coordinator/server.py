@@ -140,7 +140,7 @@ def record(
                     hint="further workers score the chunk; the result with the most votes wins",
                 )
             elif event.result == "waived":
-                log.info("check waived", step=event.step, chunks=event.chunks, reason="one worker")
+                log.info("checks waived", step=event.step, chunks=event.chunks)
         case events.Outvoted():
             metrics.workers_outvoted.inc()
             log.error(
