@@ -165,9 +165,14 @@ class StepJobs:
         return {self.group(w) for ws in self.votes.get(chunk, {}).values() for w in ws}
 
     def voters(self, chunk: int) -> set[Hashable]:
-        """Groups with a result for `chunk` or a lease on it (live or not: a late worker
-        may still answer): none of them is leased it again."""
-        return self.voted(chunk) | {self.group(x.worker) for x in self.leases.get(chunk, ())}
+        """Groups with a result for `chunk` or a live lease on it: none of them is leased
+        it again (past its deadline a lease's worker may have dropped it: it may retry)."""
+        live = {self.group(x.worker) for x in self.leases.get(chunk, ()) if not x.expired}
+        return self.voted(chunk) | live
+
+    def workers(self) -> set[Hashable]:
+        """Every worker leased a chunk of the step."""
+        return set().union(*self.holders.values())
 
     def _groups(self, workers: list[Hashable]) -> int:
         return len({self.group(w) for w in workers})

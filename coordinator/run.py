@@ -20,7 +20,7 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   every worker is admitted and none can settle it alone); WELCOME carries the run id,
   config, open step S, snapshot step.
 - Digests (quorum): a step's replica digest is agreed when two groups report it (`_group`:
-  two addresses once workers at two have joined, else two connections);
+  two addresses while workers at two are connected, else two connections);
   only agreed digests are stored. A report that differs from the agreed digest is that
   worker's divergence (DIVERGED), never the run's. With one worker in the run, its report
   is agreed by the snapshot it uploads, whose digest the coordinator recomputes.
@@ -32,9 +32,10 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   (else the worker is refused); the first valid result of a chunk settles it, except for
   checks (jobs.py): a share of each step's chunks drawn at random (--verify-fraction),
   every result from an address where a worker was outvoted, and chunks whose results
-  differ wait for an equal result from another group (an address once workers at two have
-  joined: `_group`); a worker whose result loses a vote is refused with DIVERGED at its next
-  message (its replica may be what is wrong) and its results of the step are dropped. A
+  differ wait for an equal result from another group (an address while workers at two are
+  connected: `_group`); a group whose result loses a vote has its votes of the step dropped,
+  and its workers are refused with DIVERGED at their next message (a replica may be what is
+  wrong). A
   check is waived only when every connected group has voted on it. When the last chunk is
   settled, the step is committed: log append + fsync, then STEP to everyone. An append that
   fails raises `Fatal`: the coordinator stops.
@@ -68,6 +69,7 @@ import math
 import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -328,8 +330,7 @@ class RunCore:
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self.suspect_hosts: set[str] = set()  # where a worker was outvoted: every result checked
-        self.hosts: set[str] = set()  # of the workers that passed AUTH in this process
-        self.multi_host = False  # votes are counted per address from the second one on
+        self.ready_hosts: Counter[str] = Counter()  # connected workers per address
         self.departed: dict[int, str] = {}  # the address of each worker gone in this step
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
@@ -388,7 +389,10 @@ class RunCore:
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
-        if any(peer_id in held for held in self.jobs.holders.values()):
+        if peer.ready:
+            self.ready_hosts[peer.host] -= 1
+            self.ready_hosts += Counter()  # drop the addresses left with none
+        if peer_id in self.jobs.workers():
             self.departed[peer_id] = peer.host  # its votes of the step still count as its
         out: list[Output] = []
         if peer.ready or peer.replica_step is not None:
@@ -489,8 +493,6 @@ class RunCore:
                 ErrorCode.AUTH_FAILED,
                 "wrong token: give the coordinator's token (--token-file or EGGROLL_TOKEN)",
             )
-        self.hosts.add(peer.host)  # holding the token: its address counts for the groups
-        self.multi_host = len(self.hosts) > 1
         out: list[Output] = list(self._check_data_digest(peer))
         snapshot = self.store.latest_snapshot
         welcome = Welcome(
@@ -501,6 +503,7 @@ class RunCore:
             self.cfg.pairs,
         )
         peer.ready = True
+        self.ready_hosts[peer.host] += 1
         peer.broadcast_from = self.step
         out.append(Joined(peer.name, peer.address, self.ready_count()))
         return [*out, Send(peer.id, welcome)]
@@ -641,12 +644,12 @@ class RunCore:
         return peer.host if peer is not None else self.departed[worker]
 
     def _group(self, worker: int) -> tuple[str, ...]:
-        """Whose vote a worker casts (on a chunk, a digest): its address's, once workers at
-        two addresses have joined (a machine's connections never confirm each other, nor
-        one that comes back); before that, each connection its own. Worked out when the
-        votes are counted, so every vote of a step counts the same way."""
+        """Whose vote a worker casts (on a chunk, a digest): its address's while workers at
+        two addresses are connected (a machine's connections never confirm each other, nor
+        one that comes back), else each connection its own (a run on one machine). Worked
+        out when the votes are counted, so all of them count the same way."""
         host = self._host(worker)
-        return (host,) if self.multi_host else (host, str(worker))
+        return (host,) if len(self.ready_hosts) > 1 else (host, str(worker))
 
     def _waive(self) -> list[Output]:
         """Settle on its one result a check that no connected worker could make: every
@@ -665,20 +668,23 @@ class RunCore:
         address checked from now on, refused at their next message."""
         out: list[Output] = []
         while taken := self.jobs.take_outvoted():  # dropping votes may settle more chunks
-            for worker, chunk in taken:
-                requeued = self.jobs.drop_worker(worker)
-                if requeued:
-                    out.append(Requeued("outvoted", tuple(requeued), self.step))
-                self.suspect_hosts.add(self._host(worker))  # it may have left
-                peer = self.peers.get(worker)
-                if peer is None or peer.outvoted:
-                    continue
-                peer.outvoted = (
-                    f"its fitness for chunk {chunk} of step {self.step} lost a vote to other "
-                    "workers': resync"
-                )
-                peer.waiting = False
-                out.append(Outvoted(peer.name, peer.address, self.step, chunk))
+            for loser, chunk in taken:
+                # Its group's votes go too: its machine's other connections, gone or not.
+                group = self._group(loser)
+                for worker in sorted(w for w in self.jobs.workers() if self._group(w) == group):
+                    requeued = self.jobs.drop_worker(worker)
+                    if requeued:
+                        out.append(Requeued("outvoted", tuple(requeued), self.step))
+                    self.suspect_hosts.add(self._host(worker))
+                    peer = self.peers.get(worker)
+                    if peer is None or peer.outvoted:
+                        continue
+                    peer.outvoted = (
+                        f"fitness for chunk {chunk} of step {self.step} from its address lost "
+                        "a vote to other workers': resync"
+                    )
+                    peer.waiting = False
+                    out.append(Outvoted(peer.name, peer.address, self.step, chunk))
         return out
 
     def _on_result(self, peer: Peer, msg: Result) -> list[Output]:

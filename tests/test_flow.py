@@ -1069,6 +1069,42 @@ def test_a_machine_that_came_first_still_votes_once(
     assert net.core.suspect_hosts == {"10.0.0.9"}
 
 
+def test_an_outvoted_machines_other_connections_lose_their_votes_too(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """Two connections of one machine make up their fitness; only one of its chunks is
+    drawn for a check, so the other's lie settles alone. The checked one is outvoted, and
+    with it every vote its machine cast in the step: the step is the honest one."""
+    net = Network(store4, dataset)
+    h, k = (net.join(n, host="10.0.0.9", replica=Liar(sync_replica(dataset))) for n in "hk")
+    a, b = net.join("a", host="10.0.0.1"), net.join("b", host="10.0.0.2")
+    for w in (h, k, a, b):
+        w.hold_jobs = True
+    net.run()  # one chunk each
+    (checked,) = (e.chunk for e in net.events if isinstance(e, Leased) and e.worker == "h")
+    net.core.jobs.verify = {checked}
+    net.stop_at = 100
+    for w in (k, h, a, b):  # k's lie settles its chunk alone; h's waits for a check
+        w.finish_held()
+        net.run()
+    net.train(1)
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
+    assert {e.worker for e in net.events if isinstance(e, Outvoted)} == {"h", "k"}
+
+
+def test_a_machine_left_alone_agrees_its_digests_again(store: RunStore, dataset: Dataset) -> None:
+    """A worker on a second machine joins and leaves: the first machine's two connections
+    count apart again, so their digests are agreed and snapshots go on."""
+    net = Network(store, dataset)
+    net.join("a1", host="10.0.0.1")
+    net.join("a2", host="10.0.0.1")
+    visitor = net.join("cpu", host="10.0.0.2")
+    net.train(1)
+    net.disconnect(visitor)
+    net.train(2)
+    assert store.steps in store.digests
+
+
 def test_every_result_from_an_outvoted_address_is_checked(
     store4: RunStore, dataset: Dataset, tmp_path: Path
 ) -> None:

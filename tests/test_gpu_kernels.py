@@ -745,7 +745,7 @@ def test_launch_checks_dtypes_and_contiguity(k: Kernels) -> None:
 
 
 @pytest.mark.skipif(ON_GPU or SANITIZE, reason="runs the sanitizer build of the CPU kernels")
-def test_kernels_under_the_undefined_behaviour_sanitizer() -> None:
+def test_kernels_under_the_undefined_behaviour_sanitizer(tmp_path: Path) -> None:
     """These tests and the whole-backend ones, kernels built with -fsanitize=undefined (any
     report aborts the run): every kernel in one thread order (the others only reorder the
     same operations), and the held-out passes."""
@@ -755,7 +755,9 @@ def test_kernels_under_the_undefined_behaviour_sanitizer() -> None:
         __file__,
         *(str(here.with_name(f)) for f in ("test_former_kernels.py", "test_cupy_backend.py")),
     ]
-    select = ["-k", "ascending or several_passes"]
+    # its own temporary root: a second session under the default one would prune this
+    # session's directories (pytest keeps the newest three)
+    select = ["-k", "ascending or several_passes", "--basetemp", str(tmp_path / "nested")]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests, *select],
         env=env,

@@ -286,3 +286,17 @@ def test_a_late_result_for_a_requeued_chunk_moves_it_to_the_checks() -> None:
     assert list(jobs.queue) == [] and list(jobs.checks) == [0]
     assert jobs.lease("a") is None
     assert jobs.lease("b") == 0
+
+
+def test_a_check_whose_lease_expired_may_be_leased_again_to_the_same_worker() -> None:
+    """The checker dropped its copy (a failed reward, say) and asks again: past the
+    deadline its lease no longer bars it, or a run of two machines would wait forever."""
+    jobs, clock = _jobs(chunks=1)
+    jobs.verify.add(0)
+    jobs.lease("a")
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    assert jobs.lease("b") == 0 and jobs.lease("b") is None
+    clock.now += 31
+    assert jobs.expire() == [0]
+    assert jobs.lease("b") == 0
+    assert _settle(jobs, "b", 0, 1) is Outcome.ACCEPTED
