@@ -669,9 +669,10 @@ class RunCore:
         out: list[Output] = []
         while taken := self.jobs.take_outvoted():  # dropping votes may settle more chunks
             for loser, chunk in taken:
-                # Its group's votes go too: its machine's other connections, gone or not.
+                # Its group goes: every connection of its machine, its votes (gone or not).
                 group = self._group(loser)
-                for worker in sorted(w for w in self.jobs.workers() if self._group(w) == group):
+                workers = self.jobs.workers() | set(self.peers)
+                for worker in sorted(w for w in workers if self._group(w) == group):
                     requeued = self.jobs.drop_worker(worker)
                     if requeued:
                         out.append(Requeued("outvoted", tuple(requeued), self.step))

@@ -1081,6 +1081,7 @@ def test_an_outvoted_machines_other_connections_lose_their_votes_too(
     for w in (h, k, a, b):
         w.hold_jobs = True
     net.run()  # one chunk each
+    idle = net.join("idle", host="10.0.0.9")  # the machine's third connection: no chunk
     (checked,) = (e.chunk for e in net.events if isinstance(e, Leased) and e.worker == "h")
     net.core.jobs.verify = {checked}
     net.stop_at = 100
@@ -1089,7 +1090,9 @@ def test_an_outvoted_machines_other_connections_lose_their_votes_too(
         net.run()
     net.train(1)
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
-    assert {e.worker for e in net.events if isinstance(e, Outvoted)} == {"h", "k"}
+    assert {e.worker for e in net.events if isinstance(e, Outvoted)} == {"h", "k", "idle"}
+    net.advance(1.0)
+    assert not idle.alive
 
 
 def test_a_machine_left_alone_agrees_its_digests_again(store: RunStore, dataset: Dataset) -> None:
