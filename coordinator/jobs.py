@@ -325,6 +325,7 @@ class StepJobs:
         are unsettled, and chunks left with no result go back first. Returns the chunks
         that need work again."""
         requeued = self.release_worker(worker, "outvoted")
+        unsettled = []
         for chunk, votes in self.votes.items():
             for key in [k for k, ws in votes.items() if worker in ws]:
                 votes[key].remove(worker)
@@ -332,7 +333,7 @@ class StepJobs:
                     del votes[key]
                     if chunk in self.results and key == (self.results[chunk], self.losses[chunk]):
                         del self.results[chunk], self.losses[chunk]
-                        requeued.append(chunk)
+                        unsettled.append(chunk)
             if chunk in self.results or any(not x.expired for x in self.leases.get(chunk, ())):
                 continue
             if votes:
@@ -341,8 +342,8 @@ class StepJobs:
                 if chunk in self.checks:
                     self.checks.remove(chunk)
                 self.queue.appendleft(chunk)
-        self.requeued["outvoted"] += len(set(requeued))
-        return sorted(set(requeued))
+        self.requeued["outvoted"] += len(unsettled)  # never among the released: settled
+        return sorted(requeued + unsettled)
 
     def waivable(self) -> list[int]:
         """Checks that may be waived: those with one result (a dispute never is)."""
@@ -354,7 +355,8 @@ class StepJobs:
             self._settle(chunk, next(iter(self.votes[chunk])))
 
     def release_worker(self, worker: Hashable, reason: str = "disconnect") -> list[int]:
-        """Drop a departed worker's leases; chunks left with no live lease go back first."""
+        """Drop a departed (or outvoted) worker's leases; chunks left with no live lease go
+        back first, counted under `reason`."""
         self.live.pop(worker, None)
         requeued = []
         for chunk in list(self.leases):
@@ -367,8 +369,7 @@ class StepJobs:
                 del self.leases[chunk]
                 if self._put_back(chunk, first=True):
                     requeued.append(chunk)
-        if reason == "disconnect":  # drop_worker counts its own
-            self.requeued[reason] += len(requeued)
+        self.requeued[reason] += len(requeued)
         return requeued
 
     def _put_back(self, chunk: int, first: bool = False) -> bool:

@@ -35,10 +35,9 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   differ wait for an equal result from another group (an address while workers at two are
   connected: `_group`); a group whose result loses a vote has its votes of the step dropped,
   and its workers are refused with DIVERGED at their next message (a replica may be what is
-  wrong). A
-  check is waived only when every connected group has voted on it. When the last chunk is
-  settled, the step is committed: log append + fsync, then STEP to everyone. An append that
-  fails raises `Fatal`: the coordinator stops.
+  wrong). A check is waived only when every connected group has voted on it. When the last
+  chunk is settled, the step is committed: log append + fsync, then STEP to everyone. An
+  append that fails raises `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
   for a job at that step; one snapshot transfer at a time, only for a step whose digest is
   agreed (or the sole worker's), only the requested step, exactly the checkpoint size; a
