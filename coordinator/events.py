@@ -35,6 +35,7 @@ __all__ = [
     "SnapshotDropped",
     "SnapshotRejected",
     "SnapshotStored",
+    "Stalled",
     "Validated",
     "WorkerError",
     "WorkerLog",
@@ -133,6 +134,18 @@ class Outvoted(Event):
     address: str
     step: int
     chunk: int
+
+
+@dataclass(frozen=True)
+class Stalled(Event):
+    """A worker held up a check and has done no work for `seconds` (a lease unanswered
+    past its overdue time, or no RESULT while not waiting for a job): the check was
+    waived without it. Reported once until its next RESULT."""
+
+    worker: str
+    address: str
+    step: int
+    seconds: int
 
 
 @dataclass(frozen=True)

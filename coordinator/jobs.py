@@ -39,6 +39,12 @@ from ..protocol.ternary import pack_ternary, unpack_ternary
 
 Clock = Callable[[], float]
 
+# A lease unanswered this long (or past its deadline, if later) marks its worker overdue: a
+# check does not wait for it (a hung GPU whose process still heartbeats). Never less, so a
+# liar's fast results, which shorten the deadlines of workers not yet timed, cannot make an
+# honest checker overdue.
+STALL_S = 300.0
+
 
 class Outcome(enum.Enum):
     ACCEPTED = "accepted"  # settled the chunk: its fitness counts
@@ -64,6 +70,7 @@ class Lease:
     worker: Hashable
     started: float
     deadline: float
+    overdue_at: float  # unanswered by then, its worker is overdue (`StepJobs.overdue`)
     expired: bool = False  # past its deadline and re-queued; its result still counts
 
 
@@ -142,9 +149,10 @@ class StepJobs:
         self.results: dict[int, bytes] = {}  # chunk -> packed fitness it is settled on
         self.losses: dict[int, int] = {}  # chunk -> the loss sum it is settled on
         self.outvoted: list[tuple[Hashable, int]] = []  # (worker, chunk): for the core
-        # (chunk, worker) -> start of a lease whose chunk was settled without it: its late
-        # copy still tells how long that worker takes (one entry per lease: bounded)
-        self.finished_leases: dict[tuple[int, Hashable], float] = {}
+        # (chunk, worker) -> a lease whose chunk was settled without it: its late copy still
+        # tells how long that worker takes, and while none comes it may become overdue (one
+        # entry per lease: bounded)
+        self.finished_leases: dict[tuple[int, Hashable], Lease] = {}
         self.requeued = {"disconnect": 0, "deadline": 0, "outvoted": 0}
         self.opened = clock()
         self.first_lease: float | None = None
@@ -213,8 +221,9 @@ class StepJobs:
     def _add_lease(self, chunk: int, worker: Hashable, now: float) -> int:
         if self.first_lease is None:
             self.first_lease = now
-        deadline = now + self.timer.timeout_s(worker)
-        self.leases.setdefault(chunk, []).append(Lease(chunk, worker, now, deadline))
+        timeout = self.timer.timeout_s(worker)
+        lease = Lease(chunk, worker, now, now + timeout, now + max(timeout, STALL_S))
+        self.leases.setdefault(chunk, []).append(lease)
         self.holders.setdefault(chunk, set()).add(worker)
         self.live[worker] += 1
         return chunk
@@ -268,7 +277,8 @@ class StepJobs:
         """`worker`'s result for `chunk` is in: its lease ends, and times it."""
         held = self.leases.get(chunk, [])
         mine = [x for x in held if x.worker == worker]
-        started = mine[0].started if mine else self.finished_leases.pop((chunk, worker), None)
+        finished = self.finished_leases.pop((chunk, worker), None)
+        started = mine[0].started if mine else finished.started if finished else None
         if mine:
             rest = [x for x in held if x.worker != worker]
             if rest:
@@ -309,7 +319,7 @@ class StepJobs:
         held = self.leases.pop(chunk, [])
         self.live.subtract(x.worker for x in held if not x.expired)
         for x in held:
-            self.finished_leases.setdefault((chunk, x.worker), x.started)
+            self.finished_leases.setdefault((chunk, x.worker), x)
         if chunk in self.queue:
             self.queue.remove(chunk)
         if chunk in self.checks:
@@ -358,6 +368,8 @@ class StepJobs:
         """Drop a departed (or outvoted) worker's leases; chunks left with no live lease go
         back first, counted under `reason`."""
         self.live.pop(worker, None)
+        for key in [k for k in self.finished_leases if k[1] == worker]:
+            del self.finished_leases[key]
         requeued = []
         for chunk in list(self.leases):
             held = [lease for lease in self.leases[chunk] if lease.worker != worker]
@@ -405,6 +417,23 @@ class StepJobs:
         """When `expire` could next have something to do."""
         live = [x.deadline for held in self.leases.values() for x in held if not x.expired]
         return min(live, default=None)
+
+    def _unanswered(self) -> Iterable[Lease]:
+        """Every lease of the step whose worker has sent no result for its chunk yet."""
+        for held in self.leases.values():
+            yield from held
+        yield from self.finished_leases.values()
+
+    def overdue(self) -> set[Hashable]:
+        """Workers holding a lease unanswered past its `overdue_at`: hung, or slower than
+        any check should wait for. A result for that chunk, however late, ends it."""
+        now = self.clock()
+        return {x.worker for x in self._unanswered() if x.overdue_at <= now}
+
+    def next_overdue(self) -> float | None:
+        """When a worker not yet overdue next becomes so."""
+        now = self.clock()
+        return min((x.overdue_at for x in self._unanswered() if x.overdue_at > now), default=None)
 
     def step_fitness(self) -> bytes:
         """The whole population's packed fitness, chunks in order (the step is complete)."""

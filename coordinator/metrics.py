@@ -145,6 +145,12 @@ class Metrics:
             "Workers whose fitness lost a vote to other workers' (dropped, then checked).",
             registry=r,
         )
+        self.workers_stalled = Counter(
+            "eggroll_workers_stalled_total",
+            "Workers connected but doing no work (a hung GPU?) that held up a check: it was "
+            "waived without them.",
+            registry=r,
+        )
         self.protocol_errors = Counter(
             "eggroll_protocol_errors_total",
             "Protocol errors, received or sent.",

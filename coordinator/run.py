@@ -35,7 +35,8 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   differ wait for an equal result from another group (an address while workers at two are
   connected: `_group`); a group whose result loses a vote has its votes of the step dropped,
   and its workers are refused with DIVERGED at their next message (a replica may be what is
-  wrong). A check is waived only when every connected group has voted on it. When the last
+  wrong). A check is waived only when every connected group has voted on it or has
+  stalled (`_waive`: work unanswered or not done for STALL_S). When the last
   chunk is settled, the step is committed: log append + fsync, then STEP to everyone. An
   append that fails raises `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
@@ -128,11 +129,12 @@ from .events import (
     SnapshotDropped,
     SnapshotRejected,
     SnapshotStored,
+    Stalled,
     Validated,
     WorkerError,
     WorkerLog,
 )
-from .jobs import ChunkTimer, Clock, Outcome, StepJobs
+from .jobs import STALL_S, ChunkTimer, Clock, Outcome, StepJobs
 from .store import RunStore, WriteFailure
 
 __all__ = [
@@ -251,6 +253,8 @@ class Peer:
     # chunk -> lease time and the chunks leased with it (scored together in one pass)
     job_started: dict[int, tuple[float, int]] = field(default_factory=dict)
     outvoted: str = ""  # why it is refused at its next message (its result lost a vote)
+    worked: float = 0.0  # its WELCOME or its last RESULT: when it last did work for the run
+    stalled: bool = False  # reported as stalled (`Stalled`), until its next RESULT
 
     @property
     def host(self) -> str:
@@ -421,15 +425,22 @@ class RunCore:
             seconds = round(now - (self.jobs.first_lease or now))
             out.append(Progress(self.step + 1, len(self.jobs.results), self.jobs.chunks, seconds))
         requeued = self.jobs.expire()
-        if not requeued:
-            return out
-        out.append(Requeued("deadline", tuple(requeued), self.step))
-        return out + self._push_jobs()
+        if requeued:
+            out.append(Requeued("deadline", tuple(requeued), self.step))
+        waived = self._waive()  # a checker may have stalled
+        if requeued or waived:
+            out += waived + self._push_jobs()
+        return out + self._commit() if waived and self.jobs.complete else out
 
     def next_deadline(self) -> float | None:
         """When `expire` could next have something to do."""
-        times = [t for t in (self.jobs.next_deadline(), self._progress_due()) if t is not None]
-        return min(times, default=None)
+        times = [self.jobs.next_deadline(), self._progress_due()]
+        if self.jobs.checks:  # when a checker they wait for could next stall
+            now = self.clock()
+            times.append(self.jobs.next_overdue())
+            times += [p.worked + STALL_S for p in self.peers.values() if p.ready]
+            times = [t for t in times if t is None or t > now]
+        return min((t for t in times if t is not None), default=None)
 
     def _progress_due(self) -> float | None:
         started = self.jobs.first_lease
@@ -502,6 +513,7 @@ class RunCore:
             self.cfg.pairs,
         )
         peer.ready = True
+        peer.worked = self.clock()
         self.ready_hosts[peer.host] += 1
         peer.broadcast_from = self.step
         out.append(Joined(peer.name, peer.address, self.ready_count()))
@@ -652,15 +664,37 @@ class RunCore:
 
     def _waive(self) -> list[Output]:
         """Settle on its one result a check that no connected worker could make: every
-        connected group has voted on it (the run's only machine). A checker that is slow,
-        even past its lease's deadline, is waited for: being slow says nothing of whether
-        another worker lies, and a liar could make honest leases expire early."""
+        connected group has voted on it (the run's only machine), or is stalled. A checker
+        that is slow, even past its lease's deadline, is waited for (being slow says nothing
+        of whether another worker lies, and a liar could make honest leases expire early),
+        but not forever: a worker that holds a lease unanswered past STALL_S (`overdue`),
+        or that holds none, is not waiting for a job and has done no work for STALL_S (hung
+        while it heartbeats, or stuck short of the open step), counts as gone until its
+        next RESULT. One machine's hung GPU must not halt the others' run."""
         if not self.jobs.checks:
             return []
-        groups = {self._group(p.id) for p in self.peers.values() if p.ready and not p.outvoted}
+        overdue, now = self.jobs.overdue(), self.clock()
+        groups, stalled = set(), []
+        for p in self.peers.values():
+            if not p.ready or p.outvoted:
+                continue
+            if p.id in overdue or (
+                not p.waiting and not self.jobs.live[p.id] and now - p.worked >= STALL_S
+            ):
+                stalled.append(p)
+            else:
+                groups.add(self._group(p.id))
         waived = [c for c in self.jobs.waivable() if groups <= self.jobs.voted(c)]
+        if not waived:
+            return []
+        out: list[Output] = []
+        for p in stalled:  # reported once a spell, where it held up a check
+            group = self._group(p.id)
+            if not p.stalled and any(group not in self.jobs.voted(c) for c in waived):
+                p.stalled = True
+                out.append(Stalled(p.name, p.address, self.step, round(now - p.worked)))
         self.jobs.waive(waived)
-        return [ChunkChecked("waived", self.step, tuple(waived))] if waived else []
+        return [*out, ChunkChecked("waived", self.step, tuple(waived))]
 
     def _convict(self) -> list[Output]:
         """Workers whose results lost a vote: dropped with their results of the step, their
@@ -706,6 +740,8 @@ class RunCore:
             *(peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum),
             verify=peer.host in self.suspect_hosts,
         )
+        if outcome not in (Outcome.STALE, Outcome.OUT_OF_RANGE, Outcome.BAD_SIZE):
+            peer.worked, peer.stalled = self.clock(), False  # work for the open step
         dropped = ResultDropped(outcome.value, peer.name, msg.step, msg.chunk)
         if outcome is Outcome.UNLEASED:
             raise self.refuse(

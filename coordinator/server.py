@@ -153,6 +153,18 @@ def record(
                 "a lie): its results of the step are dropped, it resyncs, and every result "
                 "from its address is checked from now on",
             )
+        case events.Stalled():
+            metrics.workers_stalled.inc()
+            log.warning(
+                "worker stalled",
+                worker=event.worker,
+                peer=event.address,
+                step=event.step,
+                seconds=event.seconds,
+                hint="it holds a chunk long past its deadline, or has returned no result in "
+                "that time: checks no longer wait for it until it returns one (a hung GPU? "
+                "restart that worker)",
+            )
         case events.ResultDropped():
             metrics.results_dropped.labels(event.reason).inc()
             if not event.refused:

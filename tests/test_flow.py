@@ -17,7 +17,8 @@ import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
 from eggroll_dist.coordinator import run as run_module
-from eggroll_dist.coordinator.events import ChunkAccepted, Leased, Outvoted
+from eggroll_dist.coordinator.events import ChunkAccepted, Leased, Outvoted, Stalled
+from eggroll_dist.coordinator.jobs import STALL_S
 from eggroll_dist.coordinator.metrics import CHECK_RESULTS
 from eggroll_dist.coordinator.run import (
     Refused,
@@ -994,6 +995,83 @@ def test_a_slow_checker_is_waited_for_and_one_that_leaves_is_not(
     net.disconnect(slow)
     net.run()
     assert store4.steps >= 1 and checks(net)["waived"] >= 4
+
+
+def test_a_checker_stalled_past_the_stall_time_holds_up_no_check(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """Every chunk checked, two machines: b's GPU hangs on its chunks while its process
+    stays connected. a scores everything; its checks wait for b, but not past STALL_S:
+    then they are waived, b is reported stalled once, and the run goes on. When b's
+    result comes at last it counts again, and checks its share."""
+    net = Network(store4, dataset, verify_fraction=1.0, chunk_timeout_s=30.0)
+    net.join("a", host="10.0.0.1")
+    hung = net.join("b", host="10.0.0.2")
+    hung.hold_jobs = True
+    net.run()
+    net.stop_at = 1  # a's run: step 0
+    net.advance(STALL_S - 1.0)
+    assert store4.steps == 0 and net.core.jobs.checks and not net.latest(Stalled)
+    net.advance(1.0)
+    assert store4.steps == 1 and checks(net)["waived"] == 4
+    net.train(2)  # b stays hung: its checks are not waited for again
+    assert store4.steps == 3 and checks(net)["waived"] == 4 * 3
+    assert [e.worker for e in net.events if isinstance(e, Stalled)] == ["b"]
+    assert net.metrics.workers_stalled._value.get() == 1
+    hung.finish_held()  # its chunk of step 0, long settled: it syncs and works again
+    net.run()
+    net.train(2)
+    assert checks(net)["agreed"] >= 4 * 2 and hung.alive
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
+
+
+def test_one_hung_gpu_of_a_machine_does_not_halt_its_run(
+    store4: RunStore, dataset: Dataset
+) -> None:
+    """One machine, two GPU workers (each its own vote): one hangs while it heartbeats.
+    The other's checks wait for it STALL_S, then are waived."""
+    net = Network(store4, dataset, verify_fraction=1.0)
+    net.join("gpu0")
+    hung = net.join("gpu1")
+    hung.hold_jobs = True
+    net.run()
+    net.stop_at = 1
+    net.advance(STALL_S / 2)
+    assert store4.steps == 0
+    net.advance(STALL_S / 2)
+    assert store4.steps == 1 and checks(net)["waived"] == 4
+
+
+def test_a_liars_fast_results_do_not_make_an_honest_checker_stalled(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """A liar answers at once, so a worker not yet timed gets leases with the shortest
+    deadline: the honest checker's leases expire within seconds, while it still scores.
+    A worker is never stalled sooner than STALL_S: the lies wait for its checks, which
+    dispute them, and a third machine outvotes the liar."""
+    net = Network(store4, dataset, verify_fraction=1.0)
+    net.stop_at = 1
+    first = net.join("a", host="10.0.0.1")
+    first.hold_jobs = True
+    net.run()  # a holds a chunk: the liar's results wait for a check
+    net.join("liar", host="10.0.0.9", replica=Liar(sync_replica(dataset)))
+    net.run()
+    honest = net.join("b", host="10.0.0.2")
+    honest.hold_jobs = True
+    net.run()  # b leases a check of a lie, with the deadline the liar's times make
+    net.disconnect(first)
+    net.run()
+    assert honest.held and net.core.jobs.timer.timeout_s() == net.core.jobs.timer.floor_s
+    for _ in range(6):
+        net.advance(10.0)  # its leases expire; it is still scoring
+    assert store4.steps == 0 and checks(net)["waived"] == 0
+    honest.finish_held()
+    net.run()
+    assert checks(net)["disputed"] >= 1
+    net.join("c", host="10.0.0.3")
+    net.train(2)
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
+    assert net.core.suspect_hosts == {"10.0.0.9"}
 
 
 def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(

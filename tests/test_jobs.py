@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eggroll_dist.coordinator.jobs import ChunkTimer, Outcome, StepJobs
+from eggroll_dist.coordinator.jobs import STALL_S, ChunkTimer, Outcome, StepJobs
 from eggroll_dist.protocol import pack_ternary, unpack_ternary
 
 
@@ -300,3 +300,31 @@ def test_a_check_whose_lease_expired_may_be_leased_again_to_the_same_worker() ->
     assert jobs.expire() == [0]
     assert jobs.lease("b") == 0
     assert _settle(jobs, "b", 0, 1) is Outcome.ACCEPTED
+
+
+def test_a_lease_unanswered_past_the_stall_time_makes_its_worker_overdue() -> None:
+    """Overdue at the later of the deadline and STALL_S, expired or not, settled by
+    another worker or not; its own result, however late, ends it; so does leaving."""
+    jobs, clock = _jobs(chunks=3, timer=ChunkTimer(fixed_s=30.0))
+    assert [jobs.lease(w) for w in "abc"] == [0, 1, 2]
+    clock.now += 31.0
+    assert jobs.expire() == [0, 1, 2] and jobs.overdue() == set()
+    assert jobs.next_overdue() == 100.0 + STALL_S
+    jobs.lease("d")  # chunk 0 again
+    assert jobs.complete_chunk("d", 7, 0, _fit(1), 5, 10) is Outcome.ACCEPTED
+    clock.now = 100.0 + STALL_S
+    assert jobs.overdue() == {"a", "b", "c"}  # a's chunk settled without it: still overdue
+    assert jobs.complete_chunk("b", 7, 1, _fit(2), 5, 10) is Outcome.ACCEPTED
+    jobs.release_worker("c")
+    assert jobs.overdue() == {"a"}
+    assert jobs.complete_chunk("a", 7, 0, _fit(1), 5, 10) is Outcome.DUPLICATE
+    assert jobs.overdue() == set() and jobs.next_overdue() is None
+
+
+def test_a_long_deadline_is_its_own_overdue_time() -> None:
+    jobs, clock = _jobs(timer=ChunkTimer(fixed_s=2 * STALL_S))
+    jobs.lease("a")
+    clock.now += STALL_S
+    assert jobs.overdue() == set()
+    clock.now += STALL_S
+    assert jobs.overdue() == {"a"}

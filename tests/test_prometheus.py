@@ -328,6 +328,8 @@ tests:
         values: '0 0 1 1 1 1'
       - series: 'eggroll_replica_digest_mismatches_total{{job="eggroll",instance="a"}}'
         values: '0 0 0 2 2 2'
+      - series: 'eggroll_workers_stalled_total{{job="eggroll",instance="a"}}'
+        values: '0 0 0 0 1 1'
       - series: 'eggroll_workers_connected{{job="eggroll",instance="a"}}'
         values: '2x45'
       - series: 'eggroll_last_commit_timestamp_seconds{{job="eggroll",instance="a"}}'
@@ -368,6 +370,10 @@ def test_the_alerts_fire_when_and_only_when_they_should(tmp_path: Path) -> None:
         "A worker's replica digest differed from the agreed one on a (the worker resyncs; a "
         "repeat points at its host)."
     )
+    stalled = (
+        "A worker of a has done no work for 5 minutes while connected (a hung GPU?): see "
+        "the coordinator's log for which, and restart it."
+    )
     idle = "No worker has been connected to b for 10 minutes."
     stale = "No step committed on a for over 30 minutes while workers are connected."
     cases = [
@@ -376,6 +382,8 @@ def test_the_alerts_fire_when_and_only_when_they_should(tmp_path: Path) -> None:
         alert_case("EggrollSaveDirWriteFailing", 1),
         alert_case("EggrollSaveDirWriteFailing", 3, write, file="run"),
         alert_case("EggrollReplicaDiverged", 4, diverged),
+        alert_case("EggrollWorkerStalled", 3),
+        alert_case("EggrollWorkerStalled", 5, stalled),
         alert_case("EggrollNoWorkers", 10),  # none from 1m, for 10m
         alert_case("EggrollNoWorkers", 12, idle, instance="b"),
         alert_case("EggrollNoCommit", 33),  # stale from 31m, for 5m; b never committed
