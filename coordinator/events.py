@@ -36,6 +36,7 @@ __all__ = [
     "SnapshotRejected",
     "SnapshotStored",
     "Stalled",
+    "Undecided",
     "Validated",
     "WorkerError",
     "WorkerLog",
@@ -146,6 +147,16 @@ class Stalled(Event):
     address: str
     step: int
     seconds: int
+
+
+@dataclass(frozen=True)
+class Undecided(Event):
+    """Results for a chunk differ, and every machine connected (and not stalled) has
+    voted on it: the step waits for another machine to join and decide it."""
+
+    step: int
+    chunk: int
+    hosts: tuple[str, ...]  # the addresses whose results differ
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ class RunStatus(Protocol):
     def workers(self) -> int: ...
     @property
     def weights_changed(self) -> int | None: ...
+    @property
+    def undecided(self) -> int: ...
 
 
 class Metrics:
@@ -149,6 +151,12 @@ class Metrics:
             "eggroll_workers_stalled_total",
             "Workers connected but doing no work (a hung GPU?) that held up a check: it was "
             "waived without them.",
+            registry=r,
+        )
+        self.checks_undecided = Gauge(
+            "eggroll_checks_undecided",
+            "Disputed chunks of the open step that no connected machine can decide (results "
+            "differ, and every machine has voted): the step waits for another machine.",
             registry=r,
         )
         self.protocol_errors = Counter(
@@ -250,6 +258,7 @@ class Metrics:
         """The run served, and the gauges read from `status()` at scrape time."""
         self.step.set_function(lambda: status().step)
         self.workers.set_function(lambda: status().workers)
+        self.checks_undecided.set_function(lambda: status().undecided)
 
         def changed() -> float:
             value = status().weights_changed

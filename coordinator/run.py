@@ -130,6 +130,7 @@ from .events import (
     SnapshotRejected,
     SnapshotStored,
     Stalled,
+    Undecided,
     Validated,
     WorkerError,
     WorkerLog,
@@ -233,6 +234,7 @@ class Status:
     step: int  # the open step = steps committed
     workers: int  # past the handshake
     weights_changed: int | None  # reported with the open step's agreed replica
+    undecided: int = 0  # disputed chunks no connected machine can decide
 
 
 @dataclass(eq=False)
@@ -335,6 +337,7 @@ class RunCore:
         self.suspect_hosts: set[str] = set()  # where a worker was outvoted: every result checked
         self.ready_hosts: Counter[str] = Counter()  # connected workers per address
         self.departed: dict[int, str] = {}  # the address of each worker gone in this step
+        self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
         # to compare, so no checks; every other run's is a pure function of the replica.
@@ -373,7 +376,8 @@ class RunCore:
         return sum(1 for p in self.peers.values() if p.ready)
 
     def status(self) -> Status:
-        return Status(self.step, self.ready_count(), self.weights_changed)
+        undecided = len(self._undecided(self._able()[0])) if self.jobs.checks else 0
+        return Status(self.step, self.ready_count(), self.weights_changed, undecided)
 
     def name(self, peer_id: int) -> str:
         """The worker's name, for the log ("?" before HELLO or once it has left)."""
@@ -673,6 +677,27 @@ class RunCore:
         next RESULT. One machine's hung GPU must not halt the others' run."""
         if not self.jobs.checks:
             return []
+        groups, stalled = self._able()
+        out: list[Output] = []
+        for chunk in self._undecided(groups):  # reported once a step
+            if chunk not in self.undecided_said:
+                self.undecided_said.add(chunk)
+                hosts = {self._host(w) for ws in self.jobs.votes[chunk].values() for w in ws}
+                out.append(Undecided(self.step, chunk, tuple(sorted(hosts))))
+        waived = [c for c in self.jobs.waivable() if groups <= self.jobs.voted(c)]
+        if not waived:
+            return out
+        now = self.clock()
+        for p in stalled:  # reported once a spell, where it held up a check
+            group = self._group(p.id)
+            if not p.stalled and any(group not in self.jobs.voted(c) for c in waived):
+                p.stalled = True
+                out.append(Stalled(p.name, p.address, self.step, round(now - p.worked)))
+        self.jobs.waive(waived)
+        return [*out, ChunkChecked("waived", self.step, tuple(waived))]
+
+    def _able(self) -> tuple[set[tuple[str, ...]], list[Peer]]:
+        """The groups a check waits for (`_waive`), and the connected workers that stalled."""
         overdue, now = self.jobs.overdue(), self.clock()
         groups, stalled = set(), []
         for p in self.peers.values():
@@ -684,17 +709,13 @@ class RunCore:
                 stalled.append(p)
             else:
                 groups.add(self._group(p.id))
-        waived = [c for c in self.jobs.waivable() if groups <= self.jobs.voted(c)]
-        if not waived:
-            return []
-        out: list[Output] = []
-        for p in stalled:  # reported once a spell, where it held up a check
-            group = self._group(p.id)
-            if not p.stalled and any(group not in self.jobs.voted(c) for c in waived):
-                p.stalled = True
-                out.append(Stalled(p.name, p.address, self.step, round(now - p.worked)))
-        self.jobs.waive(waived)
-        return [*out, ChunkChecked("waived", self.step, tuple(waived))]
+        return groups, stalled
+
+    def _undecided(self, groups: set[tuple[str, ...]]) -> list[int]:
+        """Disputed chunks on which every group in `groups` has voted: only another machine
+        can decide them (with two machines in the run, a third)."""
+        votes = self.jobs.votes
+        return [c for c in self.jobs.checks if len(votes[c]) > 1 and groups <= self.jobs.voted(c)]
 
     def _convict(self) -> list[Output]:
         """Workers whose results lost a vote: dropped with their results of the step, their
@@ -796,6 +817,7 @@ class RunCore:
                 out.append(Send(peer.id, message))
         self.jobs = self._open_step(self.step)
         self.departed.clear()
+        self.undecided_said.clear()
         for old in [s for s in self.tallies if s < self.step - DIGEST_WINDOW]:
             del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
         self.disagreed = {s for s in self.disagreed if s >= self.step - DIGEST_WINDOW}

@@ -153,6 +153,16 @@ def record(
                 "a lie): its results of the step are dropped, it resyncs, and every result "
                 "from its address is checked from now on",
             )
+        case events.Undecided():
+            log.error(
+                "results differ and no connected machine can decide",
+                step=event.step,
+                chunk=event.chunk,
+                machines=",".join(event.hosts),
+                hint="the step waits until a worker on another machine scores the chunk: "
+                "start one (a CPU worker on this host will do); then compare the two "
+                "machines' installs and hardware",
+            )
         case events.Stalled():
             metrics.workers_stalled.inc()
             log.warning(

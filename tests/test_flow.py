@@ -17,7 +17,13 @@ import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
 from eggroll_dist.coordinator import run as run_module
-from eggroll_dist.coordinator.events import ChunkAccepted, Leased, Outvoted, Stalled
+from eggroll_dist.coordinator.events import (
+    ChunkAccepted,
+    Leased,
+    Outvoted,
+    Stalled,
+    Undecided,
+)
 from eggroll_dist.coordinator.jobs import STALL_S
 from eggroll_dist.coordinator.metrics import CHECK_RESULTS
 from eggroll_dist.coordinator.run import (
@@ -1094,6 +1100,30 @@ def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
     outvoted = net.latest(Outvoted)
     assert outvoted is not None and outvoted.worker == "liar" and outvoted.step == 0
     assert net.core.suspect_hosts == {"10.0.0.9"}
+
+
+def test_a_dispute_no_connected_machine_can_decide_is_reported_until_one_joins(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """Two machines, one of them lying: their results differ and neither can outvote the
+    other. Each such chunk is reported once, and counted on a gauge, until a third
+    machine joins and decides."""
+    net = Network(store4, dataset, verify_fraction=1.0)
+    net.join("liar", host="10.0.0.9", replica=Liar(sync_replica(dataset)))
+    net.join("a", host="10.0.0.1")
+    net.run()
+    net.stop_at = 1
+    for _ in range(3):
+        net.advance(10.0)
+    undecided = [e for e in net.events if isinstance(e, Undecided)]
+    assert store4.steps == 0 and undecided
+    assert len({e.chunk for e in undecided}) == len(undecided)  # once a chunk
+    assert all(e.hosts == ("10.0.0.1", "10.0.0.9") and e.step == 0 for e in undecided)
+    assert net.core.status().undecided == len(undecided)
+    net.join("b", host="10.0.0.2")
+    net.train(2)
+    assert net.core.status().undecided == 0
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
 
 
 def test_a_machine_cannot_confirm_its_own_result_by_coming_back(
