@@ -38,7 +38,8 @@ Output: every worker line is prefixed with [gpu<i>], stdout and stderr kept apar
 SIGINT or SIGTERM: every worker gets SIGTERM (a clean stop); another signal later on,
 or EGGROLL_STOP_TIMEOUT_S seconds (default 30) without every worker gone, kills the rest.
 Exit status: 0 when every worker stopped with 0, else the first non-zero status; a
-worker that exits non-zero on its own (bad data, bad flag) stops the others.
+worker that exits non-zero on its own (bad data, bad flag) stops the others, except
+with status 3 (it computes differently from the run: a faulty GPU?), which only it has.
 No GPU: exit 1; on a CPU host run 'eggroll-worker HOST[:PORT] --backend numpy' instead.
 Environment: EGGROLL_WORKER_BIN, the worker command (default: eggroll-worker on PATH).
 EOF
@@ -307,6 +308,8 @@ collect() {  # collect I STATUS
         if ((status != 0)); then
             say "$what exited with status $status"
         fi
+    elif ((status == 3)); then  # told DIVERGED again and again: maybe this GPU alone
+        say "$what computes differently from the run (status 3: a faulty GPU?); the other workers keep running"
     elif ((status != 0)); then
         say "$what failed with status $status; stopping the other workers"
         stop_workers "GPU ${GPU_LABELS[i]} failed"

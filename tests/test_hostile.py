@@ -311,8 +311,8 @@ def test_e15_a_worker_that_makes_up_its_fitness_is_outvoted(
     spawn, tmp_path: Path, config_file: Path, words_data: Path, token_env
 ) -> None:
     """Every chunk checked: a worker that joins a running run and makes up its fitness
-    loses its votes to the two honest workers and is dropped (each time it comes back),
-    and the fitness log stays the one the honest workers make alone."""
+    loses its votes to the two honest workers and is dropped (each time it comes back, until
+    it gives up), and the fitness log stays the one the honest workers make alone."""
     save = tmp_path / "run"
     coord, port = start_coordinator(spawn, save, config_file, "--verify-fraction", "1")
     for i in range(2):
@@ -326,6 +326,10 @@ def test_e15_a_worker_that_makes_up_its_fitness_is_outvoted(
         later = outvoted["step"] + 3
         coord.wait_for(lambda e: e.get("event") == "step" and e["step"] >= later, 60, "steps")
         liar.wait_for(lambda e: e.get("event") == "replica dropped", 30, "DIVERGED")
+        # Rebuilt from the run's log, it lies again and is outvoted again: after the third
+        # time in a row it stops, saying why, instead of resyncing forever.
+        assert liar.wait(120) == 3
+        assert "computes differently" in liar.lines[-1]
     finally:
         liar.stop()
         coord.stop()

@@ -48,6 +48,9 @@ echo $$ >> {pids}
 if [[ -n ${{FAIL_GPU:-}} && $CUDA_VISIBLE_DEVICES == "$FAIL_GPU" ]]; then
     set -- "$@" --data-dir {empty}
 fi
+if [[ -n ${{FAULTY_GPU:-}} && $CUDA_VISIBLE_DEVICES == "$FAULTY_GPU" ]]; then
+    exit 3  # as a worker that computes differently from the run exits
+fi
 exec {worker} "$@"
 """
 
@@ -365,6 +368,28 @@ def test_worker_that_cannot_start_stops_the_others(
     assert any(line.startswith("[gpu1] Error:") for line in script.lines), script.output()
     pids = recorded_pids(tmp_path)
     assert len(pids) == 3 and not [pid for pid in pids if alive(pid)]
+
+
+def test_a_worker_that_computes_differently_leaves_the_others_running(
+    words_data: Path, tmp_path: Path, bin_dir: Path, wrapper: Path
+) -> None:
+    """Exit status 3 is one worker's fault (a faulty GPU?): the others keep running."""
+    with socket.socket() as s:  # a port nobody listens on: the good workers keep retrying
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--backend", "numpy", "--data-dir", words_data, "--log-format", "json"]
+    env = script_env([bin_dir], EGGROLL_WORKER_BIN=str(wrapper), FAULTY_GPU="1")
+    script = Script([f"127.0.0.1:{port}", *flags, "--max-retry-s", "1"], env)
+    try:
+        script.wait_line(lambda line: "computes differently" in line, 30, "the faulty GPU")
+        time.sleep(1.0)  # time enough to have stopped the others, were that the reaction
+        pids = recorded_pids(tmp_path)
+        assert len(pids) == 3 and len([pid for pid in pids if alive(pid)]) == 2, script.output()
+        assert not [line for line in script.lines if "stopping the other workers" in line]
+        script.proc.send_signal(signal.SIGTERM)
+        assert script.finish(30) == 3, script.output()
+    finally:
+        script.stop()
 
 
 def test_worker_ignoring_sigterm_is_killed_after_the_stop_timeout(

@@ -64,7 +64,7 @@ from eggroll_dist.worker.backend import (
     get_backend,
 )
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.client import WorkerClient, WorkerFatal
+from eggroll_dist.worker.client import DIVERGED_ATTEMPTS, WorkerClient, WorkerFatal
 from eggroll_dist.worker.data.build import prepare_data_dir
 
 CFG = RunConfig(
@@ -445,6 +445,46 @@ async def test_diverged_or_another_run_starts_from_step_zero(
         peer.close()
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=0, run_id=b"\xee" * 16)  # a new run
+        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+
+
+async def test_a_worker_that_diverges_again_after_every_resync_ends(
+    coordinator: FakeCoordinator, dataset: Dataset
+) -> None:
+    """DIVERGED three times in a row, each after the replica was rebuilt from the run's
+    log: its arithmetic differs from the run's, and resyncing again would not help."""
+    client = make_client(coordinator, dataset)
+    run = asyncio.create_task(client.run())
+    for _ in range(DIVERGED_ATTEMPTS):
+        peer = await coordinator.next_peer()
+        await peer.handshake()
+        await peer.expect(JobRequest)
+        await peer.send_error(ErrorCode.DIVERGED, "digest differs")
+    with pytest.raises(WorkerFatal, match="computes differently") as raised:
+        await asyncio.wait_for(run, TIMEOUT_S)
+    assert "\n" not in str(raised.value)
+    assert coordinator.peers.empty()  # it did not come back
+
+
+async def test_a_step_it_scored_committed_between_divergences_keeps_it_going(
+    coordinator: FakeCoordinator, dataset: Dataset
+) -> None:
+    """A STEP for a step this worker scored says its results and replica were right then:
+    the count of divergences in a row starts again."""
+    async with running(make_client(coordinator, dataset)):
+        for diverged in range(2 * DIVERGED_ATTEMPTS - 2):
+            peer = await coordinator.next_peer()
+            await peer.handshake()
+            await peer.expect(JobRequest)
+            if diverged == DIVERGED_ATTEMPTS - 1:  # the first two were in a row
+                await peer.send(Job(0, 0, 0, 8))
+                await peer.expect(Result)
+                await peer.expect(JobRequest)
+                await peer.send(Step.from_values(0, fitness(0)))
+                assert (await peer.expect(JobRequest)).replica_step == 1
+            await peer.send_error(ErrorCode.DIVERGED, "digest differs")
+        peer = await coordinator.next_peer()  # still there
+        await peer.handshake()
         assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
 
 

@@ -7,7 +7,8 @@ service files and containers. Exit codes: 0 after SIGINT/SIGTERM or when the run
 complete, 1 for a local problem (missing data, bad option), 2 when the coordinator refuses
 the worker for good (wrong token, other data, other protocol version, a config it cannot
 run) or cannot be found (a host name that does not resolve, a port that is not a
-coordinator's).
+coordinator's), 3 when it computes differently from the run (told DIVERGED three times in a
+row, each time after rebuilding its replica: another version, or a faulty device).
 """
 
 from __future__ import annotations
@@ -257,7 +258,9 @@ def main(
     try:
         asyncio.run(_serve(client))
     except WorkerFatal as exc:
-        raise OneLineError(str(exc)) from None
+        error = OneLineError(str(exc))
+        error.exit_code = exc.status
+        raise error from None
     except RunFinished as exc:
         log.info("stopped", reason=str(exc))
         return

@@ -25,9 +25,9 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.data import Dataset
 from . import session as flow
 from .backend import Backend, BackendFactory, get_backend
-from .link import Link, LinkOptions, describe
+from .link import Link, LinkOptions, Outcome, describe
 from .replica import Replica
-from .session import WorkerFatal
+from .session import COMPUTES_DIFFERENTLY, WorkerFatal
 
 __all__ = ["WorkerClient", "WorkerFatal", "default_worker_name"]
 
@@ -38,6 +38,10 @@ INITIAL_RETRY_S = 0.2
 # that accepts and then fails at once) keeps growing it.
 STABLE_CONNECTION_S = 10.0
 RESOLVE_ATTEMPTS = 8  # host-name lookups failed in a row before giving up (~25 s of backoff)
+# DIVERGED this many times in a row, with no step this worker scored committed in between:
+# a replica rebuilt from the run's own log still disagrees, so this worker's arithmetic
+# differs from the run's (another version, a faulty device); resyncing again will not help.
+DIVERGED_ATTEMPTS = 3
 
 
 async def _cancel_until_done(task: asyncio.Task, timeout_s: float = 10.0) -> None:
@@ -105,6 +109,7 @@ class WorkerClient:
         self.hello_timeout_s = hello_timeout_s  # a coordinator answers HELLO at once
         self.connections = 0  # handshakes completed
         self.resolve_failures = 0  # host-name lookups failed in a row
+        self.diverged = 0  # DIVERGED in a row (see DIVERGED_ATTEMPTS)
         self._stop = asyncio.Event()
         self._rng = random.Random()  # backoff jitter only; nothing a replica depends on
 
@@ -185,10 +190,25 @@ class WorkerClient:
             self.tls_refusals = 0
         if outcome.tls_refused:
             self.tls_refusals += 1
+        self._count_divergence(outcome)
         return outcome.reason, outcome.ready_s
 
     def _welcomed(self) -> None:
         self.connections += 1
+
+    def _count_divergence(self, outcome: Outcome) -> None:
+        if outcome.confirmed:
+            self.diverged = 0
+        self.diverged += outcome.diverged
+        if self.diverged >= DIVERGED_ATTEMPTS:
+            raise WorkerFatal(
+                f"the coordinator found this worker's replica or fitness wrong {self.diverged} "
+                "times in a row, each time after it was rebuilt from the run's log: this "
+                "worker computes differently from the others (another eggroll-distributed "
+                "version or backend, or a faulty device); compare `pip show "
+                "eggroll-distributed` and the backend with a worker that agrees",
+                status=COMPUTES_DIFFERENTLY,
+            )
 
     def _count_resolve_failure(self, exc: BaseException) -> None:
         """Give up on a host name that does not resolve RESOLVE_ATTEMPTS times in a row: a

@@ -150,13 +150,16 @@ class LinkOptions:
 @dataclass(frozen=True)
 class Outcome:
     """How a connection ended: why (one line), how long it was up after WELCOME (0: never
-    welcomed), whether the coordinator sent anything, and whether it closed a TLS connection
-    before any frame (how it refuses a certificate)."""
+    welcomed), whether the coordinator sent anything, whether it closed a TLS connection
+    before any frame (how it refuses a certificate), whether it said the replica diverged
+    (dropped), and whether a step this worker scored was committed and sent to it."""
 
     reason: str
     ready_s: float = 0.0
     heard: bool = False
     tls_refused: bool = False
+    diverged: bool = False
+    confirmed: bool = False
 
 
 class Link:
@@ -182,6 +185,7 @@ class Link:
         self.ready_at: float | None = None  # when WELCOME arrived
         self.bytes_read = 0
         self.tls_refused = False  # closed over TLS before any frame
+        self.diverged = False  # ended by DIVERGED: the replica was dropped
         self.last_sent = time.monotonic()
         self._reader_task: asyncio.Task[None] | None = None
 
@@ -189,7 +193,14 @@ class Link:
         """Serve until the connection ends; returns how. Raises WorkerFatal."""
         reason = await self._run()
         ready_s = 0.0 if self.ready_at is None else time.monotonic() - self.ready_at
-        return Outcome(reason, ready_s, bool(self.bytes_read), self.tls_refused)
+        return Outcome(
+            reason,
+            ready_s,
+            bool(self.bytes_read),
+            self.tls_refused,
+            self.diverged,
+            self.session.confirmed,
+        )
 
     async def _run(self) -> str:
         self._reader_task = asyncio.create_task(self._read_loop())
@@ -200,6 +211,7 @@ class Link:
         except Ended as exc:
             if exc.drop_replica:
                 self.replica.drop()
+                self.diverged = True
             return str(exc)
         except WorkerFatal as exc:
             if exc.tell and exc.code is not None:
@@ -379,6 +391,7 @@ class Link:
                 except Ended as ended:
                     if ended.drop_replica:
                         self.replica.drop()
+                        self.diverged = True
                     return str(ended)
         return f"connection lost: {describe(exc)}"
 

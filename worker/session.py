@@ -127,12 +127,20 @@ QUIET_S = 2.0  # a replay or snapshot download quicker than this logs no progres
 class WorkerFatal(Exception):
     """The worker cannot take part in this run (SPEC §8 permanent errors); str() is one line
     that says what to do. `code` is the ERROR code behind it; `tell` says whether the
-    coordinator must be sent ERROR(code) first (it is the worker that refuses)."""
+    coordinator must be sent ERROR(code) first (it is the worker that refuses); `status` is
+    the command's exit status: 2, or COMPUTES_DIFFERENTLY where the fault may be this
+    worker's device alone (its host's other workers go on)."""
 
-    def __init__(self, message: str, code: ErrorCode | None = None, tell: bool = False) -> None:
+    def __init__(
+        self, message: str, code: ErrorCode | None = None, tell: bool = False, status: int = 2
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.tell = tell
+        self.status = status
+
+
+COMPUTES_DIFFERENTLY = 3  # exit status: told DIVERGED again and again (a faulty device?)
 
 
 class RunFinished(Exception):
@@ -342,6 +350,10 @@ class Session:
         self._batch_step = -1
         self._replay: tuple[int, Progress] | None = None  # (from step, its progress) likewise
         self._nonce = b""
+        self._scored = -1  # the step of the last chunks this worker evaluated
+        # A STEP came for a step this worker scored: its results and replica were not
+        # found wrong in it (an outvoted or diverged worker gets no more STEPs).
+        self.confirmed = False
 
     @property
     def welcomed(self) -> bool:
@@ -660,6 +672,7 @@ class Session:
                 self.phase = Phase.IDLE
             return []
         self.phase, self.retry_at = Phase.EVALUATING, None
+        self._scored = batch[0].step
         return [Evaluate(batch)]
 
     def _skip_job(self, job: Job) -> list[Command]:
@@ -690,6 +703,7 @@ class Session:
                 f"STEP {msg.step} has {msg.pair_count} pairs, the run has {self.config.pairs}"
             )
         self.phase, self.retry_at = Phase.IDLE, None
+        self.confirmed |= msg.step == self._scored
         return [Apply([unpack_ternary(msg.fitness, msg.pair_count)])]
 
     def _note_step(self, msg: Step) -> list[Command]:
