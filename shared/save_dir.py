@@ -59,7 +59,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ from .atomic_file import write_atomic
 from .config import ConfigError, RunConfig, from_dict
 from .fitness_log import FitnessLog, FitnessLogError
 from .goal import GoalError, initial_state, resolve
+from .progress import Progress
 from .replica import CheckpointError, ReplicaState, load_checkpoint, replay
 
 RUN_FORMAT = 2  # 2: digests.log holds replica digest 2 (the tree of shared/replica.py)
@@ -428,13 +429,13 @@ class SaveDir:
         self,
         step: int,
         unpack: UnpackFitness,
-        on_replay: Callable[[int], None] | None = None,
+        on_replay: Callable[[int], Progress | None] | None = None,
         snapshots: bool = True,
     ) -> ReplicaState:
         """The replica state after `step` committed steps, the one every worker reaches: the
         newest snapshot at or below it (with `snapshots`; else the initial state), then the
         fitness log replayed up to it, each record read by `unpack`. `on_replay` hears how
-        many steps are about to be replayed."""
+        many steps are about to be replayed, and may return a Progress to follow them."""
         base = self.base_at(step) if snapshots else self.initial()
         return self.replay_from(base, step, unpack, on_replay)
 
@@ -475,7 +476,7 @@ class SaveDir:
         state: ReplicaState,
         step: int,
         unpack: UnpackFitness,
-        on_replay: Callable[[int], None] | None = None,
+        on_replay: Callable[[int], Progress | None] | None = None,
     ) -> ReplicaState:
         """`state` with the fitness log replayed up to `step` (see `state_at`)."""
         committed = self.steps
@@ -483,11 +484,20 @@ class SaveDir:
             raise SaveDirError(f"step {step} is not in {self.path}: it has steps 0..{committed}")
         if step > state.step:
             count = step - state.step
-            if on_replay is not None:
-                on_replay(count)
+            progress = None if on_replay is None else on_replay(count)
             try:
                 packed = self.fitness_log().read(state.step, count)
             except FitnessLogError as exc:
                 raise SaveDirError(str(exc)) from None
-            state = replay(state, (unpack(p, self.config.pairs) for p in packed))
+
+            def records() -> Iterator[np.ndarray]:
+                for i, p in enumerate(packed):
+                    if progress is not None:
+                        progress.update(i)  # the steps before this one are applied
+                    yield unpack(p, self.config.pairs)
+
+            state = replay(state, records())
+            if progress is not None:
+                progress.update(count)
+                progress.finish()
         return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
-from helpers import TRAIN_RUN
+from helpers import TRAIN_RUN, trained_digest
 
 from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
@@ -21,7 +22,7 @@ from eggroll_dist.shared.replica import ReplicaState, load_checkpoint
 from eggroll_dist.shared.replica import replay as replay_steps
 from eggroll_dist.worker import train as train_module
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.train import train
+from eggroll_dist.worker.train import SNAPSHOTS_KEPT, train
 
 SMALL = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16),
@@ -126,6 +127,33 @@ def test_cli_runs_writes_summary_and_save_dir(data_dir: Path, tmp_path: Path) ->
     (last,) = [ln for ln in lines if ln["event"] == "validation" and ln["step"] == 6]
     assert last["stream_bits"] == round(s["valid_stream_bits_per_token"], 4)
     assert last["valid_bits_per_byte"] == round(s["valid_bits_per_byte"], 4)
+
+
+def test_sigterm_stops_after_the_chunk_keeping_every_step_and_a_snapshot(
+    spawn, data_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM mid-run: exit 0 with one line saying what is kept; the fitness log holds the
+    steps committed, a snapshot the last (with the newest of --snapshot-every's), and the
+    same command continues to the digest of a run never stopped."""
+    config = tmp_path / "small.toml"
+    config.write_text(TRAIN_RUN)
+    save = tmp_path / "run"
+    flags = ("--data-dir", data_dir, "--config", config, "--save-dir", save)
+    run = spawn("eggroll-train", *flags, "--steps", "100000", "--snapshot-every", "2")
+    run.wait_for(lambda e: e.get("event") == "step" and e["step"] >= 7, 60, "step 7")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 0, "\n".join(run.lines[-20:])
+    steps = FitnessLog.open(save / "fitness.log").steps
+    assert f"stopped at step {steps} (SIGTERM): steps 1..{steps} are kept" in run.lines[-1]
+    snapshots = sorted(p.name for p in (save / "snapshots").iterdir())
+    evens = [s for s in range(2, steps + 1, 2)]
+    kept = sorted({*evens, steps})[-SNAPSHOTS_KEPT:]
+    assert snapshots == [f"step-{s:08d}.ckpt" for s in kept]
+    assert load_checkpoint(save / "snapshots" / snapshots[-1]).step == steps
+    done = _cli(*flags, "--steps", steps + 2, "--summary-json", tmp_path / "s.json")
+    assert done.returncode == 0, done.stderr
+    digest = json.loads((tmp_path / "s.json").read_text())["replica_digest"]
+    assert int(digest, 16) == trained_digest(data_dir, config, steps + 2)
 
 
 def test_cli_errors_are_one_line(data_dir: Path, tmp_path: Path) -> None:

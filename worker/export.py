@@ -13,7 +13,7 @@ from ..shared.hf_dir import ModelDirError, check_model_dir
 from ..shared.logs import echo
 from ..shared.replica import ReplicaState
 from .export_format import write_export
-from .source import SourceError, check_data_dir, load_source
+from .source import SourceError, check_data_dir, load_source, replay_progress
 
 
 def _tokenizer(data_dir: Path, state: ReplicaState, data_digest: str | None) -> Path | None:
@@ -86,7 +86,7 @@ def main(source: Path, out: Path, step: int | None, data_dir: Path, model_dir: P
             source,
             step,
             newest_snapshot=False,
-            on_replay=lambda n: echo(f"replaying {n} steps of the fitness log", err=True),
+            on_replay=replay_progress(lambda text: echo(text, err=True)),
             warn=lambda text: echo(f"warning: {text}", err=True),
         )
         if found.state.config.model.arch == "hf":

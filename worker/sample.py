@@ -42,7 +42,7 @@ from ..shared.sample import (
 from ..shared.vocab import Detokenizer, VocabError, decode, encode
 from ..shared.vocab import escape as escape_text
 from ..shared.window import held_out_prompt
-from .source import SourceError, check_data_dir, load_source
+from .source import SourceError, check_data_dir, load_source, replay_progress
 
 MAX_PROMPT_FILE_BYTES = 1 << 20  # only the last `context` tokens are used anyway
 
@@ -170,7 +170,7 @@ def main(
         found = load_source(
             source,
             step,
-            on_replay=lambda n: echo(f"replaying {n} steps of the fitness log", err=True),
+            on_replay=replay_progress(lambda text: echo(text, err=True)),
             warn=lambda text: echo(f"warning: {text}", err=True),
         )
         state, origin = found.state, found.origin

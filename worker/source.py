@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..protocol.ternary import unpack_ternary
 from ..shared.data import BYTE_VOCAB_SIZE, DataError, DataMeta
+from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, ReplicaState, load_checkpoint
 from ..shared.save_dir import SaveDir, SaveDirError
 from .export_format import ExportError, is_export, load_export, read_export_record
@@ -35,12 +36,13 @@ def load_source(
     step: int | None = None,
     *,
     newest_snapshot: bool = True,
-    on_replay: Callable[[int], None] | None = None,
+    on_replay: Callable[[int], Progress | None] | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> Source:
     """The replica in `path` at `step`. Without a step, a save directory gives its newest
     snapshot's step (`newest_snapshot`) or its last step. `on_replay` hears how many logged
-    steps are about to be replayed; `warn` hears of a snapshot that cannot be read, which
+    steps are about to be replayed (and may return a Progress to follow them, as
+    `replay_progress` does); `warn` hears of a snapshot that cannot be read, which
     is passed over for an older one (the log gives the same state)."""
     if not path.exists():
         raise SourceError(f"{path} does not exist: give a save directory or a checkpoint file")
@@ -77,7 +79,7 @@ def _from_save_dir(
     run: SaveDir,
     step: int | None,
     newest_snapshot: bool,
-    on_replay: Callable[[int], None] | None,
+    on_replay: Callable[[int], Progress | None] | None,
     warn: Callable[[str], None] | None,
 ) -> Source:
     committed = run.steps
@@ -116,3 +118,14 @@ def check_data_dir(data_dir: Path, meta: DataMeta, vocab: int, data_digest: str 
             f"{data_dir} holds data {meta.sha256[:16]}, the run was trained on "
             f"{data_digest[:16]}: give its data directory with --data-dir"
         )
+
+
+def replay_progress(say: Callable[[str], None]) -> Callable[[int], Progress]:
+    """An `on_replay` for a command: says how many steps are replayed, then follows them (a
+    bar on a terminal, else a line of `say` now and then: a replay can take hours)."""
+
+    def start(count: int) -> Progress:
+        say(f"replaying {count} steps of the fitness log")
+        return Progress("replay", count, "steps", say=lambda p: say(p.line()), quiet_s=2.0)
+
+    return start

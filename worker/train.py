@@ -6,14 +6,18 @@ same files a coordinator does (run.json, fitness.log, history.log, snapshots/;
 shared/save_dir.py), so it can be inspected and replayed, and the same command run again
 continues it: from the newest snapshot and the fitness log, up to --steps in all. A failed
 write stops the run in one line and keeps every committed step; history.log only degrades,
-as the coordinator's does.
+as the coordinator's does. SIGINT or SIGTERM stops it after the chunk under way (a second
+one at once): the steps committed are kept, with a snapshot of the last, and it exits 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,10 +84,12 @@ from .backend.torch_backend import TorchBackend
 from .data.build import vocabulary_mismatch
 from .objective import NextToken, Objective, Reward, make_objective
 from .reward import RewardError
+from .source import replay_progress
 
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
+SNAPSHOTS_KEPT = 3  # the newest snapshots of a save directory kept, as the coordinator's
 
 
 @dataclass
@@ -99,6 +105,7 @@ class TrainResult:
     step_seconds: list[float] = field(default_factory=list)
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
     validation: Validation | None = None  # the latest
+    stopped: str = ""  # the signal that stopped the run early ("" if it was not)
 
 
 def _point(curve: CurveSink | None, event: str, **fields: Any) -> None:
@@ -164,11 +171,15 @@ def train(
     max_seconds: float | None = None,
     curve: CurveSink | None = None,
     objective: Objective | None = None,
+    stop: Callable[[], str] = lambda: "",
+    committed: Callable[[Backend], None] = lambda backend: None,
 ) -> TrainResult:
     """Run `steps` steps from the backend's state (fewer if `max_seconds` of wall time run
     out first: the step under way finishes); validate every K steps and at the end, and
     write a sample every `samples.every` steps. `curve` gets each step's, validation's and
-    sample's log line as a record too. The objective defaults to the loss."""
+    sample's log line as a record too. The objective defaults to the loss. `stop` says why
+    to stop now (a signal's name; "" to go on): the step under way is dropped after its
+    current chunks, and the run ends unvalidated. `committed` hears of each step applied."""
     objective = objective or NextToken()
     reward_run = cfg.fitness.objective == "reward"
     result = TrainResult(backend.state)
@@ -187,6 +198,9 @@ def train(
             for (first, _), res in zip(chunks, results, strict=True):
                 fitness[first // 2 : (first + size) // 2] = res.fitness
                 loss_sum += res.loss_sum
+            result.stopped = stop()
+            if result.stopped:
+                break
             if time.perf_counter() - said >= PROGRESS_S:  # a long step is not a silent one
                 said = time.perf_counter()
                 log.info(
@@ -195,6 +209,8 @@ def train(
                     chunks_done=f"{lo + len(chunks)}/{cfg.chunks}",
                     seconds=round(said - t0),
                 )
+        if result.stopped:
+            break  # nothing of this step was written: the run is at its last commit
         packed = pack_ternary(fitness)
         if fitness_log is not None:
             with naming(fitness_log.path):  # a failed append names no file by itself
@@ -205,6 +221,7 @@ def train(
         result.step_seconds.append(dt)
         result.member_tokens += tokens_per_step
         result.fitness.append(packed)
+        committed(backend)
         score = mean_score(cfg, loss_sum)
         (result.train_reward if reward_run else result.train_loss).append(score)
         _point(
@@ -226,14 +243,18 @@ def train(
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             log.info("time budget spent", step=backend.step, seconds=round(max_seconds))
             break
-    _validate(backend, result, curve, objective)
+        result.stopped = stop()
+        if result.stopped:
+            break
+    if not result.stopped:
+        _validate(backend, result, curve, objective)
     result.state = backend.state
     result.seconds = time.perf_counter() - start
     return result
 
 
 def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
-    final = result.curve[-1]
+    final = result.curve[-1] if result.curve else {}  # none: stopped before any validation
     return {
         "steps": result.state.step,
         "preset": preset_name,
@@ -299,6 +320,14 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
     show_default=True,
     help="Log a sample of the model's writing every N steps (0 = never).",
 )
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="With --save-dir: snapshot the replica every K steps, keeping the newest "
+    f"{SNAPSHOTS_KEPT}, so a resume replays at most K steps (0: only at the end).",
+)
 @init_from_option
 @reward_timeout_option
 @tracking_options
@@ -313,6 +342,7 @@ def main(
     save_dir: Path | None,
     max_minutes: float | None,
     sample_every: int,
+    snapshot_every: int,
     init_from: Path | None,
     reward_timeout: float,
     tensorboard: Path | None,
@@ -356,6 +386,7 @@ def main(
         reward_timeout,
         preset_name,
         config_path,
+        snapshot_every,
     )
 
 
@@ -373,6 +404,7 @@ def run_training(
     reward_timeout: float,
     preset_name: str | None = None,
     config_path: str | None = None,
+    snapshot_every: int = 100,
 ) -> None:
     """The run of a command (eggroll-train, eggroll-tune) in this process, up to `steps` in
     all; every failure is one line (click.ClickException)."""
@@ -400,6 +432,7 @@ def run_training(
             tracking,
             base,
             reward_timeout,
+            snapshot_every,
         )
     except (SaveDirError, GoalError, RewardError, ModelDirError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -439,6 +472,7 @@ def _run(
     tracking: tuple[Path | None, str | None] = (None, None),
     base: Path | None = None,
     reward_timeout: float = 120.0,
+    snapshot_every: int = 100,
 ) -> None:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
     a save directory that cannot be continued SaveDirError, tracking that cannot start
@@ -501,21 +535,38 @@ def _run(
             config_digest=cfg.digest().hex()[:16],
         )
         samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
-        result = train(
-            cfg,
-            backend,
-            max(0, steps - state.step),
-            fitness_log,
-            samples,
-            max_seconds,
-            curve,
-            objective,
-        )
+
+        def committed(backend: Backend) -> None:
+            if layout is not None and snapshot_every and backend.step % snapshot_every == 0:
+                _keep_snapshot(layout, backend.state)
+
+        with _stop_on_signals() as stop:
+            result = train(
+                cfg,
+                backend,
+                max(0, steps - state.step),
+                fitness_log,
+                samples,
+                max_seconds,
+                curve,
+                objective,
+                stop,
+                committed,
+            )
     finally:
         curve.close()
         objective.close()
     if layout is not None and not layout.snapshot(result.state.step).exists():
-        save_checkpoint(layout.snapshot(result.state.step), result.state)
+        _keep_snapshot(layout, result.state)
+    if result.stopped:
+        kept = (
+            f"steps 1..{result.state.step} are kept in {layout.root}, with a snapshot of the "
+            "last: the same command continues them"
+            if layout is not None
+            else "nothing is kept (no --save-dir)"
+        )
+        echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
+        return
     summary = _summary(cfg, preset_name, result, meta)
     blob = (json.dumps(summary, indent=2) + "\n").encode()
     if layout is not None:  # for eggroll-inspect
@@ -530,6 +581,42 @@ def _run(
         f"replica digest {summary['replica_digest']}",
         err=True,
     )
+
+
+def _keep_snapshot(layout: Layout, state: ReplicaState) -> None:
+    """A snapshot of `state`, and only the newest SNAPSHOTS_KEPT: a resume starts from the
+    newest and replays the log from there."""
+    save_checkpoint(layout.snapshot(state.step), state)
+    for old in layout.snapshot_steps()[:-SNAPSHOTS_KEPT]:
+        layout.snapshot(old).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[Callable[[], str]]:
+    """While training: SIGINT or SIGTERM asks to stop after the chunk under way (what the
+    yielded callable says: the signal's name, or ""); a second one stops at once
+    (KeyboardInterrupt: the committed steps are kept, without a snapshot of the last)."""
+    got: list[str] = []
+
+    def handle(signum: int, frame: object) -> None:
+        if got:
+            raise KeyboardInterrupt
+        got.append(signal.Signals(signum).name)
+        log.warning(
+            "stopping",
+            signal=got[0],
+            hint="after the chunk under way; the steps committed are kept (again: at once)",
+        )
+
+    if threading.current_thread() is not threading.main_thread():  # no handlers there
+        yield lambda: ""
+        return
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: got[0] if got else ""
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class _Curve:
@@ -593,7 +680,8 @@ def _resume(
             steps=fitness_log.steps,
             hint="a step that was being written when the run stopped is redone",
         )
-    state = run.state_at(fitness_log.steps, unpack_ternary)
+    replaying = replay_progress(lambda text: log.info("resuming", progress=text))
+    state = run.state_at(fitness_log.steps, unpack_ternary, replaying)
     log.info("resuming", save_dir=str(layout.root), step=state.step)
     return fitness_log, state, run.run
 
