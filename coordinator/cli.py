@@ -138,7 +138,13 @@ def _run(
     show_default=True,
     help="Log a sample of the model's writing every N steps, written by an idle worker (0: never).",
 )
-@click.option("--keep-snapshots", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--keep-snapshots",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Snapshots kept in the save directory, the newest (older ones are deleted).",
+)
 @click.option(
     "--chunk-timeout-s",
     "--chunk-timeout",
@@ -190,7 +196,10 @@ def _run(
     help="Serve TLS with this certificate (PEM; with --tls-key).",
 )
 @click.option(
-    "--tls-key", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None
+    "--tls-key",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="The private key of --tls-cert (PEM).",
 )
 @click.option(
     "--tls-client-ca",

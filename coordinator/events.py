@@ -27,6 +27,7 @@ __all__ = [
     "Left",
     "NoSnapshotSource",
     "Outvoted",
+    "Overprovisioned",
     "Progress",
     "Rejected",
     "Requeued",
@@ -53,6 +54,16 @@ class Joined(Event):
     worker: str
     address: str
     workers: int  # past the handshake, this one included
+
+
+@dataclass(frozen=True)
+class Overprovisioned(Event):
+    """A worker joined past one per chunk: the workers beyond the step's chunks wait, or
+    score check and backup copies (said once, as their number passes the chunks)."""
+
+    workers: int
+    chunks: int
+    chunk_size: int  # members a chunk: a population of workers x this keeps them all busy
 
 
 @dataclass(frozen=True)

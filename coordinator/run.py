@@ -121,6 +121,7 @@ from .events import (
     Left,
     NoSnapshotSource,
     Outvoted,
+    Overprovisioned,
     Progress,
     Rejected,
     Requeued,
@@ -521,6 +522,8 @@ class RunCore:
         self.ready_hosts[peer.host] += 1
         peer.broadcast_from = self.step
         out.append(Joined(peer.name, peer.address, self.ready_count()))
+        if self.ready_count() == self.cfg.chunks + 1:
+            out.append(Overprovisioned(self.ready_count(), self.cfg.chunks, self.cfg.es.chunk_size))
         return [*out, Send(peer.id, welcome)]
 
     def _check_data_digest(self, peer: Peer) -> list[Event]:

@@ -203,6 +203,15 @@ def record(
             log.info(
                 "worker joined", worker=event.worker, peer=event.address, workers=event.workers
             )
+        case events.Overprovisioned():
+            log.warning(
+                "more workers than chunks",
+                workers=event.workers,
+                chunks=event.chunks,
+                hint=f"a step has {event.chunks} chunks: the workers beyond them wait, or "
+                "score check and backup copies; a run with es.population of at least "
+                f"workers x {event.chunk_size} keeps every worker busy",
+            )
         case events.Left():
             log.info("worker left", worker=event.worker, workers=event.workers)
             if not event.namesakes:  # a reconnected worker's new session keeps its series

@@ -1,5 +1,6 @@
-"""What every command shares: --version, every option from an EGGROLL_* variable named in
---help, and eggroll-local's explicit --steps (a total) versus --more (beyond the run's)."""
+"""What every command shares: --version, help text for every option and an EGGROLL_*
+variable for it named in --help, and eggroll-local's explicit --steps (a total) versus
+--more (beyond the run's)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from eggroll_dist.worker.export import main as export_main
 from eggroll_dist.worker.local import main as local_main
 from eggroll_dist.worker.sample import main as sample_main
 from eggroll_dist.worker.train import main as train_main
+from eggroll_dist.worker.tune import main as tune_main
 
 COMMANDS = {
     "eggroll-worker": worker_main,
@@ -30,6 +32,7 @@ COMMANDS = {
     "eggroll-inspect": inspect_main,
     "eggroll-sample": sample_main,
     "eggroll-export": export_main,
+    "eggroll-tune": tune_main,
     "eggroll-data prepare": data_main.commands["prepare"],
     "eggroll-data info": data_main.commands["info"],
 }
@@ -47,12 +50,13 @@ def test_every_command_has_version(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_every_option_has_a_variable_named_in_help(name: str) -> None:
+def test_every_option_has_help_and_a_variable_named_in_it(name: str) -> None:
     command = COMMANDS[name]
     ctx = click.Context(command, info_name=name)
     text = " ".join(command.get_help(ctx).split())
     for param in command.params:
         if isinstance(param, click.Option) and param.expose_value:
+            assert param.help, f"{name} {param.opts[0]} has no help text"
             assert isinstance(param.envvar, str) and param.envvar.startswith("EGGROLL_")
             assert f"env var: {param.envvar}" in text
 

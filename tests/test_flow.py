@@ -21,6 +21,7 @@ from eggroll_dist.coordinator.events import (
     ChunkAccepted,
     Leased,
     Outvoted,
+    Overprovisioned,
     Stalled,
     Undecided,
 )
@@ -276,6 +277,15 @@ def test_a_worker_asking_again_gets_no_more_than_its_share(
     digest = ReplicaState.initial(store4.config).digest()
     again = sends(core.receive(peer.id, JobRequest(0, digest, 0, 4)))
     assert [type(o.msg).__name__ for o in again] == ["Wait"] and core.jobs.live[peer.id] == held
+
+
+def test_workers_past_one_a_chunk_are_reported_once(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)  # 2 chunks of 8 members
+    for name in "abcd":
+        net.join(name)
+    net.run()
+    (said,) = [e for e in net.events if isinstance(e, Overprovisioned)]
+    assert (said.workers, said.chunks, said.chunk_size) == (3, 2, 8)
 
 
 def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Dataset) -> None:

@@ -152,6 +152,7 @@ async def _serve(client: WorkerClient) -> None:
     default=None,
     envvar="EGGROLL_TLS_KEY",
     show_envvar=True,
+    help="The private key of --tls-cert (PEM).",
 )
 @log_format_option
 @click.option(

@@ -134,8 +134,20 @@ def _terminal_styles() -> tuple[str, str]:
     show_default=True,
     help="Bits off every token per occurrence so far.",
 )
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
-@click.option("--count", type=click.IntRange(1, 1000), default=1, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**64 - 1),
+    default=0,
+    show_default=True,
+    help="Seed of the sampling: the same seed, prompt and settings write the same text.",
+)
+@click.option(
+    "--count",
+    type=click.IntRange(1, 1000),
+    default=1,
+    show_default=True,
+    help="Samples to write from the prompt, each with its own draw.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample on stdout.")
 def main(
     source: Path,

@@ -173,7 +173,13 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     show_default=True,
     help="Steps in all: the same command with more continues a run in --save-dir.",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the run's noise and of its data's order.",
+)
 @click.option(
     "--save-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -195,8 +201,20 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     show_default=True,
     help="Tokens each pair scores per step (perplexity).",
 )
-@click.option("--prompts-per-step", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--completion-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--prompts-per-step",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Prompts every member continues each step (with --prompts).",
+)
+@click.option(
+    "--completion-tokens",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Tokens generated per prompt (with --prompts).",
+)
 @click.option(
     "--temperature",
     type=click.FloatRange(min=0, max=100),
@@ -211,8 +229,19 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     show_default=True,
     help="Held-out tokens scored at each validation.",
 )
-@click.option("--validate-every", type=click.IntRange(min=0), default=25, show_default=True)
-@click.option("--summary-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--validate-every",
+    type=click.IntRange(min=0),
+    default=25,
+    show_default=True,
+    help="Score the held-out data every N steps, and at the end (0: at the end only).",
+)
+@click.option(
+    "--summary-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the run summary here as JSON.",
+)
 @click.option(
     "--max-minutes",
     type=click.FloatRange(min=0, min_open=True),
