@@ -234,7 +234,11 @@ def record(
                 hint="no two workers agree on the replica: a backend or version differs",
             )
         case events.NoSnapshotSource():
-            log.info("no worker at the current step for a final snapshot", step=event.step)
+            log.info(
+                "no worker at the current step for a final snapshot yet",
+                step=event.step,
+                hint="one is asked when it reaches the step, within 10 s",
+            )
         case events.SnapshotRejected():
             log.warning("snapshot rejected", worker=event.worker, reason=event.reason)
         case events.SnapshotDropped():
@@ -637,18 +641,21 @@ class Coordinator:
         log.info("stopped", steps=self.step, latest_snapshot=self.store.latest_snapshot)
 
     async def _final_snapshot(self, timeout_s: float) -> None:
-        """Ask a worker at the current step for its state and wait a bounded time for it."""
+        """Ask a worker at the current step for its state and wait a bounded time for it. A
+        worker not at the step yet (it was applying the step just committed) is asked when it
+        gets there, at its next JOB_REQUEST."""
         self._snapshot_stored.clear()
         await self._carry_out(self.core.want_snapshot())
-        if self.core.snapshot.asked is None:
-            return  # nobody to ask
+        if not self.core.snapshot.pending(self.step) or not self.core.ready_count():
+            return  # nothing to ask for, or nobody to ask
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 # A dropped snapshot is no longer pending: no use waiting for it.
                 while self.store.latest_snapshot != self.step and self.core.snapshot.pending(
                     self.step
                 ):
-                    await self._snapshot_stored.wait()
+                    with contextlib.suppress(TimeoutError):  # now and then: asked yet?
+                        await asyncio.wait_for(self._snapshot_stored.wait(), 0.2)
                     self._snapshot_stored.clear()
         if self.store.latest_snapshot != self.step:
             log.warning(

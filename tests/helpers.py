@@ -13,6 +13,7 @@ the real shell would wait for its backend thread.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Coroutine
@@ -24,7 +25,22 @@ from eggroll_dist.coordinator.metrics import Metrics
 from eggroll_dist.coordinator.run import Event, Output, Refused, RunCore, RunOptions
 from eggroll_dist.coordinator.server import Executor as CoordinatorExecutor
 from eggroll_dist.coordinator.store import RunStore
-from eggroll_dist.protocol import Connection, ErrorCode, Job, Message, Role, Step, unpack_ternary
+from eggroll_dist.protocol import (
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Connection,
+    Error,
+    ErrorCode,
+    Hello,
+    Job,
+    Message,
+    Role,
+    Step,
+    Welcome,
+    auth_mac,
+    unpack_ternary,
+)
 from eggroll_dist.shared.config import load_config
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.replica import ReplicaState
@@ -142,6 +158,51 @@ def trained_digest(data_dir: Path, config: Path, steps: int) -> int:
     cfg = load_config(config)
     backend = NumpyBackend(load_data_dir(data_dir), ReplicaState.initial(cfg))
     return train(cfg, backend, steps).state.digest()
+
+
+class Peer:
+    """A hand-driven worker (or anything else) speaking the protocol over a real socket."""
+
+    def __init__(self, port: int, *, timeout_s: float = 10.0) -> None:
+        self.conn = Connection(Role.WORKER)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.inbox: list[Message] = []
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, msg: Message) -> None:
+        self.sock.sendall(self.conn.send(msg))
+
+    def receive(self) -> Message | None:
+        """The next message, or None when the coordinator closed the connection."""
+        while not self.inbox:
+            try:
+                data = self.sock.recv(1 << 16)
+            except ConnectionResetError:
+                return None
+            if not data:
+                return None
+            self.conn.receive_data(data)
+            while (msg := self.conn.next_event()) is not None:
+                self.inbox.append(msg)
+        return self.inbox.pop(0)
+
+    def until(self, kind: type) -> Message | None:
+        """Messages until one of `kind` (returned), an ERROR (returned) or the end (None)."""
+        while (msg := self.receive()) is not None:
+            if isinstance(msg, kind | Error):
+                return msg
+        return None
+
+    def join(self, token: str, data_digest: bytes, name: str = "intruder") -> Welcome | Error:
+        self.send(Hello(PROTOCOL_VERSION, name, "numpy", "cpu", data_digest))
+        challenge = self.until(Challenge)
+        assert isinstance(challenge, Challenge), challenge
+        self.send(Auth(auth_mac(token.encode(), challenge.nonce)))
+        welcome = self.until(Welcome)
+        assert welcome is not None
+        return welcome
 
 
 # --- the in-memory flow harness ----------------------------------------------------------------

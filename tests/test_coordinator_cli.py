@@ -10,9 +10,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY_RUN, Peer, start_coordinator
 
 from eggroll_dist.coordinator.store import RunStore
-from eggroll_dist.shared.config import preset
+from eggroll_dist.protocol import (
+    Job,
+    JobRequest,
+    Result,
+    SnapshotRequest,
+    Step,
+    Welcome,
+    iter_snapshot_chunks,
+    unpack_ternary,
+)
+from eggroll_dist.shared.config import load_config, preset
+from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.shared.replica import ReplicaState, encode_checkpoint
+from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 
 EXE = str(Path(sys.executable).with_name("eggroll-coordinator"))
 
@@ -40,6 +54,51 @@ def test_flags_come_from_environment_variables(spawn, tmp_path: Path) -> None:
     assert coord.wait(30) == 0  # SIGTERM stops it cleanly
     coord.wait_for(lambda e: e.get("event") == "stopped", 5)
     assert (env_dir / "run.json").exists() and (env_dir / "fitness.log").exists()
+
+
+def test_a_stop_right_after_a_commit_waits_for_the_final_snapshot(
+    spawn, tmp_path: Path, words_data: Path
+) -> None:
+    """SIGTERM just after step 1 is committed, before the only worker has asked for a job
+    at it: the coordinator asks it for the final snapshot when it gets there."""
+    config = tmp_path / "run.toml"
+    config.write_text(TINY_RUN)
+    save = tmp_path / "run"
+    coord, port = start_coordinator(spawn, save, config)
+    dataset = load_data_dir(words_data)
+    backend = NumpyBackend(dataset, ReplicaState.initial(load_config(config)))
+    worker = Peer(port)
+    try:
+        assert isinstance(worker.join("", dataset.digest, "w"), Welcome)
+        digest = backend.state.digest()
+        worker.send(JobRequest(0, digest))
+        while not isinstance(msg := worker.receive(), Step):
+            if isinstance(msg, Job):
+                r = backend.evaluate_chunk(0, msg.first_member, msg.member_count)
+                worker.send(
+                    Result.from_values(
+                        step=0,
+                        chunk=msg.chunk,
+                        loss_sum=r.loss_sum,
+                        weights_changed=0,
+                        replica_digest=digest,
+                        fitness=r.fitness,
+                    )
+                )
+                worker.send(JobRequest(0, digest))
+        changed = backend.apply_step(unpack_ternary(msg.fitness, msg.pair_count))
+        coord.proc.send_signal(signal.SIGTERM)
+        coord.wait_for(lambda e: e.get("event") == "stopping", 10)
+        worker.send(JobRequest(1, backend.state.digest(), changed))
+        asked = worker.until(SnapshotRequest)
+        assert isinstance(asked, SnapshotRequest) and asked.step == 1, asked
+        for chunk in iter_snapshot_chunks(1, encode_checkpoint(backend.state)):
+            worker.send(chunk)
+        assert coord.wait(30) == 0
+    finally:
+        worker.close()
+    stopped = coord.wait_for(lambda e: e.get("event") == "stopped", 5)
+    assert stopped["latest_snapshot"] == 1 and (save / "snapshots" / "step-00000001.ckpt").exists()
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

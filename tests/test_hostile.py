@@ -19,6 +19,7 @@ import pytest
 from conftest import Proc
 from helpers import (
     TINY_RUN,
+    Peer,
     command,
     digest_at,
     inspect_run,
@@ -46,7 +47,6 @@ from eggroll_dist.protocol import (
     SnapshotRequest,
     Step,
     Welcome,
-    auth_mac,
 )
 from eggroll_dist.protocol.frames import HEADER, MAGIC, PROTOCOL_VERSION
 from eggroll_dist.shared.config import load_config
@@ -94,51 +94,6 @@ def final_digest(save_dir: Path) -> str:
 def finishes_undisturbed(coord, save_dir: Path, undisturbed: str) -> None:
     assert coord.wait(120) == 0
     assert final_digest(save_dir) == undisturbed
-
-
-class Peer:
-    """A hand-driven worker (or anything else) speaking the protocol over a real socket."""
-
-    def __init__(self, port: int, *, timeout_s: float = 10.0) -> None:
-        self.conn = Connection(Role.WORKER)
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-        self.inbox: list[Message] = []
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, msg: Message) -> None:
-        self.sock.sendall(self.conn.send(msg))
-
-    def receive(self) -> Message | None:
-        """The next message, or None when the coordinator closed the connection."""
-        while not self.inbox:
-            try:
-                data = self.sock.recv(1 << 16)
-            except ConnectionResetError:
-                return None
-            if not data:
-                return None
-            self.conn.receive_data(data)
-            while (msg := self.conn.next_event()) is not None:
-                self.inbox.append(msg)
-        return self.inbox.pop(0)
-
-    def until(self, kind: type) -> Message | None:
-        """Messages until one of `kind` (returned), an ERROR (returned) or the end (None)."""
-        while (msg := self.receive()) is not None:
-            if isinstance(msg, kind | Error):
-                return msg
-        return None
-
-    def join(self, token: str, data_digest: bytes, name: str = "intruder") -> Welcome | Error:
-        self.send(Hello(PROTOCOL_VERSION, name, "numpy", "cpu", data_digest))
-        challenge = self.until(Challenge)
-        assert isinstance(challenge, Challenge), challenge
-        self.send(Auth(auth_mac(token.encode(), challenge.nonce)))
-        welcome = self.until(Welcome)
-        assert welcome is not None
-        return welcome
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import platform
 import shutil
 import subprocess
@@ -239,6 +241,92 @@ def test_info_prints_meta_and_errors_in_one_line(tmp_path: Path) -> None:
     _assert_one_line_error(result, "eggroll-data prepare --builtin", 1)
     (out / INPUT_FILE).write_bytes(b"\x01" * meta.train_tokens)
     _assert_one_line_error(CliRunner().invoke(main, ["info", str(out)]), "sha256", 1)
+
+
+# --- JSON lines ----------------------------------------------------------------------
+
+
+def _documents() -> list[str]:
+    docs = [
+        f"doc {i}: caf\u00e9 \u20ac\r\n" + "the cat sat on the mat. " * (20 + i) for i in range(30)
+    ]
+    docs.append("\n\n".join(_paragraphs(100)))  # over 64 KiB: cut like a text file
+    docs.append("  \n ")  # whitespace only: dropped like an empty text file
+    return docs
+
+
+def _write_jsonl(path: Path, lines: list[str]) -> Path:
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+@pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "bpe", "--vocab-size", "300"]])
+def test_jsonl_gives_the_documents_of_text_files(tmp_path: Path, tokenizer: list[str]) -> None:
+    docs = _documents()
+    txt = []
+    for i, doc in enumerate(docs):
+        txt.append(tmp_path / f"d{i:02d}.txt")
+        txt[-1].write_bytes(doc.encode())
+    lines = [json.dumps({"id": i, "text": doc}) for i, doc in enumerate(docs)]
+    lines.insert(5, "   ")  # a blank line is skipped
+    jsonl = _write_jsonl(tmp_path / "c.jsonl", lines)
+    gz = _write_jsonl(tmp_path / "c.jsonl.gz", lines)
+    digests = []
+    for name, inputs in (("txt", txt), ("jsonl", [jsonl]), ("gz", [gz])):
+        out = tmp_path / name
+        result = _prepare([*map(str, inputs), *tokenizer, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        digests.append(load_data_dir(out).digest)
+    assert digests[0] == digests[1] == digests[2]
+    if not tokenizer:  # the bytes are the text, not its JSON
+        assert (tmp_path / "jsonl" / INPUT_FILE).read_bytes()[1:4] == b"doc"
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ('{"text": "a" "b"}', "not valid JSON"),
+        ('["a list"]', "not a JSON object"),
+        ('{"body": "no text"}', 'no "text" field'),
+        ('{"text": 3}', 'the "text" field is int, not text'),
+        ('{"text": "\\ud800"}', "the text holds an unpaired surrogate"),
+    ],
+)
+def test_jsonl_bad_line_is_one_line_error_naming_file_and_line(
+    tmp_path: Path, line: str, why: str
+) -> None:
+    for name in ("c.jsonl", "c.jsonl.gz"):
+        path = _write_jsonl(tmp_path / name, ['{"text": "one"}', "", line, '{"text": "two"}'])
+        for tokenizer in ([], ["--tokenizer", "bpe"]):
+            result = _prepare([str(path), *tokenizer, "--out", str(tmp_path / "data")])
+            _assert_one_line_error(result, f"{path}:3: {why}", 1)
+    assert not (tmp_path / "data" / META_FILE).exists()
+
+
+def test_truncated_gzip_is_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "one"}\n' * 100)[:-10])
+    result = _prepare([str(path), "--out", str(tmp_path / "data")])
+    _assert_one_line_error(result, f"input file {path} is not a whole gzip file", 1)
+
+
+def test_text_field_picks_the_field(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": i, "body": f"body {i} " * 50}) for i in range(20)]
+    path = _write_jsonl(tmp_path / "c.jsonl", lines)
+    out = tmp_path / "data"
+    result = _prepare([str(path), "--text-field", "body", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_data_dir(out).meta.documents == 20
+    assert (out / INPUT_FILE).read_bytes()[:6] == b"\x00body "
+    # The variable sets it as well.
+    result = CliRunner().invoke(
+        main,
+        ["prepare", str(path), "--out", str(tmp_path / "env")],
+        env={"EGGROLL_TEXT_FIELD": "body"},
+    )
+    assert result.exit_code == 0, result.output
+    assert load_data_dir(tmp_path / "env").digest == load_data_dir(out).digest
 
 
 # --- the built-in corpus -------------------------------------------------------------

@@ -1,8 +1,9 @@
 """deploy/slurm/eggroll.sbatch on a real one-node SLURM cluster started here (munged,
 slurmctld and slurmd in temporary directories): the job runs the coordinator and
 run-workers.sh with NumPy workers, stops cleanly on the signal that precedes the time
-limit, resumes when submitted again, reaches the replica digest of eggroll-train, and
-never shows the token on a command line.
+limit (the coordinator first, so that it keeps a final snapshot), resumes when submitted
+again, reaches the replica digest of eggroll-train, and never shows the token on a command
+line.
 
 Needs Debian's slurm-wlm and munge and root (slurmd starts jobs as their user); .ci/run
 installs them. By hand: `apt-get install slurm-wlm munge`, then
@@ -54,6 +55,7 @@ pytestmark = [
 
 # Eight small chunks a step: well under a second a step here.
 STEPS = 8
+CHUNKS_PER_STEP = 8
 
 
 def free_port() -> int:
@@ -299,14 +301,21 @@ class Job:
     def text(self) -> str:
         return self.log.read_text() if self.log.exists() else "(no job log)"
 
-    def events(self) -> list[dict]:
-        """The coordinator's JSON lines. The job log interleaves several processes, and a line
+    def events(self, workers: bool = False) -> list[dict]:
+        """The coordinator's JSON lines, or with `workers` the workers' (`0: [gpu1] {...}`,
+        with the GPU added as "gpu"). The job log interleaves several processes, and a line
         can run into another's: take the object each line starts with."""
         decoder, events = json.JSONDecoder(), []
         for line in self.text().splitlines():
+            gpu = ""
+            if workers:
+                prefix, _, line = line.partition("] ")
+                gpu = prefix.removeprefix("0: [") if prefix.startswith("0: [gpu") else ""
+                line = line if gpu else ""
             if line[:1] == "{":
                 with contextlib.suppress(ValueError):  # cut short by another process's line
-                    events.append(decoder.raw_decode(line)[0])
+                    event = decoder.raw_decode(line)[0]
+                    events.append({**event, "gpu": gpu} if workers else event)
         return events
 
     def state(self) -> tuple[str, str]:
@@ -350,6 +359,18 @@ class Job:
 
     def committed(self) -> int:
         return max((e["step"] for e in self.events() if e.get("event") == "step"), default=0)
+
+    def early_in_step(self) -> bool:
+        """Both workers have begun the open step, and most of its chunks are still to do.
+        Right after a commit the workers are not yet at the new step, and a coordinator
+        stopped then has no worker to take its final snapshot from."""
+        step = self.committed()
+        done = [
+            e["gpu"]
+            for e in self.events(workers=True)
+            if e.get("event") == "chunk done" and e.get("step") == step
+        ]
+        return set(done) == {"gpu0", "gpu1"} and len(done) <= CHUNKS_PER_STEP // 2
 
 
 def workers_stopped_cleanly(job: Job, node: str) -> None:
@@ -410,11 +431,15 @@ def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_
         # before the time limit. Everything stops cleanly and the job succeeds.
         first = Job(cluster, env, tmp_path / "job1.log")
         deadline = time.monotonic() + 180
-        while (first.committed() < 2 or len(first.joined()) < 2) and not first.ended():
+        while first.committed() < 2 and not first.ended():
             assert time.monotonic() < deadline, first.text() + cluster.log_tail()
             time.sleep(0.2)
+        shell = first.batch_shell_pid()
+        while not first.early_in_step() and not first.ended():
+            assert time.monotonic() < deadline, first.text() + cluster.log_tail()
+            time.sleep(0.02)
         assert not first.ended(), "the run ended before the signal\n" + first.text()
-        os.kill(first.batch_shell_pid(), signal.SIGTERM)
+        os.kill(shell, signal.SIGTERM)
         assert first.wait() == ("COMPLETED", "0:0"), first.text() + cluster.log_tail()
         # Second job, the same command: resumes from the last committed step, ends the run.
         second = Job(cluster, env, tmp_path / "job2.log")
@@ -422,11 +447,15 @@ def test_sbatch_run_stops_on_the_time_limit_signal_and_resumes_to_the_digest_of_
     finally:
         watch.stop()
 
-    assert "SIGTERM (time limit or scancel): stopping the workers and the coordinator" in (
+    assert "SIGTERM (time limit or scancel): stopping the coordinator, then the workers" in (
         first.text()
     )
     stopped_at = first.committed()
     assert 2 <= stopped_at < STEPS, first.text()
+    # The coordinator was stopped while the workers were still connected, so one of them
+    # sent it the final snapshot of the step it stopped at.
+    stopped = [e for e in first.events() if e.get("event") == "stopped"]
+    assert stopped and stopped[0]["latest_snapshot"] == stopped_at, first.text()
     assert first.joined() == {f"{cluster.node}-gpu0", f"{cluster.node}-gpu1"}
     workers_stopped_cleanly(first, cluster.node)
     resumed = [e for e in second.events() if e.get("event") == "listening"]

@@ -1,6 +1,7 @@
 """`eggroll-data`: build a data directory from text, import a d-eggs one, or inspect one.
 
     eggroll-data prepare notes.txt book.txt --out data/
+    eggroll-data prepare minipile.jsonl.gz --text-field text --out data/minipile
     eggroll-data prepare --builtin --out data/
     eggroll-data prepare --builtin --tokenizer bpe --vocab-size 8192 --out data/bpe
     eggroll-data prepare more.txt --tokenizer data/bpe/tokenizer.json --out data/more
@@ -35,7 +36,13 @@ from .build import (
     size_warnings,
 )
 from .builtin import builtin_documents, builtin_source
-from .documents import file_documents, files_documents
+from .documents import (
+    DEFAULT_TEXT_FIELD,
+    file_documents,
+    files_documents,
+    is_jsonl,
+    jsonl_documents,
+)
 from .import_deggs import import_data_dir
 from .tokenizer import load_tokenizer
 
@@ -54,19 +61,22 @@ def _os_error(exc: OSError, out: Path) -> click.ClickException:
 
 
 def _files_bytes(paths: tuple[Path, ...]) -> int | None:
-    """The size of the input files (None if one cannot be read: its error comes later)."""
+    """The size of the input files (None if one cannot be read: its error comes later, or
+    is gzipped: its size says little about its text)."""
+    if any(p.name.lower().endswith(".gz") for p in paths):
+        return None
     try:
         return sum(p.stat().st_size for p in paths)
     except OSError:
         return None
 
 
-def _read_files(paths: tuple[Path, ...]) -> list[bytes]:
+def _read_files(paths: tuple[Path, ...], text_field: str) -> list[bytes]:
     """The documents of every file, with progress through them."""
     reading = Progress("read", _files_bytes(paths), "B", say=lambda p: _progress(p.line()))
     docs: list[bytes] = []
     for path in paths:
-        docs += file_documents(path)
+        docs += jsonl_documents(path, text_field) if is_jsonl(path) else file_documents(path)
         reading.advance(path.stat().st_size)
     reading.finish(say=False)  # the count of documents follows
     return docs
@@ -114,6 +124,12 @@ def main() -> None:
     help=f"Tokens of the trained BPE, separator and 256 bytes included "
     f"[default: {DEFAULT_BPE_VOCAB_SIZE}].",
 )
+@click.option(
+    "--text-field",
+    default=DEFAULT_TEXT_FIELD,
+    show_default=True,
+    help="The string field that holds each document in .jsonl and .jsonl.gz inputs.",
+)
 def prepare(
     text_files: tuple[Path, ...],
     out: Path,
@@ -121,9 +137,10 @@ def prepare(
     valid_fraction: float,
     tokenizer_arg: str | None,
     vocab_size: int | None,
+    text_field: str,
 ) -> None:
-    """Tokenize TEXT_FILES (UTF-8) or the built-in corpus into --out: as bytes, or with a
-    BPE tokenizer (--tokenizer)."""
+    """Tokenize TEXT_FILES (UTF-8; .jsonl and .jsonl.gz files hold a JSON document per line)
+    or the built-in corpus into --out: as bytes, or with a BPE tokenizer (--tokenizer)."""
     if builtin and text_files:
         raise OneLineError("give text files or --builtin, not both")
     if not builtin and not text_files:
@@ -145,7 +162,7 @@ def prepare(
                 total = sum(len(d) for d in builtin_docs)
             else:
                 source = ", ".join(p.name for p in text_files)
-                docs = partial(files_documents, text_files)
+                docs = partial(files_documents, text_files, text_field)
                 total = _files_bytes(text_files)
             meta = prepare_tokenized_data_dir(
                 docs,
@@ -162,7 +179,7 @@ def prepare(
                 all_docs = builtin_docs
             else:
                 source = ", ".join(p.name for p in text_files)
-                all_docs = _read_files(text_files)
+                all_docs = _read_files(text_files, text_field)
             if not all_docs:
                 raise DataError(f"no text found in {source}: the input files are empty")
             total = sum(len(d) for d in all_docs)

@@ -7,11 +7,19 @@ blank lines (``\\n\\n``) and the paragraphs are packed, in order, into documents
 least 16 KiB (the last may be shorter). A paragraph larger than 64 KiB is cut the same way
 on single newlines, and a line larger than that into pieces of 16 Ki characters.
 Whitespace-only documents are dropped.
+
+A ``.jsonl`` or ``.jsonl.gz`` file holds one document per line: a JSON object whose text
+field (``text`` unless told otherwise) is read as if it were the whole of a text file, so it
+is cleaned and cut by the same rule. Blank lines are skipped; any other line that is not
+such an object stops the reading with an error naming the file and line.
 """
 
 from __future__ import annotations
 
 import codecs
+import gzip
+import json
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -19,6 +27,8 @@ from ...shared.data import DataError
 
 SPLIT_ABOVE_BYTES = 64 * 1024
 DOC_TARGET_BYTES = 16 * 1024
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+DEFAULT_TEXT_FIELD = "text"
 
 
 def clean_text(text: str) -> str:
@@ -238,7 +248,68 @@ def iter_file_documents(path: Path | str, block_bytes: int = 1 << 20) -> Iterato
             yield doc.encode("utf-8")
 
 
-def files_documents(paths: Sequence[Path]) -> Iterator[bytes]:
+# JSON lines: one document per line, read a line at a time.
+
+
+def is_jsonl(path: Path | str) -> bool:
+    """Whether `path` is read as JSON lines (by its name: .jsonl or .jsonl.gz)."""
+    return Path(path).name.lower().endswith(JSONL_SUFFIXES)
+
+
+def _record_text(line: bytes, where: str, text_field: str) -> str:
+    """The text field of one JSON line, or a DataError that starts with `where`."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (bad byte at column {e.start + 1})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: not a JSON object (one document per line is read)")
+    if text_field not in record:
+        keys = ", ".join(list(record)[:5]) or "none"
+        raise DataError(
+            f'{where}: no "{text_field}" field (its fields: {keys}; choose one with --text-field)'
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise DataError(f'{where}: the "{text_field}" field is {type(text).__name__}, not text')
+    return text
+
+
+def jsonl_documents(path: Path | str, text_field: str = DEFAULT_TEXT_FIELD) -> Iterator[bytes]:
+    """The documents of a JSON-lines file (gzipped if its name ends in .gz), one at a time:
+    each line's `text_field`, cleaned and cut as the text of a whole text file would be."""
+    path = Path(path)
+    _check_input(path)
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if number == 1:
+                    line = line.removeprefix(codecs.BOM_UTF8)
+                line = line.strip()
+                if not line:
+                    continue
+                where = f"{path}:{number}"
+                text = clean_text(_record_text(line, where, text_field))
+                try:
+                    docs = [d.encode("utf-8") for d in split_text(text) if d.strip()]
+                except UnicodeEncodeError:  # JSON can escape a lone surrogate: \ud800
+                    raise DataError(f"{where}: the text holds an unpaired surrogate") from None
+                yield from docs
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"input file {path} is not a whole gzip file: {e}") from None
+
+
+def path_documents(path: Path, text_field: str = DEFAULT_TEXT_FIELD) -> Iterator[bytes]:
+    """The documents of one input file, a text file or JSON lines, one at a time."""
+    if is_jsonl(path):
+        return jsonl_documents(path, text_field)
+    return iter_file_documents(path)
+
+
+def files_documents(paths: Sequence[Path], text_field: str = DEFAULT_TEXT_FIELD) -> Iterator[bytes]:
     """The documents of every file in `paths`, in order, one at a time."""
     for path in paths:
-        yield from iter_file_documents(path)
+        yield from path_documents(path, text_field)
