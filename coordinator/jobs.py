@@ -414,9 +414,14 @@ class StepJobs:
         return requeued
 
     def next_deadline(self) -> float | None:
-        """When `expire` could next have something to do."""
-        live = [x.deadline for held in self.leases.values() for x in held if not x.expired]
-        return min(live, default=None)
+        """When `expire` could next have something to do: when every live lease of some
+        chunk is past its deadline."""
+        due = [
+            max(x.deadline for x in live)
+            for held in self.leases.values()
+            if (live := [x for x in held if not x.expired])
+        ]
+        return min(due, default=None)
 
     def _unanswered(self) -> Iterable[Lease]:
         """Every lease of the step whose worker has sent no result for its chunk yet."""

@@ -101,6 +101,7 @@ from ..protocol import (
     Welcome,
     verify_mac,
 )
+from ..protocol.errors import ADDRESS_OUTVOTED
 from ..shared.fitness import chunk_loss_range, mean_score, member_tokens
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
@@ -256,7 +257,9 @@ class Peer:
     # chunk -> lease time and the chunks leased with it (scored together in one pass)
     job_started: dict[int, tuple[float, int]] = field(default_factory=dict)
     outvoted: str = ""  # why it is refused at its next message (its result lost a vote)
-    worked: float = 0.0  # its WELCOME or its last RESULT: when it last did work for the run
+    # Its WELCOME, last RESULT or last JOB_REQUEST at the open step: when it last did or
+    # asked for work (a hung worker does neither)
+    worked: float = 0.0
     stalled: bool = False  # reported as stalled (`Stalled`), until its next RESULT
 
     @property
@@ -335,7 +338,8 @@ class RunCore:
         self.disagreed: set[int] = set()  # steps in the tallies whose disagreement was reported
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
-        self.suspect_hosts: set[str] = set()  # where a worker was outvoted: every result checked
+        # Where a worker was outvoted: every result checked (kept in run.json across restarts)
+        self.suspect_hosts: set[str] = store.suspect_hosts
         self.ready_hosts: Counter[str] = Counter()  # connected workers per address
         self.departed: dict[int, str] = {}  # the address of each worker gone in this step
         self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
@@ -603,6 +607,7 @@ class RunCore:
             if step >= peer.broadcast_from:
                 return out  # the STEPs it lacks are on their way; it asks again after them
             return out + self._fitness_range(peer, step, CATCHUP_STEPS)
+        peer.worked = self.clock()  # at the open step, asking for work: not stalled
         if self.store.digests.get(step) == msg.replica_digest or len(self.peers) == 1:
             self.weights_changed = msg.weights_changed  # from an agreed replica only
         out += self._ask_snapshot(peer)
@@ -674,10 +679,11 @@ class RunCore:
         connected group has voted on it (the run's only machine), or is stalled. A checker
         that is slow, even past its lease's deadline, is waited for (being slow says nothing
         of whether another worker lies, and a liar could make honest leases expire early),
-        but not forever: a worker that holds a lease unanswered past STALL_S (`overdue`),
-        or that holds none, is not waiting for a job and has done no work for STALL_S (hung
-        while it heartbeats, or stuck short of the open step), counts as gone until its
-        next RESULT. One machine's hung GPU must not halt the others' run."""
+        but not forever: a worker that has neither returned a result nor asked for a job at
+        the open step for STALL_S, and holds a lease unanswered past its overdue time (at
+        least STALL_S) or none while not waiting for one (hung while it heartbeats, or stuck
+        short of the open step), counts as gone until it works again. One machine's hung
+        GPU must not halt the others' run."""
         if not self.jobs.checks:
             return []
         groups, stalled = self._able()
@@ -706,8 +712,11 @@ class RunCore:
         for p in self.peers.values():
             if not p.ready or p.outvoted:
                 continue
-            if p.id in overdue or (
-                not p.waiting and not self.jobs.live[p.id] and now - p.worked >= STALL_S
+            # Silent STALL_S, and then holding a lease past its overdue time, or none while
+            # not waiting for one. Silence alone is not enough: one chunk dropped (a reward
+            # that failed) must not make a worker that goes on working stalled.
+            if now - p.worked >= STALL_S and (
+                p.id in overdue or (not p.waiting and not self.jobs.live[p.id])
             ):
                 stalled.append(p)
             else:
@@ -733,16 +742,26 @@ class RunCore:
                     requeued = self.jobs.drop_worker(worker)
                     if requeued:
                         out.append(Requeued("outvoted", tuple(requeued), self.step))
-                    self.suspect_hosts.add(self._host(worker))
+                    host = self._host(worker)
+                    if host not in self.suspect_hosts:
+                        self.suspect_hosts.add(host)
+                        self.store.add_suspect_host(host)
                     peer = self.peers.get(worker)
-                    if peer is None or peer.outvoted:
+                    if peer is None:
                         continue
-                    peer.outvoted = (
-                        f"fitness for chunk {chunk} of step {self.step} from its address lost "
-                        "a vote to other workers': resync"
-                    )
+                    # The loser hears why; its machine's other workers resync too, told
+                    # apart (ADDRESS_OUTVOTED): they count no divergence of their own.
+                    first = not peer.outvoted
+                    if worker == loser:
+                        peer.outvoted = (
+                            f"fitness for chunk {chunk} of step {self.step} lost a vote to "
+                            "other workers': resync"
+                        )
+                    elif first:
+                        peer.outvoted = ADDRESS_OUTVOTED
                     peer.waiting = False
-                    out.append(Outvoted(peer.name, peer.address, self.step, chunk))
+                    if first:
+                        out.append(Outvoted(peer.name, peer.address, self.step, chunk))
         return out
 
     def _on_result(self, peer: Peer, msg: Result) -> list[Output]:

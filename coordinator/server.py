@@ -650,10 +650,13 @@ class Coordinator:
             return  # nothing to ask for, or nobody to ask
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                # A dropped snapshot is no longer pending: no use waiting for it.
-                while self.store.latest_snapshot != self.step and self.core.snapshot.pending(
-                    self.step
-                ):
+                while self.store.latest_snapshot != self.step:
+                    if not self.core.snapshot.pending(self.step):
+                        # A step committed meanwhile: want that one. A dropped snapshot is
+                        # not wanted again: no use waiting for it.
+                        await self._carry_out(self.core.want_snapshot())
+                        if not self.core.snapshot.pending(self.step):
+                            break
                     with contextlib.suppress(TimeoutError):  # now and then: asked yet?
                         await asyncio.wait_for(self._snapshot_stored.wait(), 0.2)
                     self._snapshot_stored.clear()

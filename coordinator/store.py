@@ -43,6 +43,7 @@ from ..shared.save_dir import (
 )
 
 _STALE_TMP = ".*.tmp"  # write_atomic's temporary files, left by a crash
+MAX_SUSPECT_HOSTS = 1024  # addresses kept in run.json where a worker was outvoted
 
 
 class StoreError(Exception):
@@ -223,6 +224,23 @@ class RunStore:
         """The run's data digest, kept in memory at once and written to run.json atomically;
         a failed write leaves the old run.json whole and is tried again by `flush_run`."""
         self._run["data_digest"] = digest.hex()
+        self._run_dirty = True
+        self.flush_run()
+
+    @property
+    def suspect_hosts(self) -> set[str]:
+        """Addresses where a worker was outvoted (`add_suspect_host`)."""
+        return set(self._run.get("suspect_hosts", []))
+
+    def add_suspect_host(self, host: str) -> None:
+        """An address where a worker was outvoted: kept in run.json, written as the data
+        digest is, so that a restarted coordinator goes on checking every result from it.
+        The newest MAX_SUSPECT_HOSTS are kept (each needs a lost vote: few)."""
+        hosts = self._run.setdefault("suspect_hosts", [])
+        if host in hosts:
+            return
+        hosts.append(host)
+        del hosts[:-MAX_SUSPECT_HOSTS]
         self._run_dirty = True
         self.flush_run()
 

@@ -42,6 +42,11 @@ class ErrorCode(IntEnum):
 # worker stops for good instead of reconnecting.
 RUN_COMPLETE = "run complete"
 
+# The message of the DIVERGED error that refuses the other workers of a machine one of whose
+# workers was outvoted: they resync too, but their own replica and fitness were not found
+# wrong (a worker counts only its own divergences toward giving up).
+ADDRESS_OUTVOTED = "another worker at this address was outvoted: resync"
+
 
 class ProtocolError(Exception):
     """A violation of the wire protocol; `error_code` says which kind."""

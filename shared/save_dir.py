@@ -1,6 +1,7 @@
 """The save directory: the one place that names its files, and the reading of one.
 
-    run.json         run id, run config, data digest (rewritten atomically)
+    run.json         run id, run config, data digest, suspect addresses (rewritten
+                     atomically)
     fitness.log      one fsync'd record per committed step: the run itself
     digests.log      "step digest" lines: the agreed replica digest at each step
     history.log      the curve: a JSON line per committed step, held-out score and sample
@@ -35,7 +36,8 @@ and the run goes on. A failure on the coordinator's side never fails a worker's 
     history.log        degrade: that record is dropped and a torn line cut back, the next
                        record tries again; one warning per spell of failures (a point of
                        the curve is lost, nothing of the run)
-    run.json           at start: one line, non-zero exit. Later (the data digest): degrade,
+    run.json           at start: one line, non-zero exit. Later (the data digest, a
+                       suspect address): degrade,
                        kept in memory and written again at each commit; one warning (the old
                        file stays whole: it is replaced atomically)
     .lock, *.tmp       at start only: one line, non-zero exit

@@ -5,6 +5,8 @@ threads; the replicas are real NumPy backends of a tiny model, so digests must a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from eggroll_dist.coordinator.jobs import STALL_S
 from eggroll_dist.coordinator.metrics import CHECK_RESULTS
 from eggroll_dist.coordinator.run import (
     Refused,
+    RunCore,
     Sampled,
     Want,
 )
@@ -58,6 +61,7 @@ from eggroll_dist.protocol import (
     pack_ternary,
     unpack_ternary,
 )
+from eggroll_dist.protocol.errors import ADDRESS_OUTVOTED
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.logs import (
@@ -941,16 +945,20 @@ def test_the_sole_worker_is_agreed_by_the_snapshot_it_uploads(
 
 
 class Liar:
-    """A replica whose fitness is made up (every value changed): a fault or a lie."""
+    """A replica whose fitness is made up (every value changed) while `lying`: a fault or a
+    lie."""
 
     def __init__(self, replica: Any) -> None:
         self.replica = replica
+        self.lying = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.replica, name)
 
     async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> list[ChunkResult]:
         results = await self.replica.evaluate(step, chunks)
+        if not self.lying:
+            return results
         return [ChunkResult(np.where(r.fitness == 1, -1, 1), r.loss_sum) for r in results]
 
 
@@ -1058,6 +1066,56 @@ def test_one_hung_gpu_of_a_machine_does_not_halt_its_run(
     assert store4.steps == 1 and checks(net)["waived"] == 4
 
 
+def test_a_worker_that_asks_for_work_is_not_stalled_however_long_it_waited(
+    store4: RunStore, dataset: Dataset, tmp_path: Path
+) -> None:
+    """b waits 300 s and more for a job (asking again now and then) while the other
+    machine sits on a chunk. At the commit, b has yet to apply the step and ask again when
+    the other, quicker, lies on the next step's chunks, all drawn for checks: b is not
+    stalled, so they wait for its check."""
+    net = Network(store4, dataset, chunk_timeout_s=1000.0)
+    replica = Liar(sync_replica(dataset, threads=4))  # 4 chunks a request
+    replica.lying = False
+    liar = net.join("liar", host="10.0.0.9", replica=replica)
+    liar.hold_jobs = True
+    net.run()  # the liar leases every chunk of step 0, and sits on them
+    b = net.join("b", host="10.0.0.2")
+    net.run()
+    assert net.core.peers[b.peer].waiting  # nothing to lease, no backups (nothing timed)
+    for _ in range(31):
+        net.advance(10.0)  # b asks again now and then
+    net.core.options = dataclasses.replace(net.core.options, verify_fraction=1.0)
+    net.stop_at = 100
+    liar.finish_held()  # step 0, honest: committed (nothing drawn for a check then)
+    replica.lying = True
+    while liar.handle_one():  # the liar applies step 0 and lies on step 1 before b moves
+        pass
+    assert store4.steps == 1 and checks(net)["waived"] == 0 and not net.latest(Stalled)
+    net.join("c", host="10.0.0.3")
+    net.train(1)
+    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
+
+
+def test_a_worker_that_dropped_a_chunk_but_works_on_is_not_stalled(
+    store4: RunStore, dataset: Dataset
+) -> None:
+    """b never answers a chunk (its reward failed on it, say) but goes on asking for work:
+    its lease is overdue, yet it is not stalled, so the checks only it can make wait."""
+    net = Network(store4, dataset, verify_fraction=1.0, chunk_timeout_s=30.0)
+    net.join("a", host="10.0.0.1")
+    b = net.join("b", host="10.0.0.2")
+    b.hold_jobs = True  # the chunk it leases is never answered
+    net.run()  # both through the handshake, each holding chunks of step 0
+    net.stop_at = 100  # a's run from now on
+    asking = JobRequest(0, b.replica.digest, 0)
+    for _ in range(12):
+        net.advance(30.0)
+        net.receive(b.peer, asking)  # still working: it asks for more
+    assert b.peer in net.core.jobs.overdue()
+    assert not net.latest(Stalled) and checks(net)["waived"] == 0 and store4.steps == 0
+
+
 def test_a_liars_fast_results_do_not_make_an_honest_checker_stalled(
     store4: RunStore, dataset: Dataset, tmp_path: Path
 ) -> None:
@@ -1110,6 +1168,9 @@ def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
     outvoted = net.latest(Outvoted)
     assert outvoted is not None and outvoted.worker == "liar" and outvoted.step == 0
     assert net.core.suspect_hosts == {"10.0.0.9"}
+    # Kept in run.json: a restarted coordinator checks every result from there too.
+    assert json.loads((store4.path / "run.json").read_text())["suspect_hosts"] == ["10.0.0.9"]
+    assert RunCore(store4).suspect_hosts == {"10.0.0.9"}
 
 
 def test_a_dispute_no_connected_machine_can_decide_is_reported_until_one_joins(
@@ -1211,6 +1272,10 @@ def test_an_outvoted_machines_other_connections_lose_their_votes_too(
     assert {e.worker for e in net.events if isinstance(e, Outvoted)} == {"h", "k", "idle"}
     net.advance(1.0)
     assert not idle.alive
+    # The loser is told its fitness lost; the others that their machine's did (they count
+    # no divergence of their own toward giving up).
+    assert h.ended is not None and "lost a vote" in h.ended
+    assert all(w.ended is not None and ADDRESS_OUTVOTED in w.ended for w in (k, idle))
 
 
 def test_a_machine_left_alone_agrees_its_digests_again(store: RunStore, dataset: Dataset) -> None:

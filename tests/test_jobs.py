@@ -88,6 +88,20 @@ def test_backups_go_to_idle_workers_for_slow_chunks_only() -> None:
     assert jobs.lease("e") is None  # each chunk has two leases now
 
 
+def test_the_next_deadline_is_when_every_live_lease_of_a_chunk_is_past_its_own() -> None:
+    """A chunk with a backup copy is re-queued only once both leases are past their
+    deadlines: the first lease's alone is no time to wake up at (it would be a busy loop)."""
+    timer = ChunkTimer()
+    for _ in range(5):
+        timer.observe(10.0)  # leases last 30 s, backups start after 15 s
+    jobs, clock = _jobs(chunks=1, timer=timer)
+    assert jobs.lease("a") == 0
+    clock.now += 20.0
+    assert jobs.lease("b") == 0  # a backup copy, its deadline 30 s later
+    clock.now += 11.0  # a's deadline is past
+    assert jobs.expire() == [] and jobs.next_deadline() == clock.now + 19.0
+
+
 def test_adaptive_timeout() -> None:
     timer = ChunkTimer()
     assert timer.timeout_s() == timer.initial_s

@@ -50,6 +50,7 @@ from eggroll_dist.protocol import (
     pack_ternary,
     verify_mac,
 )
+from eggroll_dist.protocol.errors import ADDRESS_OUTVOTED
 from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
@@ -483,6 +484,22 @@ async def test_a_step_it_scored_committed_between_divergences_keeps_it_going(
                 await peer.send(Step.from_values(0, fitness(0)))
                 assert (await peer.expect(JobRequest)).replica_step == 1
             await peer.send_error(ErrorCode.DIVERGED, "digest differs")
+        peer = await coordinator.next_peer()  # still there
+        await peer.handshake()
+        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+
+
+async def test_a_divergence_of_another_worker_at_its_address_does_not_count(
+    coordinator: FakeCoordinator, dataset: Dataset
+) -> None:
+    """Refused because another worker of its machine was outvoted: it resyncs, however
+    often, and never gives up for it."""
+    async with running(make_client(coordinator, dataset)):
+        for _ in range(DIVERGED_ATTEMPTS + 1):
+            peer = await coordinator.next_peer()
+            await peer.handshake()
+            await peer.expect(JobRequest)
+            await peer.send_error(ErrorCode.DIVERGED, ADDRESS_OUTVOTED)
         peer = await coordinator.next_peer()  # still there
         await peer.handshake()
         assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)

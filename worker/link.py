@@ -151,8 +151,9 @@ class LinkOptions:
 class Outcome:
     """How a connection ended: why (one line), how long it was up after WELCOME (0: never
     welcomed), whether the coordinator sent anything, whether it closed a TLS connection
-    before any frame (how it refuses a certificate), whether it said the replica diverged
-    (dropped), and whether a step this worker scored was committed and sent to it."""
+    before any frame (how it refuses a certificate), whether it said this worker's own
+    replica or fitness was wrong (DIVERGED; the replica was dropped), and whether a step
+    this worker scored was committed and sent to it."""
 
     reason: str
     ready_s: float = 0.0
@@ -185,7 +186,7 @@ class Link:
         self.ready_at: float | None = None  # when WELCOME arrived
         self.bytes_read = 0
         self.tls_refused = False  # closed over TLS before any frame
-        self.diverged = False  # ended by DIVERGED: the replica was dropped
+        self.diverged = False  # ended by DIVERGED for its own replica or fitness
         self.last_sent = time.monotonic()
         self._reader_task: asyncio.Task[None] | None = None
 
@@ -211,7 +212,7 @@ class Link:
         except Ended as exc:
             if exc.drop_replica:
                 self.replica.drop()
-                self.diverged = True
+            self.diverged = exc.own
             return str(exc)
         except WorkerFatal as exc:
             if exc.tell and exc.code is not None:
@@ -391,7 +392,7 @@ class Link:
                 except Ended as ended:
                     if ended.drop_replica:
                         self.replica.drop()
-                        self.diverged = True
+                    self.diverged = ended.own
                     return str(ended)
         return f"connection lost: {describe(exc)}"
 

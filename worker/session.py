@@ -74,7 +74,7 @@ from ..protocol import (
     auth_mac,
     unpack_ternary,
 )
-from ..protocol.errors import RUN_COMPLETE
+from ..protocol.errors import ADDRESS_OUTVOTED, RUN_COMPLETE
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
@@ -149,11 +149,14 @@ class RunFinished(Exception):
 
 class Ended(Exception):
     """This connection is over; reconnect. The message (one line) says why;
-    `drop_replica` says the replica must start again from step 0 (DIVERGED)."""
+    `drop_replica` says the replica must start again from step 0 (DIVERGED); `own` that it
+    was this worker's replica or fitness that was found wrong (not another worker's at its
+    address)."""
 
-    def __init__(self, message: str, drop_replica: bool = False) -> None:
+    def __init__(self, message: str, drop_replica: bool = False, own: bool = False) -> None:
         super().__init__(message)
         self.drop_replica = drop_replica
+        self.own = own
 
 
 class PeerViolation(Exception):
@@ -809,7 +812,9 @@ class Session:
             raise WorkerFatal(self._fatal_text(code, said), code)
         if code is ErrorCode.DIVERGED:
             log.warning("replica dropped", reason=f"the coordinator says it diverged{said}")
-            return Ended(f"replica diverged from the run{said}; it starts again from step 0", True)
+            own = error.message != ADDRESS_OUTVOTED
+            text = f"replica diverged from the run{said}; it starts again from step 0"
+            return Ended(text, drop_replica=True, own=own)
         if code is ErrorCode.SHUTTING_DOWN:
             if error.message == RUN_COMPLETE:
                 raise RunFinished(f"the run at {self.me.coordinator} is complete: nothing left")

@@ -264,6 +264,8 @@ def _record_text(line: bytes, where: str, text_field: str) -> str:
         raise DataError(f"{where}: not UTF-8 text (bad byte at column {e.start + 1})") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: not a JSON object (one document per line is read)")
     if text_field not in record:
