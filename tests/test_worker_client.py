@@ -67,6 +67,7 @@ from eggroll_dist.worker.backend import (
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import DIVERGED_ATTEMPTS, WorkerClient, WorkerFatal
 from eggroll_dist.worker.data.build import prepare_data_dir
+from eggroll_dist.worker.replica import Replica
 
 CFG = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16), es=ESConfig(population=16, chunk_size=8, seq_len=8)
@@ -308,6 +309,40 @@ async def test_long_chunk_heartbeats_and_a_step_that_overtakes_it(
             request = await peer.recv()
         assert isinstance(request, JobRequest)
         assert (request.replica_step, request.replica_digest) == (1, state_at(1).digest())
+
+
+async def test_a_pass_far_longer_than_usual_is_reported_then_warned_about(
+    dataset: Dataset,
+) -> None:
+    """A pass of chunks still running is reported now and then; once it has run far longer
+    than this replica's usual pass, as on a hung device, the report is a warning."""
+    release = threading.Event()
+    release.set()
+
+    class Held(NumpyBackend):
+        def evaluate_chunks(
+            self, step: int, chunks: Sequence[tuple[int, int]]
+        ) -> list[ChunkResult]:
+            assert release.wait(TIMEOUT_S)
+            return super().evaluate_chunks(step, chunks)
+
+    held = BackendFactory("numpy", "cpu", lambda data, state: Held(data, state, threads=1))
+    replica = Replica(dataset, held, watch_s=0.02, hung_s=0.3)
+    replica.open()
+    try:
+        await replica.start(CFG, RUN_ID)
+        await replica.evaluate(0, [(0, 8)])  # the usual pass: quick
+        release.clear()
+        with structlog.testing.capture_logs() as logs:
+            running = asyncio.create_task(replica.evaluate(0, [(8, 8)]))
+            await wait_until(lambda: any(e["log_level"] == "warning" for e in logs))
+            release.set()
+            await running
+        said = [e for e in logs if e["event"] == "still evaluating"]
+        assert said[0]["log_level"] == "info" and "usual_s" in said[0]
+        assert said[-1]["log_level"] == "warning" and "hung" in said[-1]["hint"]
+    finally:
+        replica.close()
 
 
 async def test_catch_up_from_the_fitness_log(

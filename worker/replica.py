@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +43,13 @@ __all__ = ["Replica"]
 log = structlog.get_logger("eggroll.worker")
 
 T = TypeVar("T")
+
+# A pass of chunks running this long is reported, and again each time as long again. Past
+# HUNG_FACTOR times this replica's usual pass, and HUNG_S at least, the report is a warning:
+# a hung device keeps the process heartbeating, and the coordinator stops waiting for it.
+WATCH_S = 60.0
+HUNG_FACTOR = 10
+HUNG_S = 300.0
 
 
 class _BackendThread(concurrent.futures.Executor):
@@ -95,6 +104,8 @@ class Replica:
         threaded: bool = True,
         goal_dir: Path = Path("."),
         reward_timeout_s: float = 120.0,
+        watch_s: float = WATCH_S,
+        hung_s: float = HUNG_S,
     ) -> None:
         self.dataset = dataset
         self.factory = factory
@@ -107,6 +118,8 @@ class Replica:
         self.digest = 0  # of backend.state, refreshed after every change
         self.weights_changed = 0  # by the update that produced the replica; 0 when unknown
         self._thread: _BackendThread | None = None
+        self.watch_s, self.hung_s = watch_s, hung_s
+        self._pass_s: deque[float] = deque(maxlen=16)  # the last passes' times
 
     # --- what the session reads --------------------------------------------------------
 
@@ -179,7 +192,34 @@ class Replica:
         """Chunks' fitness, (first member, count) each, in one call of the backend;
         RewardError when a reward run's reward fails on them."""
         backend, objective = self._backend(), self.objective
-        return await self._call(objective.evaluate_chunks, backend, step, chunks)
+        if not self.threaded:  # nothing else runs meanwhile: nothing to watch
+            return objective.evaluate_chunks(backend, step, chunks)
+        started = time.monotonic()
+        call = asyncio.ensure_future(self._call(objective.evaluate_chunks, backend, step, chunks))
+        try:
+            while not (await asyncio.wait({call}, timeout=self.watch_s))[0]:
+                self._still_evaluating(step, len(chunks), time.monotonic() - started)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        results = call.result()
+        self._pass_s.append(time.monotonic() - started)
+        return results
+
+    def _still_evaluating(self, step: int, chunks: int, seconds: float) -> None:
+        usual = statistics.median(self._pass_s) if self._pass_s else None
+        fields = {"step": step, "chunks": chunks, "seconds": round(seconds)}
+        if usual is not None:
+            fields["usual_s"] = round(usual, 1)
+        if usual is not None and seconds >= max(HUNG_FACTOR * usual, self.hung_s):
+            log.warning(
+                "still evaluating",
+                **fields,
+                hint="far longer than usual: is the device hung? the coordinator no longer "
+                "waits for this worker's checks; restart it if this goes on",
+            )
+        else:
+            log.info("still evaluating", **fields)
 
     async def apply(self, fitness: list[np.ndarray]) -> None:
         """Apply committed steps in order, one backend call per step (a stop or a heartbeat
