@@ -379,8 +379,9 @@ class StepJobs:
                 self.leases[chunk] = held
             else:
                 del self.leases[chunk]
-                if self._put_back(chunk, first=True):
-                    requeued.append(chunk)
+            # No live lease left (the others' expired): it goes back, or nobody gets it.
+            if all(x.expired for x in held) and self._put_back(chunk, first=True):
+                requeued.append(chunk)
         self.requeued[reason] += len(requeued)
         return requeued
 

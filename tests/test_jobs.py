@@ -59,6 +59,18 @@ def test_disconnect_requeues_at_once_and_first() -> None:
     assert jobs.release_worker("zzz") == []
 
 
+def test_a_chunk_whose_last_live_lease_leaves_goes_back_beside_an_expired_one() -> None:
+    """a's lease expired (it may still answer), b took the chunk again and leaves: with no
+    live lease left the chunk goes back, or no one would ever be leased it."""
+    jobs, clock = _jobs(chunks=1)
+    assert jobs.lease("a") == 0
+    clock.now += 31.0
+    assert jobs.expire() == [0]
+    assert jobs.lease("b") == 0
+    assert jobs.release_worker("b") == [0]
+    assert jobs.lease("c") == 0
+
+
 def test_deadline_requeues_and_late_result_still_counts() -> None:
     jobs, clock = _jobs(chunks=2)
     jobs.lease("a")
