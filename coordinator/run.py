@@ -715,7 +715,7 @@ class RunCore:
             # Silent STALL_S, and then holding a lease past its overdue time, or none while
             # not waiting for one. Silence alone is not enough: one chunk dropped (a reward
             # that failed) must not make a worker that goes on working stalled.
-            if now - p.worked >= STALL_S and (
+            if now >= p.worked + STALL_S and (  # the very sum `next_deadline` wakes at
                 p.id in overdue or (not p.waiting and not self.jobs.live[p.id])
             ):
                 stalled.append(p)
@@ -744,8 +744,8 @@ class RunCore:
                         out.append(Requeued("outvoted", tuple(requeued), self.step))
                     host = self._host(worker)
                     if host not in self.suspect_hosts:
-                        self.suspect_hosts.add(host)
                         self.store.add_suspect_host(host)
+                        self.suspect_hosts = self.store.suspect_hosts  # bounded as stored
                     peer = self.peers.get(worker)
                     if peer is None:
                         continue

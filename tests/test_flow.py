@@ -1049,6 +1049,26 @@ def test_a_checker_stalled_past_the_stall_time_holds_up_no_check(
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
 
 
+def test_a_waiver_comes_at_the_wake_up_the_stall_time_asks_for(
+    store4: RunStore, dataset: Dataset
+) -> None:
+    """Woken only by its deadlines, as the server's watcher does, the core waives a hung
+    checker's checks at the very time it stalls ((w + 300) - w is not always 300)."""
+    net = Network(store4, dataset, verify_fraction=1.0, chunk_timeout_s=30.0)
+    net.clock.now = 1000.1
+    net.join("a", host="10.0.0.1")
+    hung = net.join("b", host="10.0.0.2")
+    hung.hold_jobs = True
+    net.run()
+    net.stop_at = 1
+    net.advance(1.0)
+    stalls = net.core.peers[hung.peer].worked + STALL_S
+    while store4.steps == 0 and (wake := net.core.next_deadline()) is not None:
+        net.clock.now = wake
+        net.carry_out(net.core.expire())
+    assert store4.steps == 1 and net.clock.now == stalls
+
+
 def test_one_hung_gpu_of_a_machine_does_not_halt_its_run(
     store4: RunStore, dataset: Dataset
 ) -> None:
