@@ -254,7 +254,7 @@ def train(
 
 
 def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
-    final = result.curve[-1] if result.curve else {}  # none: stopped before any validation
+    final = result.curve[-1]
     return {
         "steps": result.state.step,
         "preset": preset_name,

@@ -38,10 +38,8 @@ from .build import (
 from .builtin import builtin_documents, builtin_source
 from .documents import (
     DEFAULT_TEXT_FIELD,
-    file_documents,
     files_documents,
-    is_jsonl,
-    jsonl_documents,
+    path_documents,
 )
 from .import_deggs import import_data_dir
 from .tokenizer import load_tokenizer
@@ -76,7 +74,7 @@ def _read_files(paths: tuple[Path, ...], text_field: str) -> list[bytes]:
     reading = Progress("read", _files_bytes(paths), "B", say=lambda p: _progress(p.line()))
     docs: list[bytes] = []
     for path in paths:
-        docs += jsonl_documents(path, text_field) if is_jsonl(path) else file_documents(path)
+        docs += path_documents(path, text_field)
         reading.advance(path.stat().st_size)
     reading.finish(say=False)  # the count of documents follows
     return docs
