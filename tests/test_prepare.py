@@ -23,6 +23,7 @@ from eggroll_dist.shared.data import (
     byte_pieces,
     load_data_dir,
 )
+from eggroll_dist.worker.data import documents
 from eggroll_dist.worker.data.build import goes_to_valid, split_documents
 from eggroll_dist.worker.data.builtin import stdlib_modules
 from eggroll_dist.worker.data.cli import main
@@ -302,6 +303,13 @@ def test_jsonl_bad_line_is_one_line_error_naming_file_and_line(
             result = _prepare([str(path), *tokenizer, "--out", str(tmp_path / "data")])
             _assert_one_line_error(result, f"{path}:3: {why}", 1)
     assert not (tmp_path / "data" / META_FILE).exists()
+
+
+def test_a_jsonl_line_past_the_bound_is_refused_unread(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(documents, "MAX_JSONL_LINE_BYTES", 1 << 20)
+    path = _write_jsonl(tmp_path / "c.jsonl", ['{"text": "one"}', "{" + " " * (1 << 20) + "}"])
+    with pytest.raises(DataError, match=rf"{path}:2: a line over 1 MiB"):
+        list(documents.jsonl_documents(path))
 
 
 def test_truncated_gzip_is_one_line_error(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ SPLIT_ABOVE_BYTES = 64 * 1024
 DOC_TARGET_BYTES = 16 * 1024
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 DEFAULT_TEXT_FIELD = "text"
+MAX_JSONL_LINE_BYTES = 64 << 20  # one JSON-lines record, its end of line included
 
 
 def clean_text(text: str) -> str:
@@ -287,7 +288,14 @@ def jsonl_documents(path: Path | str, text_field: str = DEFAULT_TEXT_FIELD) -> I
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
-            for number, line in enumerate(f, 1):
+            # A line is read whole: bounded, so one without an end cannot fill the memory.
+            lines = iter(lambda: f.readline(MAX_JSONL_LINE_BYTES + 1), b"")
+            for number, line in enumerate(lines, 1):
+                if len(line) > MAX_JSONL_LINE_BYTES:
+                    raise DataError(
+                        f"{path}:{number}: a line over {MAX_JSONL_LINE_BYTES >> 20} MiB "
+                        "(one JSON document per line is read)"
+                    )
                 if number == 1:
                     line = line.removeprefix(codecs.BOM_UTF8)
                 line = line.strip()
