@@ -20,6 +20,7 @@ from eggroll_dist.worker.cli import main as worker_main
 from eggroll_dist.worker.data.cli import main as data_main
 from eggroll_dist.worker.export import main as export_main
 from eggroll_dist.worker.local import main as local_main
+from eggroll_dist.worker.ray_launch import main as ray_main
 from eggroll_dist.worker.sample import main as sample_main
 from eggroll_dist.worker.train import main as train_main
 from eggroll_dist.worker.tune import main as tune_main
@@ -33,6 +34,7 @@ COMMANDS = {
     "eggroll-sample": sample_main,
     "eggroll-export": export_main,
     "eggroll-tune": tune_main,
+    "eggroll-ray": ray_main,
     "eggroll-data prepare": data_main.commands["prepare"],
     "eggroll-data info": data_main.commands["info"],
 }

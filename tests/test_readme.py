@@ -121,6 +121,9 @@ def bad_flags(text: str, commands: dict[str, click.Command]) -> list[str]:
         words = piece.replace("[", " ").replace("]", " ").replace("|", " ").split()
         for i, word in enumerate(words):
             name = word.strip(".,:;()")
+            if word == "--" and current is commands.get("eggroll-ray"):
+                current = commands["eggroll-worker"]  # its workers' flags follow
+                continue
             if name in commands:
                 current, other = commands[name], False
                 if isinstance(current, click.Group) and i + 1 < len(words):
@@ -235,6 +238,10 @@ def test_the_checks_catch_what_they_should(commands: dict[str, click.Command]) -
     )
     assert not bad_flags("`python scripts/sweep.py --base egg-paper`", commands)
     assert bad_flags("```sh\neggroll-local \\\n  --steps 5 --nope\n```", commands)
+    # After eggroll-ray's `--` come its workers' flags, and only there.
+    assert not bad_flags("`eggroll-ray h --workers 2 -- --data-dir d`", commands)
+    assert bad_flags("`eggroll-ray h --data-dir d`", commands)
+    assert bad_flags("`eggroll-ray h -- --workers 2`", commands)
     assert COMMAND.findall("`eggroll-worker@0`, eggroll-distributed, `eggroll-local`") == [
         "eggroll-distributed",
         "eggroll-local",

@@ -1,0 +1,335 @@
+"""eggroll-ray: workers placed by a real Ray cluster (`ray start --head` on loopback, with
+two GPUs declared so that Ray's GPU accounting is exercised; the workers compute with NumPy)
+train a real coordinator's run to the digest of the same run trained alone, stop cleanly on
+SIGTERM, and stop together when one cannot start. The exit policy is tested without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eggroll_dist.worker.ray_launch import LOST, ended, first_failure, worker_names
+
+from .helpers import command, digest_at, start_coordinator, trained_digest
+
+SHORT_HOST = socket.gethostname().split(".")[0]
+
+# Ray's token authentication on (its default for a new cluster; a client must say so too).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+
+CONFIG = """
+[model]
+n_layer = 1
+d_model = 16
+[es]
+population = 64
+chunk_size = 16
+seq_len = 8
+[validation]
+every_steps = 0
+max_tokens = 480
+"""
+
+
+def test_exit_policy() -> None:
+    assert not ended("w", 0).stop_all
+    assert not ended("w", 3).stop_all and "computes differently" in ended("w", 3).message
+    assert not ended("w", LOST).stop_all and "lost" in ended("w", LOST).message
+    assert ended("w", 1).stop_all and ended("w", 2).stop_all
+    told = ended("w", 2, "Error: wrong token").message
+    assert "status 2 (its last line: Error: wrong token)" in told
+    assert first_failure([0, 0]) == 0
+    assert first_failure([0, 3, 1]) == 3
+    assert first_failure([LOST, 2]) == 1
+
+
+def test_worker_names() -> None:
+    places = [("n1", "a", ["0"]), ("n2", "b", ["0"]), ("n1", "a", ["1"])]
+    assert worker_names(places, None) == ["a-gpu0", "b-gpu0", "a-gpu1"]
+    cpus = [("n1", "a", []), ("n1", "a", []), ("n2", "b", [])]
+    assert worker_names(cpus, None) == ["a-cpu0", "a-cpu1", "b-cpu0"]
+    # One --name for two nodes: names stay apart.
+    assert worker_names(places, "x") == ["x-gpu0-0", "x-gpu0-1", "x-gpu1-2"]
+
+
+def test_refuses_worker_flags_it_owns() -> None:
+    for flag in ("--name", "--token-file=/t"):
+        done = subprocess.run(
+            [command("eggroll-ray"), "h", "--", flag, "x"], capture_output=True, text=True
+        )
+        assert done.returncode == 2, done.stderr
+        assert f"give {flag.split('=')[0]} to eggroll-ray itself" in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A one-node Ray cluster on loopback, two CPUs and two declared GPUs; its address."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    ray_bin = command("ray")
+    port = _free_port()
+    env = {**os.environ, **RAY_ENV}
+    temp = tmp_path_factory.mktemp("ray")
+    start = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port)]
+    start += ["--num-cpus", "2", "--num-gpus", "2", "--include-dashboard", "false"]
+    # Ray's socket paths must stay short (AF_UNIX): a short folder of its own.
+    short = Path("/tmp") / f"ray{os.getpid()}"
+    start += ["--temp-dir", str(short)]
+    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120, cwd=temp)
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=60)
+
+
+class Launch:
+    """eggroll-ray as a subprocess, its lines collected as they come."""
+
+    def __init__(self, *args: str | Path):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EGGROLL_")}
+        env.update(RAY_ENV)
+        self.proc = subprocess.Popen(
+            [command("eggroll-ray"), *map(str, args)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"eggroll-ray still running after {timeout} s:\n" + self.tail()
+            ) from None
+        finally:
+            time.sleep(0.2)  # the reader takes the last lines
+
+    def tail(self) -> str:
+        with self._cond:
+            return "\n".join(s for s in self.lines[-60:] if '"chunk done"' not in s)
+
+    def worker_events(self, name: str) -> list[dict]:
+        """The JSON events of worker `name` (its lines carry [name], after Ray's prefix)."""
+        events = []
+        with self._cond:
+            for line in self.lines:
+                _, found, rest = line.partition(f"[{name}] ")
+                if found:
+                    try:
+                        events.append(json.loads(rest))
+                    except ValueError:
+                        pass
+        return events
+
+    def wait_event(self, name: str, event: str, timeout: float) -> dict:
+        """Worker `name`'s first `event`, waited for: Ray relays actor output with a lag."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.worker_events(name) if e.get("event") == event]
+            if found:
+                return found[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no {event!r} from {name} within {timeout} s:\n" + self.tail())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _workers_of(data_dir: Path) -> list[int]:
+    """Live eggroll-worker processes reading `data_dir`."""
+    pids = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"eggroll-worker" in cmdline and str(data_dir).encode() in cmdline:
+            pids.append(int(p.name))
+    return pids
+
+
+def _no_workers_left(data_dir: Path, within: float = 15.0) -> bool:
+    deadline = time.monotonic() + within
+    while _workers_of(data_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not _workers_of(data_dir)
+
+
+def test_gpu_workers_train_the_run_to_its_digest(
+    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    steps = 3
+    save_dir = tmp_path / "run"
+    coord, port = start_coordinator(spawn, save_dir, config, "--max-steps", str(steps))
+    flags = ["--backend", "numpy", "--data-dir", words_data, "--log-format", "json"]
+    launch = Launch(
+        f"127.0.0.1:{port}", "--ray-address", ray_cluster, "--", *flags, "--max-retry-s", "1"
+    )
+    try:
+        # The run completes: every worker ends with 0, and so does eggroll-ray.
+        assert launch.finish(240) == 0, launch.tail()
+    finally:
+        launch.stop()
+    assert coord.wait(60) == 0
+    names = {f"{SHORT_HOST}-gpu0", f"{SHORT_HOST}-gpu1"}  # one per declared GPU, as Ray gave
+    joined = {e["worker"] for e in coord.events if e.get("event") == "worker joined"}
+    assert joined == names
+    for name in names:
+        assert launch.wait_event(name, "worker starting", 10)["name"] == name
+    assert digest_at(save_dir, steps) == trained_digest(words_data, config, steps)
+    assert any("started 2 workers" in line for line in launch.lines)
+    assert _no_workers_left(words_data)
+
+
+def test_sigterm_stops_every_worker_cleanly(
+    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    coord, port = start_coordinator(spawn, tmp_path / "run", config)
+    flags = ["--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"]
+    launch = Launch(
+        f"127.0.0.1:{port}",
+        *("--ray-address", ray_cluster, "--device", "cpu", "--name", "rk"),
+        *("--", *flags),
+    )
+    try:
+        for name in ("rk-cpu0", "rk-cpu1"):
+            coord.wait_for(
+                lambda e, name=name: e.get("event") == "worker joined" and e["worker"] == name,
+                120,
+                f"{name} joining",
+            )
+        # CPU workers: NumPy, one thread each (--cpus-per-worker 1).
+        starting = launch.wait_event("rk-cpu0", "worker starting", 30)
+        assert starting["backend"] == "numpy" and starting["threads"] == 1
+        launch.proc.send_signal(signal.SIGTERM)
+        assert launch.finish(60) == 0, launch.tail()
+    finally:
+        launch.stop()
+    for name in ("rk-cpu0", "rk-cpu1"):
+        launch.wait_event(name, "stopped", 10)
+        coord.wait_for(
+            lambda e, name=name: e.get("event") == "worker left" and e.get("worker") == name,
+            20,
+            f"{name} leaving",
+        )
+    assert any("SIGTERM: stopping 2 workers" in line for line in launch.lines)
+    assert _no_workers_left(words_data)
+
+
+def test_a_lost_actor_ends_only_its_worker(
+    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
+) -> None:
+    """An actor killed as a lost node's would be: its worker goes with it (not left
+    orphaned), the other works on, and the launch then ends with status 1."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    coord, port = start_coordinator(spawn, tmp_path / "run", config)
+    flags = ["--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"]
+    launch = Launch(
+        f"127.0.0.1:{port}",
+        *("--ray-address", ray_cluster, "--device", "cpu", "--name", "lo"),
+        *("--", *flags),
+    )
+    try:
+        for name in ("lo-cpu0", "lo-cpu1"):
+            launch.wait_event(name, "worker starting", 120)
+        actor = int(re.findall(r"pid=(\d+)\D.*\[lo-cpu1\] ", "\n".join(launch.lines))[0])
+        workers = set(_workers_of(words_data))
+        assert len(workers) == 2
+        os.kill(actor, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not any("lo-cpu1 was lost" in line for line in launch.lines):
+            assert time.monotonic() < deadline, launch.tail()
+            time.sleep(0.2)
+        assert _no_workers_left(words_data, within=0) is False  # lo-cpu0 works on
+        deadline = time.monotonic() + 15
+        while len(_workers_of(words_data)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_workers_of(words_data)) == 1  # lo-cpu1's worker died with its actor
+        coord.wait_for(
+            lambda e: e.get("event") == "worker left" and e.get("worker") == "lo-cpu1",
+            30,
+            "lo-cpu1 leaving",
+        )
+        assert launch.proc.poll() is None
+        launch.proc.send_signal(signal.SIGTERM)
+        assert launch.finish(60) == 1, launch.tail()
+    finally:
+        launch.stop()
+    launch.wait_event("lo-cpu0", "stopped", 10)
+    assert _no_workers_left(words_data)
+
+
+def test_a_worker_that_cannot_start_stops_the_launch(ray_cluster: str, tmp_path: Path) -> None:
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    launch = Launch(
+        "127.0.0.1:9",
+        *("--ray-address", ray_cluster, "--workers", "1"),
+        *("--", "--backend", "numpy", "--data-dir", empty),
+    )
+    try:
+        assert launch.finish(120) == 1, launch.tail()
+    finally:
+        launch.stop()
+    # Its reason comes with the status, in the launcher's own line.
+    said = [line for line in launch.lines if "exited with status 1 (its last line: " in line]
+    assert said and "has no input.bin" in said[0], launch.tail()
+    assert _no_workers_left(empty)
+
+
+def test_more_workers_than_the_cluster_holds_is_one_line(ray_cluster: str) -> None:
+    launch = Launch("127.0.0.1:9", "--ray-address", ray_cluster, "--workers", "3")
+    try:
+        assert launch.finish(60) == 1, launch.tail()
+    finally:
+        launch.stop()
+    assert any(
+        "Error: 3 workers asked, the Ray cluster holds 2 (2 GPUs)" in line for line in launch.lines
+    ), launch.tail()
+    assert not any("Traceback" in line for line in launch.lines)
+
+
+def test_no_cluster_is_one_line() -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    launch = Launch("127.0.0.1:9", "--ray-address", f"127.0.0.1:{_free_port()}")
+    try:
+        assert launch.finish(120) == 1, launch.tail()
+    finally:
+        launch.stop()
+    assert any("cannot join the Ray cluster" in line for line in launch.lines), launch.tail()
+    assert not any("Traceback" in line for line in launch.lines), launch.tail()
