@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eggroll_dist.worker.ray_launch import LOST, ended, first_failure, worker_names
+from eggroll_dist.worker.ray_launch import LOST, Ended, Tally, ended, worker_names
 
 from .helpers import command, digest_at, start_coordinator, trained_digest
 
@@ -42,15 +41,37 @@ max_tokens = 480
 
 
 def test_exit_policy() -> None:
-    assert not ended("w", 0).stop_all
-    assert not ended("w", 3).stop_all and "computes differently" in ended("w", 3).message
-    assert not ended("w", LOST).stop_all and "lost" in ended("w", LOST).message
-    assert ended("w", 1).stop_all and ended("w", 2).stop_all
-    told = ended("w", 2, "Error: wrong token").message
-    assert "status 2 (its last line: Error: wrong token)" in told
-    assert first_failure([0, 0]) == 0
-    assert first_failure([0, 3, 1]) == 3
-    assert first_failure([LOST, 2]) == 1
+    assert ended("w", 0) == Ended("w stopped: the run is complete", False, 0)
+    # Statuses every worker would share stop the others, and say why.
+    told = ended("w", 2, "Error: wrong token")
+    assert (
+        told.stop_all and told.code == 2 and "(its last line: Error: wrong token)" in told.message
+    )
+    # One worker's own trouble ends it alone.
+    assert ended("w", 3) == Ended(ended("w", 3).message, False, 3)
+    assert "computes differently" in ended("w", 3).message
+    assert ended("w", LOST) == Ended(ended("w", LOST).message, False, 1)
+    assert ended("w", -9) == Ended("w was killed by SIGKILL", False, 137)
+    # Stopped by this command: SIGTERM before its handlers is a clean stop too; a kill
+    # after the stop timeout is not.
+    assert ended("w", -15, asked=True) == Ended("w stopped", False, 0)
+    assert ended("w", -9, asked=True).code == 137
+    assert not ended("w", 1, asked=True).stop_all
+
+
+def test_exit_status_is_the_cause_else_the_first_failure() -> None:
+    tally = Tally()
+    for end in (ended("a", 0), ended("b", LOST), ended("c", 2), ended("d", -15, asked=True)):
+        tally.add(end)
+    assert tally.status == 2  # c stopped the others; b's loss came first
+    tally = Tally()
+    for end in (ended("a", 0), ended("b", 3), ended("c", LOST)):
+        tally.add(end)
+    assert tally.status == 3
+    tally = Tally()
+    tally.add(ended("a", 0))
+    tally.add(ended("b", -15, asked=True))
+    assert tally.status == 0
 
 
 def test_worker_names() -> None:
@@ -101,9 +122,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 class Launch:
     """eggroll-ray as a subprocess, its lines collected as they come."""
 
-    def __init__(self, *args: str | Path):
+    def __init__(self, *args: str | Path, **settings: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("EGGROLL_")}
-        env.update(RAY_ENV)
+        env.update(RAY_ENV, **settings)
         self.proc = subprocess.Popen(
             [command("eggroll-ray"), *map(str, args)],
             env=env,
@@ -178,6 +199,13 @@ def _workers_of(data_dir: Path) -> list[int]:
     return pids
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _no_workers_left(data_dir: Path, within: float = 15.0) -> bool:
     deadline = time.monotonic() + within
     while _workers_of(data_dir) and time.monotonic() < deadline:
@@ -219,11 +247,12 @@ def test_sigterm_stops_every_worker_cleanly(
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)
     coord, port = start_coordinator(spawn, tmp_path / "run", config)
-    flags = ["--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"]
+    flags = ["--data-dir", words_data, "--max-retry-s", "1"]
     launch = Launch(
         f"127.0.0.1:{port}",
         *("--ray-address", ray_cluster, "--device", "cpu", "--name", "rk"),
         *("--", *flags),
+        EGGROLL_LOG_FORMAT="json",  # the workers get the EGGROLL_* settings given here
     )
     try:
         for name in ("rk-cpu0", "rk-cpu1"):
@@ -267,7 +296,8 @@ def test_a_lost_actor_ends_only_its_worker(
     try:
         for name in ("lo-cpu0", "lo-cpu1"):
             launch.wait_event(name, "worker starting", 120)
-        actor = int(re.findall(r"pid=(\d+)\D.*\[lo-cpu1\] ", "\n".join(launch.lines))[0])
+        (worker,) = [p for p in _workers_of(words_data) if b"lo-cpu1" in _cmdline(p)]
+        actor = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
         workers = set(_workers_of(words_data))
         assert len(workers) == 2
         os.kill(actor, signal.SIGKILL)
@@ -294,32 +324,38 @@ def test_a_lost_actor_ends_only_its_worker(
     assert _no_workers_left(words_data)
 
 
-def test_a_worker_that_cannot_start_stops_the_launch(ray_cluster: str, tmp_path: Path) -> None:
-    empty = tmp_path / "no-data"
-    empty.mkdir()
+def test_a_worker_that_cannot_start_stops_the_launch(
+    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
+) -> None:
+    """One worker refused for good (another data digest than the run's): the other is
+    stopped, and the refused one's status and reason are the command's."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    _, port = start_coordinator(spawn, tmp_path / "run", config, "--data-digest", "00" * 32)
     launch = Launch(
-        "127.0.0.1:9",
-        *("--ray-address", ray_cluster, "--workers", "1"),
-        *("--", "--backend", "numpy", "--data-dir", empty),
+        f"127.0.0.1:{port}",
+        *("--ray-address", ray_cluster, "--device", "cpu", "--name", "bad"),
+        *("--", "--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"),
     )
     try:
-        assert launch.finish(120) == 1, launch.tail()
+        assert launch.finish(120) == 2, launch.tail()
     finally:
         launch.stop()
-    # Its reason comes with the status, in the launcher's own line.
-    said = [line for line in launch.lines if "exited with status 1 (its last line: " in line]
-    assert said and "has no input.bin" in said[0], launch.tail()
-    assert _no_workers_left(empty)
+    said = [line for line in launch.lines if "exited with status 2 (its last line: " in line]
+    assert said and "data" in said[0] and "stopping the others" in said[0], launch.tail()
+    assert _no_workers_left(words_data)
 
 
-def test_more_workers_than_the_cluster_holds_is_one_line(ray_cluster: str) -> None:
-    launch = Launch("127.0.0.1:9", "--ray-address", ray_cluster, "--workers", "3")
+def test_workers_the_cluster_cannot_place_are_one_line(ray_cluster: str) -> None:
+    launch = Launch(
+        "127.0.0.1:9", "--ray-address", ray_cluster, "--workers", "3", "--start-timeout-s", "3"
+    )
     try:
         assert launch.finish(60) == 1, launch.tail()
     finally:
         launch.stop()
     assert any(
-        "Error: 3 workers asked, the Ray cluster holds 2 (2 GPUs)" in line for line in launch.lines
+        "Error: Ray placed fewer than 3 workers within 3 s" in line for line in launch.lines
     ), launch.tail()
     assert not any("Traceback" in line for line in launch.lines)
 

@@ -6,7 +6,7 @@ actor runs `eggroll-worker` as its child with the GPU Ray gave it, and this comm
 supervises them as deploy/run-workers.sh does on one host. The coordinator stays where it
 is, outside Ray: Ray only places and watches workers.
 
-The policy for a worker that ends (`ended`) is a pure function, tested without Ray.
+What a worker's end means (`ended`, `Tally`) is pure, tested without Ray.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,12 @@ from .cli import parse_address
 
 PROG = "eggroll-ray"
 EXIT_FAULTY = 3  # a worker that computes differently from the run (worker/cli.py)
-_TOKEN_VARS = ("EGGROLL_TOKEN", "EGGROLL_TOKEN_FILE")
 LOST = None  # the status of a worker whose actor died with its node
+# The driver's EGGROLL_* settings reach the workers, as run-workers.sh's do, except these:
+# the token is handed over explicitly, the others are this command's own.
+_NOT_PASSED = ("EGGROLL_TOKEN", "EGGROLL_TOKEN_FILE", "EGGROLL_NAME", "EGGROLL_STOP_TIMEOUT_S")
+SIGNAL_AGAIN_S = 1.5  # a second signal sooner is the same one (a group and its leader)
+MAX_BUFFERED_LINES = 10_000  # a worker's lines held between two polls by the driver
 
 
 def say(text: str) -> None:
@@ -45,38 +49,56 @@ def say(text: str) -> None:
 
 @dataclass(frozen=True)
 class Ended:
-    """What a worker's end means for the others: `stop_all` ends the launch with `status`."""
+    """What a worker's end means: its exit `code` for this command, and whether the others
+    stop (`stop_all`)."""
 
     message: str
     stop_all: bool
+    code: int
 
 
-def ended(name: str, status: int | None, last: str = "") -> Ended:
-    """A worker's exit: a finished run (0) ends each worker on its own; a worker that computes
-    differently (3) or whose node was lost ends alone, since the others are fine; any other
-    status (a bad flag, missing data, a refused token) would end every worker the same way,
-    so all stop, as deploy/run-workers.sh does."""
-    if status == 0:
-        return Ended(f"{name} stopped: the run is complete", False)
+def ended(name: str, status: int | None, last: str = "", asked: bool = False) -> Ended:
+    """A worker's exit status (negative: killed by that signal; LOST: its actor died), when
+    this command `asked` it to stop or not. A finished run (0) ends each worker on its own.
+    A bad flag, missing data or a refused token (any other status) would end every worker
+    the same way, so all stop, as deploy/run-workers.sh does. A worker that computes
+    differently (3), one killed by a signal not ours (the OOM killer) or lost with its node
+    ends alone: the others are fine."""
     if status is LOST:
-        return Ended(f"{name} was lost with its Ray node or actor; the others go on", False)
+        return Ended(f"{name} was lost with its Ray node or actor; the others go on", False, 1)
+    if status == 0 or (asked and status == -signal.SIGTERM):
+        return Ended(f"{name} stopped" + ("" if asked else ": the run is complete"), False, 0)
+    if status < 0:
+        how = signal.Signals(-status).name if -status in signal.valid_signals() else -status
+        return Ended(f"{name} was killed by {how}", False, 128 - status)
     if status == EXIT_FAULTY:
         return Ended(
             f"{name} exited with status 3: it computes differently from the run (a faulty "
             "GPU?); the others go on",
             False,
+            EXIT_FAULTY,
         )
     said = f" (its last line: {last})" if last else ""
-    return Ended(f"{name} exited with status {status}{said}", True)
+    return Ended(f"{name} exited with status {status}{said}", not asked, status)
 
 
-def first_failure(statuses: list[int | None]) -> int:
-    """The launch's exit status: 0 when every worker ended with 0, else the first worker's
-    non-zero status (1 for a lost one)."""
-    for status in statuses:
-        if status != 0:
-            return 1 if status is LOST else status
-    return 0
+class Tally:
+    """This command's exit status: that of the worker whose end stopped the others, else
+    the first non-zero one in the order they ended, else 0."""
+
+    def __init__(self) -> None:
+        self.cause: int | None = None
+        self.first = 0
+
+    def add(self, end: Ended) -> None:
+        if end.stop_all and self.cause is None:
+            self.cause = end.code
+        if self.first == 0:
+            self.first = end.code
+
+    @property
+    def status(self) -> int:
+        return self.cause if self.cause is not None else self.first
 
 
 def worker_names(places: list[tuple[str, str, list[str]]], base: str | None) -> list[str]:
@@ -100,13 +122,17 @@ def worker_names(places: list[tuple[str, str, list[str]]], base: str | None) -> 
 
 class WorkerProcess:
     """A Ray actor holding one eggroll-worker child; async, so that `stop` runs while `wait`
-    is pending. An actor that dies (its node lost, its driver killed) takes the child with
-    it: Ray kills the child processes of a worker process that exits."""
+    is pending. The child's lines wait in the actor until the driver takes them (Ray's own
+    relay of actor output drops lines it thinks repeated and those still in flight when
+    the driver ends). An actor that dies (its node lost, its driver killed) takes the child
+    with it: Ray kills the child processes of a worker process that exits."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
-        self.last = ""  # the child's last line, for the driver's message when it fails
         self.relay: threading.Thread | None = None
+        self.lines: deque[str] = deque(maxlen=MAX_BUFFERED_LINES)
+        self.dropped = 0
+        self.lock = threading.Lock()
 
     async def place(self) -> tuple[str, str, list[str]]:
         import ray
@@ -115,12 +141,12 @@ class WorkerProcess:
         gpus = [str(g) for g in ray.get_gpu_ids()]
         return ray.get_runtime_context().get_node_id(), host, gpus
 
-    async def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
+    async def start(self, args: list[str], env: dict[str, str]) -> None:
         exe = shutil.which("eggroll-worker", path=os.path.dirname(sys.executable))
         if exe is None:
             raise RuntimeError(f"no eggroll-worker beside {sys.executable} on this Ray node")
-        # The token is the driver's: none inherited by this Ray node's processes counts.
-        inherited = {k: v for k, v in os.environ.items() if k not in _TOKEN_VARS}
+        # The driver's settings and token, none of this Ray node's own.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("EGGROLL_")}
         self.proc = subprocess.Popen(
             [exe, *args],
             env={**inherited, **env},
@@ -128,50 +154,60 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        self.relay = threading.Thread(target=self._relay, args=(name,), daemon=True)
+        self.relay = threading.Thread(target=self._relay, daemon=True)
         self.relay.start()
 
-    def _relay(self, name: str) -> None:
-        """The child's lines, each prefixed with its name (Ray passes them on to the driver)."""
+    def _relay(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            text = line.decode("utf-8", "replace").rstrip("\n")
-            print(f"[{name}] {text}", flush=True)
-            if text.strip():
-                self.last = text[:500]
+            with self.lock:
+                if len(self.lines) == MAX_BUFFERED_LINES:
+                    self.dropped += 1
+                self.lines.append(line.decode("utf-8", "replace").rstrip("\n"))
 
-    async def wait(self) -> tuple[int, str]:
-        """The child's exit status and last line, once it has exited and said all."""
+    async def take(self) -> tuple[list[str], int]:
+        """The lines printed since the last call, and how many were dropped meanwhile."""
+        with self.lock:
+            lines, dropped = list(self.lines), self.dropped
+            self.lines.clear()
+            self.dropped = 0
+        return lines, dropped
+
+    async def wait(self) -> int:
+        """The child's exit status, once it has exited and every line of it is taken in."""
         assert self.proc is not None and self.relay is not None
         loop = asyncio.get_running_loop()
         status = await loop.run_in_executor(None, self.proc.wait)
         await loop.run_in_executor(None, self.relay.join, 10)
-        return status, self.last
+        return status
 
-    async def stop(self, timeout_s: float) -> int:
-        """SIGTERM (a clean stop), then SIGKILL after `timeout_s`; the exit status."""
+    async def stop(self, timeout_s: float) -> None:
+        """SIGTERM (a clean stop), then SIGKILL after `timeout_s`."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.terminate()
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(None, self.proc.wait), timeout_s)
+            await asyncio.wait_for(loop.run_in_executor(None, self.proc.wait), timeout_s)
         except TimeoutError:
             self.proc.kill()
-            return await loop.run_in_executor(None, self.proc.wait)
 
 
 class _Stop:
-    """SIGINT/SIGTERM asks for a clean stop; a second one kills at once."""
+    """SIGINT/SIGTERM asks for a clean stop; another one, SIGNAL_AGAIN_S later or more,
+    kills at once (sooner, it is the same signal sent to a process group and its leader)."""
 
     def __init__(self) -> None:
         self.asked: str | None = None
+        self.at = 0.0
         self.again = False
 
     def __call__(self, signum: int, frame: object) -> None:
-        if self.asked is not None:
+        now = time.monotonic()
+        if self.asked is None:
+            self.asked, self.at = signal.Signals(signum).name, now
+        elif now - self.at >= SIGNAL_AGAIN_S:
             self.again = True
-        self.asked = signal.Signals(signum).name
 
 
 def _reachable(address: str) -> str | None:
@@ -196,9 +232,9 @@ def _connect(ray: Any, address: str) -> None:
         )
     try:
         if address == "local":  # a Ray of its own on this machine, for this command only
-            ray.init(address="local", include_dashboard=False, log_to_driver=True)
-        else:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        else:  # the workers' lines come through WorkerProcess.take, not Ray's relay
+            ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise click.ClickException(
@@ -208,22 +244,25 @@ def _connect(ray: Any, address: str) -> None:
 
 
 def _plan(ray: Any, device: str, workers: int | None, cpus_per_worker: float) -> int:
-    """The number of workers: as asked, else one per GPU (or per `cpus_per_worker` CPUs) of
-    the cluster; refused when the cluster cannot hold them."""
+    """The number of workers: as asked (an autoscaler may add the nodes they need), else one
+    per GPU (or per `cpus_per_worker` CPUs) the cluster holds now."""
+    if workers is not None:
+        return workers
     resources = ray.cluster_resources()
     if device == "gpu":
-        room = int(resources.get("GPU", 0))
-        if room == 0:
+        n = int(resources.get("GPU", 0))
+        if n == 0:
             raise click.ClickException(
-                "the Ray cluster has no GPU; give --device cpu for NumPy workers"
+                "the Ray cluster has no GPU now: give --workers N to wait for GPU nodes, or "
+                "--device cpu for NumPy workers"
             )
-        what = f"{room} GPUs"
-    else:
-        room = int(resources.get("CPU", 0) // cpus_per_worker)
-        what = f"{resources.get('CPU', 0):g} CPUs, {cpus_per_worker:g} a worker"
-    n = room if workers is None else workers
-    if n > room or n == 0:
-        raise click.ClickException(f"{n} workers asked, the Ray cluster holds {room} ({what})")
+        return n
+    n = int(resources.get("CPU", 0) // cpus_per_worker)
+    if n == 0:
+        raise click.ClickException(
+            f"the Ray cluster has {resources.get('CPU', 0):g} CPUs now, under "
+            f"--cpus-per-worker {cpus_per_worker:g}: give --workers N to wait for more"
+        )
     return n
 
 
@@ -310,11 +349,12 @@ def main(
 
     Flags after `--` go to every worker (see eggroll-worker --help), e.g. `-- --data-dir
     /shared/data`: the data directory must exist on every node. The workers run the
-    eggroll-worker installed beside the Python of each Ray node. Each line a worker prints
-    comes prefixed with its name. SIGINT or SIGTERM stops every worker cleanly (exit 0); a
-    second signal kills them. A worker that exits non-zero stops the others (its status is
-    this command's), except status 3 (it computes differently) or a lost node, which end only
-    that worker.
+    eggroll-worker installed beside the Python of each Ray node, and get the EGGROLL_*
+    variables set here. Each line a worker prints comes prefixed with its name. SIGINT or
+    SIGTERM stops every worker cleanly (exit 0); a second one, 1.5 s later or more, kills
+    them. A worker that exits with 1 or 2 stops the others, and its status is this
+    command's; one that exits with 3 (it computes differently), is killed by a signal, or
+    is lost with its node ends alone.
     """
     try:
         parse_address(coordinator, DEFAULT_PORT)
@@ -326,9 +366,11 @@ def main(
     if name is not None and len(name.encode()) > MAX_WORKER_NAME_BYTES - 16:
         raise click.BadParameter(f"over {MAX_WORKER_NAME_BYTES - 16} bytes", param_hint="--name")
     try:
-        token = load_token(token_file)
+        token = load_token(token_file).decode("utf-8")
     except TokenError as exc:
         raise OneLineError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise OneLineError("the token is not UTF-8 text, which Ray workers need") from None
     try:
         import ray
     except ImportError:
@@ -372,7 +414,7 @@ def _launch(
     workers: int | None,
     cpus_per_worker: float,
     name: str | None,
-    token: bytes,
+    token: str,
     timeouts: tuple[float, float],
     stop: _Stop,
 ) -> int:
@@ -392,13 +434,18 @@ def _launch(
             return 0
         if time.monotonic() > deadline:
             raise click.ClickException(
-                f"Ray placed fewer than {n} workers within {start_timeout_s:g} s: are its "
-                "resources held by other jobs? (--workers, --start-timeout-s)"
+                f"Ray placed fewer than {n} workers within {start_timeout_s:g} s: does the "
+                "cluster hold them, or do other jobs? (--workers, --start-timeout-s)"
             )
-    places = ray.get(refs)
+    try:
+        places = ray.get(refs)
+    except ray.exceptions.RayError as exc:  # an actor that could not be made on its node
+        raise click.ClickException(f"a worker could not be placed: {_first_line(exc)}") from None
     names = worker_names(places, name)
     per_node = Counter(node for node, _, _ in places)
-    env = {"EGGROLL_TOKEN": token.decode()} if token else {}
+    env = {k: v for k, v in os.environ.items() if _passed(k)}
+    if token:
+        env["EGGROLL_TOKEN"] = token  # in the environment, never on a command line
     starts = []
     for a, worker_name, (node, _, _) in zip(actors, names, places, strict=True):
         worker_env = {**env, "EGGROLL_WORKERS_PER_HOST": str(per_node[node])}
@@ -406,17 +453,51 @@ def _launch(
         if device == "cpu":
             worker_env["EGGROLL_THREADS"] = str(max(1, int(cpus_per_worker)))
             args += ["--backend", "numpy"]
-        starts.append(a.start.remote(worker_name, args + worker_args, worker_env))
+        starts.append(a.start.remote(args + worker_args, worker_env))
     try:
         ray.get(starts)
     except ray.exceptions.RayError as exc:  # no eggroll-worker on a node
-        cause = getattr(exc, "cause", None) or exc
-        raise click.ClickException(f"a worker could not start: {cause}") from None
+        raise click.ClickException(f"a worker could not start: {_first_line(exc)}") from None
     say(f"started {n} workers for {coordinator}: {', '.join(names)}")
+    return _supervise(ray, actors, names, stop, stop_timeout_s)
 
-    statuses: list[int | None] = [0] * n
+
+def _passed(var: str) -> bool:
+    return (
+        var.startswith("EGGROLL_")
+        and not var.startswith("EGGROLL_RAY_")
+        and (var not in _NOT_PASSED)
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip()
+    return text.splitlines()[-1] if text else type(cause).__name__
+
+
+def _supervise(
+    ray: Any, actors: list[Any], names: list[str], stop: _Stop, stop_timeout_s: float
+) -> int:
+    """Relay the workers' lines and act on their ends (`ended`) until none is left."""
+    tally = Tally()
+    last = [""] * len(actors)
     pending = {a.wait.remote(): i for i, a in enumerate(actors)}
-    stopping: float | None = None  # when the stop began
+    stopping: float | None = None  # when this command asked the workers to stop
+
+    def relay(ids: list[int]) -> None:
+        takes = {actors[i].take.remote(): i for i in ids}
+        for ref, i in takes.items():
+            try:
+                lines, dropped = ray.get(ref, timeout=10)
+            except ray.exceptions.RayError:
+                continue  # a lost actor: its end says so
+            if dropped:
+                say(f"{names[i]}: {dropped} lines dropped (the driver fell behind)")
+            for line in lines:
+                click.echo(f"[{names[i]}] {line}")
+                if line.strip():
+                    last[i] = line[:500]
 
     def stop_all() -> float:
         for i in pending.values():
@@ -429,20 +510,18 @@ def _launch(
             stopping = stop_all()
         if stop.again or (stopping and time.monotonic() > stopping + stop_timeout_s + 30):
             say("killing the workers left" if stop.again else "workers did not stop: killing")
-            for i in pending.values():
-                statuses[i] = LOST
+            tally.add(ended("", LOST))
             break
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
+        relay(sorted(pending.values()))
         for ref in ready:
             i = pending.pop(ref)
-            last = ""
             try:
-                statuses[i], last = ray.get(ref)
+                status = ray.get(ref)
             except ray.exceptions.RayError:
-                statuses[i] = LOST
-            end = ended(names[i], statuses[i], last)
-            if stopping is not None:
-                continue
+                status = LOST
+            end = ended(names[i], status, last[i], asked=stopping is not None)
+            tally.add(end)
             if end.stop_all and pending:
                 say(f"{end.message}; stopping the others")
                 stopping = stop_all()
@@ -451,4 +530,4 @@ def _launch(
     for a in actors:  # any left after a second signal: Ray kills their children too
         with contextlib.suppress(Exception):
             ray.kill(a)
-    return first_failure(statuses)
+    return tally.status
