@@ -208,6 +208,15 @@ def _run(
     help="Require worker certificates signed by this CA (mutual TLS).",
 )
 @click.option(
+    "--machine-identity",
+    type=click.Choice(["address", "certificate"]),
+    default="address",
+    show_default=True,
+    help="What stands for a worker's machine in the checks: its IP address, or (with "
+    "--tls-client-ca) its certificate's common name, for machines behind one NAT or with "
+    "several addresses; give each machine a certificate of its own.",
+)
+@click.option(
     "--data-dir",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     default=None,
@@ -270,6 +279,7 @@ def main(
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
+    machine_identity: str,
     data_dir: Path | None,
     data_digest: str | None,
     init_from: Path | None,
@@ -300,6 +310,11 @@ def main(
             if tls_cert is None or tls_key is None:
                 raise click.UsageError("--tls-cert and --tls-key go together")
             tls = server_tls_context(tls_cert, tls_key, tls_client_ca)
+        if machine_identity == "certificate" and (tls is None or tls_client_ca is None):
+            raise click.UsageError(
+                "--machine-identity certificate needs mutual TLS: --tls-cert, --tls-key and "
+                "--tls-client-ca"
+            )
         digest, meta = _data(data_dir, data_digest)
     except (TokenError, OSError, ValueError, DataError, TrackingError) as exc:
         raise OneLineError(str(exc)) from None
@@ -314,6 +329,7 @@ def main(
         host=host,
         port=port,
         tls=tls,
+        machine_by_certificate=machine_identity == "certificate",
         run=RunOptions(
             token=token,
             data_digest=digest,

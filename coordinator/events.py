@@ -54,6 +54,7 @@ class Joined(Event):
     worker: str
     address: str
     workers: int  # past the handshake, this one included
+    machine: str = ""  # its certificate's identity, where that stands for its machine
 
 
 @dataclass(frozen=True)

@@ -262,9 +262,13 @@ class Peer:
     worked: float = 0.0
     stalled: bool = False  # reported as stalled (`Stalled`), until its next RESULT
 
+    # What stands for its machine in the checks: its certificate's identity (mutual TLS
+    # with --machine-identity certificate), else its address without the port
+    machine: str = ""
+
     @property
     def host(self) -> str:
-        return self.address.rsplit(":", 1)[0]
+        return self.machine or self.address.rsplit(":", 1)[0]
 
 
 @dataclass
@@ -391,9 +395,10 @@ class RunCore:
 
     # ------------------------------------------------------------------ connections
 
-    def connect(self, address: str) -> int:
-        """A new connection; returns its peer id."""
-        peer = Peer(next(self._ids), address)
+    def connect(self, address: str, machine: str = "") -> int:
+        """A new connection; returns its peer id. `machine`: what stands for its machine in
+        the checks, when not its address (a certificate's identity)."""
+        peer = Peer(next(self._ids), address, machine=machine)
         self.peers[peer.id] = peer
         return peer.id
 
@@ -525,7 +530,7 @@ class RunCore:
         peer.worked = self.clock()
         self.ready_hosts[peer.host] += 1
         peer.broadcast_from = self.step
-        out.append(Joined(peer.name, peer.address, self.ready_count()))
+        out.append(Joined(peer.name, peer.address, self.ready_count(), peer.machine))
         if self.ready_count() == self.cfg.chunks + 1:
             out.append(Overprovisioned(self.ready_count(), self.cfg.chunks, self.cfg.es.chunk_size))
         return [*out, Send(peer.id, welcome)]

@@ -43,7 +43,7 @@ from ..protocol import (
 )
 from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
-from ..protocol.security import is_loopback
+from ..protocol.security import certificate_identity, is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
@@ -81,6 +81,9 @@ class Options:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     tls: ssl.SSLContext | None = None
+    # Mutual TLS: a worker's certificate identity, not its address, stands for its machine
+    # in the checks (workers behind one NAT are machines apart, with a certificate each).
+    machine_by_certificate: bool = False
     run: RunOptions = field(default_factory=RunOptions)  # the run's course, for the core
     keep_snapshots: int = 3
     final_snapshot_timeout_s: float = 120.0
@@ -200,8 +203,13 @@ def record(
         case events.CatchupServed():
             metrics.catchup_steps.inc(event.steps)
         case events.Joined():
+            machine = {"machine": event.machine} if event.machine else {}
             log.info(
-                "worker joined", worker=event.worker, peer=event.address, workers=event.workers
+                "worker joined",
+                worker=event.worker,
+                peer=event.address,
+                workers=event.workers,
+                **machine,
             )
         case events.Overprovisioned():
             log.warning(
@@ -693,8 +701,17 @@ class Coordinator:
                 writer.close()
             self._handlers.discard(task)
             return
+        machine = ""
+        if self.opt.machine_by_certificate:  # verified in the handshake (CERT_REQUIRED)
+            tls = writer.get_extra_info("ssl_object")
+            der = tls.getpeercert(binary_form=True) if tls is not None else None
+            machine = certificate_identity(tls.getpeercert() if tls else None, der) or ""
         link = Link(
-            self.core.connect(address), address, writer, self.metrics, self.opt.write_timeout_s
+            self.core.connect(address, machine),
+            address,
+            writer,
+            self.metrics,
+            self.opt.write_timeout_s,
         )
         self.links[link.peer] = link
         try:

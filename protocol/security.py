@@ -15,6 +15,7 @@ Both sides use these, so the rules are written once:
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import secrets
@@ -116,6 +117,21 @@ def server_tls_context(
         ctx.load_verify_locations(str(client_ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+MAX_CN_CHARS = 64  # X.509's bound on a common name; a longer one is named by its digest
+
+
+def certificate_identity(cert: dict | None, der: bytes | None) -> str | None:
+    """The machine a verified client certificate stands for: `cn:NAME` (its subject's
+    common name, printable, at most MAX_CN_CHARS), else `sha256:HEX` of the certificate;
+    None without one. Certificates sharing a common name stand for one machine."""
+    names = [v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"]
+    if len(names) == 1 and 0 < len(names[0]) <= MAX_CN_CHARS and names[0].isprintable():
+        return f"cn:{names[0]}"
+    if der is None:
+        return None
+    return f"sha256:{hashlib.sha256(der).hexdigest()}"
 
 
 def client_tls_context(

@@ -449,6 +449,7 @@ class Network:
         replica: Replica | None = None,
         token: bytes = b"",
         host: str = "mem",
+        machine: str = "",
         **me: Any,
     ) -> Worker:
         identity = Identity(
@@ -461,7 +462,7 @@ class Network:
             train_tokens=len(self.dataset.train),
         )
         w = Worker(self, name, identity, replica or sync_replica(self.dataset))
-        w.peer = self.core.connect(f"{host}:{name}")
+        w.peer = self.core.connect(f"{host}:{name}", machine)
         self.links[w.peer] = Link(w.peer, f"{host}:{name}", _Wire(w), self.metrics, 30.0)  # type: ignore[arg-type]
         self.workers.append(w)
         w.start()

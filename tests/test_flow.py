@@ -21,6 +21,7 @@ from helpers import Network, Worker, digest_at, sends, sync_replica
 from eggroll_dist.coordinator import run as run_module
 from eggroll_dist.coordinator.events import (
     ChunkAccepted,
+    Joined,
     Leased,
     Outvoted,
     Overprovisioned,
@@ -1296,6 +1297,38 @@ def test_an_outvoted_machines_other_connections_lose_their_votes_too(
     # no divergence of their own toward giving up).
     assert h.ended is not None and "lost a vote" in h.ended
     assert all(w.ended is not None and ADDRESS_OUTVOTED in w.ended for w in (k, idle))
+
+
+@pytest.mark.parametrize("by_certificate", [True, False])
+def test_machines_behind_one_nat_are_apart_by_their_certificates(
+    store4: RunStore, dataset: Dataset, tmp_path: Path, by_certificate: bool
+) -> None:
+    """A liar and an honest machine behind one NAT (one address), another honest machine
+    elsewhere. Told apart by their certificates, the liar is outvoted alone and only its
+    identity becomes suspect; by address, the NAT is one machine whose results differ from
+    the other's, and the run waits for a third."""
+    net = Network(store4, dataset, verify_fraction=1.0)
+    ids = {n: f"cn:{n}" if by_certificate else "" for n in ("liar", "a", "c")}
+    liar = net.join(
+        "liar", host="10.0.0.9", machine=ids["liar"], replica=Liar(sync_replica(dataset))
+    )
+    a = net.join("a", host="10.0.0.9", machine=ids["a"])
+    net.join("c", host="10.0.0.3", machine=ids["c"])
+    net.run()
+    if not by_certificate:
+        net.stop_at = 1
+        for _ in range(3):
+            net.advance(10.0)
+        assert store4.steps == 0 and any(isinstance(e, Undecided) for e in net.events)
+        return
+    net.train(3)
+    net.advance(1.0)
+    assert not liar.alive and a.alive
+    assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
+    assert net.core.suspect_hosts == {"cn:liar"}
+    assert {e.worker for e in net.events if isinstance(e, Outvoted)} == {"liar"}
+    joined = {e.worker: e.machine for e in net.events if isinstance(e, Joined)}
+    assert joined == {"liar": "cn:liar", "a": "cn:a", "c": "cn:c"}
 
 
 def test_a_machine_left_alone_agrees_its_digests_again(store: RunStore, dataset: Dataset) -> None:

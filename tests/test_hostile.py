@@ -620,7 +620,7 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
     ca, other = tls_certs["ca"], tls_certs["other"]
     coord, port = start_run(
         spawn, tmp_path / "run", config_file, "--tls-cert", ca["srv.pem"], "--tls-key",
-        ca["srv.key"], "--tls-client-ca", ca["ca.pem"],
+        ca["srv.key"], "--tls-client-ca", ca["ca.pem"], "--machine-identity", "certificate",
     )  # fmt: skip
 
     def worker(trust: dict[str, Path], mine: dict[str, Path]) -> list[str]:
@@ -634,9 +634,13 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
     wrong = subprocess.run(worker(other, ca), capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "certificate" in wrong.stderr
     assert "Traceback" not in wrong.stderr
-    # The coordinator does not trust the worker's certificate: refused as well.
+    # The coordinator does not trust the worker's certificate: refused as well, however
+    # the refusal arrives (an alert, a close or a reset before any frame).
     stranger = subprocess.run(worker(ca, other), capture_output=True, text=True, timeout=60)
-    assert stranger.returncode != 0 and "Traceback" not in stranger.stderr
+    assert stranger.returncode == 2 and "Traceback" not in stranger.stderr
+    assert "does not accept this worker's certificate" in stranger.stderr or (
+        "refused this worker" in stranger.stderr
+    )
     # Plain TCP to a TLS coordinator gets nothing.
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(
@@ -650,7 +654,26 @@ def test_tls_run_and_a_worker_with_the_wrong_ca_is_refused(
         except (ConnectionResetError, TimeoutError):
             pass
     spawn("eggroll-worker", *worker(ca, ca)[1:])
+    # Its machine in the checks is its certificate's (CN=cli), not its address.
+    coord.wait_for(
+        lambda e: e.get("event") == "worker joined" and e.get("machine") == "cn:cli",
+        60,
+        "a join by certificate",
+    )
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)
+
+
+def test_machines_by_certificate_need_mutual_tls(tmp_path: Path, config_file: Path) -> None:
+    done = subprocess.run(
+        [
+            command("eggroll-coordinator"), "--save-dir", str(tmp_path / "run"), "--config",
+            str(config_file), "--port", "0", "--metrics-port", "0", "--machine-identity",
+            "certificate",
+        ],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "needs mutual TLS" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # ---------------------------------------------------------------------------- E12, E14

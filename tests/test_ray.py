@@ -217,17 +217,24 @@ def test_gpu_workers_train_the_run_to_its_digest(
     spawn, ray_cluster: str, words_data: Path, tmp_path: Path
 ) -> None:
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG)
-    steps = 3
+    # 32 chunks a step, so that the run outlasts a worker's wait between two tries.
+    config.write_text(CONFIG.replace("population = 64", "population = 512"))
+    steps = 4
     save_dir = tmp_path / "run"
-    coord, port = start_coordinator(spawn, save_dir, config, "--max-steps", str(steps))
+    port = _free_port()
     flags = ["--backend", "numpy", "--data-dir", words_data, "--log-format", "json"]
     launch = Launch(
-        f"127.0.0.1:{port}", "--ray-address", ray_cluster, "--", *flags, "--max-retry-s", "1"
+        f"127.0.0.1:{port}", "--ray-address", ray_cluster, "--", *flags, "--max-retry-s", "0.2"
     )
     try:
+        # The coordinator comes once both workers are up and trying it, so that both take
+        # part in the run however slowly Ray starts them (a worker that first connects
+        # after the run is complete would wait for it forever).
+        for name in (f"{SHORT_HOST}-gpu0", f"{SHORT_HOST}-gpu1"):
+            launch.wait_event(name, "reconnecting", 120)
+        coord, _ = start_coordinator(spawn, save_dir, config, "--max-steps", str(steps), port=port)
         # The run completes: every worker ends with 0, and so does eggroll-ray.
-        assert launch.finish(240) == 0, launch.tail()
+        assert launch.finish(240) == 0, launch.tail() + "\n" + "\n".join(coord.lines[-20:])
     finally:
         launch.stop()
     assert coord.wait(60) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ssl
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from eggroll_dist.protocol.security import (
     MIN_TOKEN_BYTES,
     TokenError,
+    certificate_identity,
     client_tls_context,
     is_loopback,
     load_token,
@@ -63,3 +65,19 @@ def test_tls_contexts_load_certificates(tls_certs: dict[str, dict[str, Path]]) -
     assert client.verify_mode is ssl.CERT_REQUIRED and client.check_hostname
     with pytest.raises(ssl.SSLError):
         server_tls_context(certs["srv.pem"], certs["cli.key"])  # key of another certificate
+
+
+def test_a_certificate_stands_for_its_common_name_else_its_digest(
+    tls_certs: dict[str, dict[str, Path]],
+) -> None:
+    der = ssl.PEM_cert_to_DER_cert(tls_certs["ca"]["cli.pem"].read_text())
+    digest = f"sha256:{hashlib.sha256(der).hexdigest()}"
+
+    def subject(*names: str) -> dict:
+        return {"subject": tuple((("commonName", n),) for n in names)}
+
+    assert certificate_identity(subject("node7"), der) == "cn:node7"
+    # No common name, several, an overlong or unprintable one: the certificate itself.
+    for cert in (subject(), subject("a", "b"), subject("x" * 65), subject("a\nb")):
+        assert certificate_identity(cert, der) == digest
+    assert certificate_identity(None, None) is None

@@ -321,6 +321,14 @@ class Link:
                 )
             else:
                 self.inbox.put_nowait(Ended(f"connection lost: {describe(exc)}"))
+        except ConnectionResetError as exc:
+            # Over TLS, a reset before any frame is a refusal too: TLS 1.3 checks our
+            # certificate after our side of the handshake, and a coordinator that closes
+            # with our HELLO unread resets the connection, its alert lost with it.
+            refused = self.options.tls and not self.conn.messages_received
+            self.inbox.put_nowait(
+                self._closed() if refused else Ended(f"connection lost: {describe(exc)}")
+            )
         except OSError as exc:
             self.inbox.put_nowait(Ended(f"connection lost: {describe(exc)}"))
 
