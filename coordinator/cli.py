@@ -213,8 +213,9 @@ def _run(
     default="address",
     show_default=True,
     help="What stands for a worker's machine in the checks: its IP address, or (with "
-    "--tls-client-ca) its certificate's common name, for machines behind one NAT or with "
-    "several addresses; give each machine a certificate of its own.",
+    "--tls-client-ca) its certificate (its plain common name, else its issuer and serial), "
+    "for machines behind one NAT or with several addresses. Give each machine a "
+    "certificate of its own: machines sharing one count as one.",
 )
 @click.option(
     "--data-dir",

@@ -58,6 +58,14 @@ class Joined(Event):
 
 
 @dataclass(frozen=True)
+class SharedIdentity(Event):
+    """One certificate identity connected from several addresses at once (said once)."""
+
+    machine: str
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Overprovisioned(Event):
     """A worker joined past one per chunk: the workers beyond the step's chunks wait, or
     score check and backup copies (said once, as their number passes the chunks)."""

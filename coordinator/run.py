@@ -128,6 +128,7 @@ from .events import (
     Requeued,
     ResultDropped,
     Sampled,
+    SharedIdentity,
     SnapshotDropped,
     SnapshotRejected,
     SnapshotStored,
@@ -268,7 +269,11 @@ class Peer:
 
     @property
     def host(self) -> str:
-        return self.machine or self.address.rsplit(":", 1)[0]
+        return self.machine or self.address_host
+
+    @property
+    def address_host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
 
 
 @dataclass
@@ -345,6 +350,8 @@ class RunCore:
         # Where a worker was outvoted: every result checked (kept in run.json across restarts)
         self.suspect_hosts: set[str] = store.suspect_hosts
         self.ready_hosts: Counter[str] = Counter()  # connected workers per address
+        self.shared_said: set[str] = set()  # identities seen from two addresses (bounded:
+        # one entry per certificate identity, which the CA issues)
         self.departed: dict[int, str] = {}  # the address of each worker gone in this step
         self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
@@ -528,12 +535,25 @@ class RunCore:
         )
         peer.ready = True
         peer.worked = self.clock()
+        out += self._shared_identity(peer)
         self.ready_hosts[peer.host] += 1
         peer.broadcast_from = self.step
         out.append(Joined(peer.name, peer.address, self.ready_count(), peer.machine))
         if self.ready_count() == self.cfg.chunks + 1:
             out.append(Overprovisioned(self.ready_count(), self.cfg.chunks, self.cfg.es.chunk_size))
         return [*out, Send(peer.id, welcome)]
+
+    def _shared_identity(self, peer: Peer) -> list[Event]:
+        """A certificate identity connected from two addresses at once: one certificate (or
+        common name) on several machines, which then count as one in the checks. Said once
+        an identity; a machine with two addresses is the case to tell from it."""
+        if not peer.machine or peer.machine in self.shared_said:
+            return []
+        hosts = {p.address_host for p in self.peers.values() if p.ready and p.host == peer.host}
+        if not hosts - {peer.address_host}:
+            return []
+        self.shared_said.add(peer.machine)
+        return [SharedIdentity(peer.machine, tuple(sorted(hosts | {peer.address_host})))]
 
     def _check_data_digest(self, peer: Peer) -> list[Event]:
         """The operator's digest, or the one two workers agree on, is the run's."""
@@ -786,7 +806,8 @@ class RunCore:
                 raise
         outcome = self.jobs.complete_chunk(
             *(peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum),
-            verify=peer.host in self.suspect_hosts,
+            # its machine, or its address (recorded while addresses stood for machines)
+            verify=not self.suspect_hosts.isdisjoint({peer.host, peer.address_host}),
         )
         if outcome not in (Outcome.STALE, Outcome.OUT_OF_RANGE, Outcome.BAD_SIZE):
             peer.worked, peer.stalled = self.clock(), False  # work for the open step

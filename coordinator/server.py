@@ -154,7 +154,7 @@ def record(
                 chunk=event.chunk,
                 hint="its fitness differs from other workers' for the same chunk (a fault or "
                 "a lie): its results of the step are dropped, it resyncs, and every result "
-                "from its address is checked from now on",
+                "from its machine (its address, or its certificate) is checked from now on",
             )
         case events.Undecided():
             log.error(
@@ -210,6 +210,15 @@ def record(
                 peer=event.address,
                 workers=event.workers,
                 **machine,
+            )
+        case events.SharedIdentity():
+            log.warning(
+                "one certificate from several addresses",
+                machine=event.machine,
+                addresses=",".join(event.addresses),
+                hint="machines that share a certificate (or its common name) count as one "
+                "in the checks: give each machine its own (ignore this for one machine with "
+                "several addresses)",
             )
         case events.Overprovisioned():
             log.warning(
@@ -585,6 +594,14 @@ class Coordinator:
                 hint="joiners get an older snapshot (or none) and replay the fitness log; "
                 "the file is left for you to look at",
             )
+        kept = [h for h in self.core.suspect_hosts if h.startswith(("cn:", "cert:"))]
+        if kept and not self.opt.machine_by_certificate:
+            log.warning(
+                "suspect certificates not applied",
+                certificates=len(kept),
+                hint="run.json names machines caught lying by their certificates: only "
+                "--machine-identity certificate checks them",
+            )
         listener = listener or await Listener.bind(self.opt)
         self._server = listener.server
         await listener.serve(self._handle)
@@ -704,8 +721,14 @@ class Coordinator:
         machine = ""
         if self.opt.machine_by_certificate:  # verified in the handshake (CERT_REQUIRED)
             tls = writer.get_extra_info("ssl_object")
-            der = tls.getpeercert(binary_form=True) if tls is not None else None
-            machine = certificate_identity(tls.getpeercert() if tls else None, der) or ""
+            machine = certificate_identity(tls.getpeercert() if tls is not None else None) or ""
+            if not machine:  # never the address instead: the two kinds of key must not mix
+                log.error(
+                    "a worker's certificate names no identity: connection closed", peer=address
+                )
+                writer.close()
+                self._handlers.discard(task)
+                return
         link = Link(
             self.core.connect(address, machine),
             address,

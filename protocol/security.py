@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 import secrets
 import ssl
 import stat
@@ -119,19 +120,26 @@ def server_tls_context(
     return ctx
 
 
-MAX_CN_CHARS = 64  # X.509's bound on a common name; a longer one is named by its digest
+MAX_CN_CHARS = 64  # X.509's bound on a common name
+_PLAIN_CN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_CN_CHARS}}}")
 
 
-def certificate_identity(cert: dict | None, der: bytes | None) -> str | None:
-    """The machine a verified client certificate stands for: `cn:NAME` (its subject's
-    common name, printable, at most MAX_CN_CHARS), else `sha256:HEX` of the certificate;
-    None without one. Certificates sharing a common name stand for one machine."""
-    names = [v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"]
-    if len(names) == 1 and 0 < len(names[0]) <= MAX_CN_CHARS and names[0].isprintable():
-        return f"cn:{names[0]}"
-    if der is None:
+def certificate_identity(cert: dict | None) -> str | None:
+    """The machine a verified client certificate (`ssl.SSLSocket.getpeercert()`) stands
+    for: `cn:NAME`, its subject's one common name where that is plain (letters, digits,
+    `.`, `_`, `-`; no look-alikes, nothing to confuse a log), else `cert:HEX` of its issuer
+    and serial number, which the CA signed (a hash of the certificate's bytes would not
+    do: an ECDSA signature has two valid forms). None without either. Certificates that
+    share a common name stand for one machine."""
+    if not cert:
         return None
-    return f"sha256:{hashlib.sha256(der).hexdigest()}"
+    names = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    if len(names) == 1 and _PLAIN_CN.fullmatch(names[0]):
+        return f"cn:{names[0]}"
+    serial, issuer = cert.get("serialNumber"), cert.get("issuer")
+    if not serial or not issuer:
+        return None
+    return "cert:" + hashlib.sha256(repr((issuer, serial)).encode()).hexdigest()[:32]
 
 
 def client_tls_context(

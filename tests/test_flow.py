@@ -25,6 +25,7 @@ from eggroll_dist.coordinator.events import (
     Leased,
     Outvoted,
     Overprovisioned,
+    SharedIdentity,
     Stalled,
     Undecided,
 )
@@ -1331,6 +1332,22 @@ def test_machines_behind_one_nat_are_apart_by_their_certificates(
     assert joined == {"liar": "cn:liar", "a": "cn:a", "c": "cn:c"}
 
 
+def test_one_certificate_from_two_addresses_is_said_once(
+    store4: RunStore, dataset: Dataset
+) -> None:
+    net = Network(store4, dataset)
+    net.join("a1", host="10.0.0.1", machine="cn:a")
+    net.join("a2", host="10.0.0.1", machine="cn:a")  # one machine, two connections: fine
+    net.join("b", host="10.0.0.2", machine="cn:b")
+    net.run()
+    assert not [e for e in net.events if isinstance(e, SharedIdentity)]
+    net.join("a3", host="10.0.0.7", machine="cn:a")
+    net.join("a4", host="10.0.0.8", machine="cn:a")
+    net.run()
+    shared = [e for e in net.events if isinstance(e, SharedIdentity)]
+    assert shared == [SharedIdentity("cn:a", ("10.0.0.1", "10.0.0.7"))]
+
+
 def test_a_machine_left_alone_agrees_its_digests_again(store: RunStore, dataset: Dataset) -> None:
     """A worker on a second machine joins and leaves: the first machine's two connections
     count apart again, so their digests are agreed and snapshots go on."""
@@ -1344,15 +1361,25 @@ def test_a_machine_left_alone_agrees_its_digests_again(store: RunStore, dataset:
     assert store.steps in store.digests
 
 
+@pytest.mark.parametrize(
+    ("suspect", "machine"),
+    [
+        ("10.0.0.9", ""),
+        ("cn:s", "cn:s"),
+        ("10.0.0.9", "cn:s"),  # caught while addresses stood for machines
+    ],
+)
 def test_every_result_from_an_outvoted_address_is_checked(
-    store4: RunStore, dataset: Dataset, tmp_path: Path
+    store4: RunStore, dataset: Dataset, tmp_path: Path, suspect: str, machine: str
 ) -> None:
     """No chunk drawn for a check, but where a worker was outvoted, another worker's equal
-    result must confirm every result from its address: none settles a chunk alone."""
+    result must confirm every result from its machine (its address, or its certificate;
+    an address recorded before certificates stood for machines still counts): none
+    settles a chunk alone."""
     net = Network(store4, dataset)
-    net.core.suspect_hosts.add("10.0.0.9")
-    net.join("suspect", host="10.0.0.9")
-    net.join("a", host="10.0.0.1")
+    net.core.suspect_hosts.add(suspect)
+    net.join("suspect", host="10.0.0.9", machine=machine)
+    net.join("a", host="10.0.0.1", machine=machine and "cn:a")
     net.run()
     net.train(2)
     settled_by = {e.worker for e in net.events if isinstance(e, ChunkAccepted)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import ssl
 from pathlib import Path
 
@@ -67,17 +66,19 @@ def test_tls_contexts_load_certificates(tls_certs: dict[str, dict[str, Path]]) -
         server_tls_context(certs["srv.pem"], certs["cli.key"])  # key of another certificate
 
 
-def test_a_certificate_stands_for_its_common_name_else_its_digest(
-    tls_certs: dict[str, dict[str, Path]],
-) -> None:
-    der = ssl.PEM_cert_to_DER_cert(tls_certs["ca"]["cli.pem"].read_text())
-    digest = f"sha256:{hashlib.sha256(der).hexdigest()}"
+def test_a_certificate_stands_for_its_plain_common_name_else_its_serial() -> None:
+    issuer = ((("commonName", "eggroll-ca"),),)
 
-    def subject(*names: str) -> dict:
-        return {"subject": tuple((("commonName", n),) for n in names)}
+    def cert(*names: str, serial: str = "0A1B") -> dict:
+        subject = tuple((("commonName", n),) for n in names)
+        return {"subject": subject, "issuer": issuer, "serialNumber": serial}
 
-    assert certificate_identity(subject("node7"), der) == "cn:node7"
-    # No common name, several, an overlong or unprintable one: the certificate itself.
-    for cert in (subject(), subject("a", "b"), subject("x" * 65), subject("a\nb")):
-        assert certificate_identity(cert, der) == digest
-    assert certificate_identity(None, None) is None
+    assert certificate_identity(cert("node-7.rack_2")) == "cn:node-7.rack_2"
+    # No common name, several, an overlong, unprintable, look-alike or spaced one: the
+    # issuer and serial number, which the CA signed (the same certificate, the same).
+    odd = [cert(), cert("a", "b"), cert("x" * 65), cert("a\nb"), cert("nоde"), cert("a b")]
+    named = {certificate_identity(c) for c in odd}
+    assert len(named) == 1 and next(iter(named)).startswith("cert:")
+    assert certificate_identity(cert(serial="0A1C")) not in named | {None}
+    assert certificate_identity(None) is None and certificate_identity({}) is None
+    assert certificate_identity({"subject": ()}) is None

@@ -169,6 +169,9 @@ class WorkerClient:
             ) from None
         except (OSError, TimeoutError) as exc:
             self._count_resolve_failure(exc)
+            # A coordinator that refuses a certificate accepts TCP: refusals must come in a
+            # row, not across restarts of a coordinator that was down in between.
+            self.tls_refusals = 0
             return f"cannot connect to {self.host}:{self.port}: {describe(exc)}", 0.0
         self.resolve_failures = 0
         sock = writer.get_extra_info("socket")

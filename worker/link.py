@@ -392,6 +392,8 @@ class Link:
                 await asyncio.wait_for(asyncio.shield(self._reader_task), CLOSE_TIMEOUT_S)
         while not self.inbox.empty():
             item = self.inbox.get_nowait()
+            if isinstance(item, WorkerFatal):  # the reader's verdict (a refusal) stands
+                raise item
             if isinstance(item, Ended):
                 return str(item)
             if isinstance(item, Error):
