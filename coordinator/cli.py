@@ -159,10 +159,11 @@ def _run(
     default=0.05,
     show_default=True,
     help="Share of each step's chunks, drawn at random, that a second worker scores too: "
-    "another machine's while workers on two are connected (one vote per address and chunk; "
-    "a machine alone in the run is trusted). A worker whose fitness loses the vote is dropped "
-    "with its results of the step, and every result from its address is checked from then "
-    "on. 1: every chunk twice, so that no result counts without a second machine's; 0: off.",
+    "another machine's while workers on two are connected (one vote per machine and chunk, "
+    "see --machine-identity; a machine alone in the run is trusted). A worker whose fitness "
+    "loses the vote is dropped with its results of the step, and every result from its "
+    "machine is checked from then on. 1: every chunk twice, so that no result counts "
+    "without a second machine's; 0: off.",
 )
 @click.option(
     "--metrics-port",

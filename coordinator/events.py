@@ -149,7 +149,7 @@ class ChunkChecked(Event):
 @dataclass(frozen=True)
 class Outvoted(Event):
     """A worker's result lost a vote: its results of the step are dropped, every result
-    from its address is checked from now on, and it is refused at its next message."""
+    from its machine is checked from now on, and it is refused at its next message."""
 
     worker: str
     address: str
@@ -176,7 +176,7 @@ class Undecided(Event):
 
     step: int
     chunk: int
-    hosts: tuple[str, ...]  # the addresses whose results differ
+    hosts: tuple[str, ...]  # the machines (addresses or certificates) whose results differ
 
 
 @dataclass(frozen=True)

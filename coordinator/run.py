@@ -349,10 +349,10 @@ class RunCore:
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         # Where a worker was outvoted: every result checked (kept in run.json across restarts)
         self.suspect_hosts: set[str] = store.suspect_hosts
-        self.ready_hosts: Counter[str] = Counter()  # connected workers per address
+        self.ready_hosts: Counter[str] = Counter()  # connected workers per machine
         self.shared_said: set[str] = set()  # identities seen from two addresses (bounded:
         # one entry per certificate identity, which the CA issues)
-        self.departed: dict[int, str] = {}  # the address of each worker gone in this step
+        self.departed: dict[int, str] = {}  # the machine of each worker gone in this step
         self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
@@ -553,7 +553,7 @@ class RunCore:
         if not hosts - {peer.address_host}:
             return []
         self.shared_said.add(peer.machine)
-        return [SharedIdentity(peer.machine, tuple(sorted(hosts | {peer.address_host})))]
+        return [SharedIdentity(peer.machine, tuple(sorted(hosts)))]
 
     def _check_data_digest(self, peer: Peer) -> list[Event]:
         """The operator's digest, or the one two workers agree on, is the run's."""
@@ -692,10 +692,11 @@ class RunCore:
         return peer.host if peer is not None else self.departed[worker]
 
     def _group(self, worker: int) -> tuple[str, ...]:
-        """Whose vote a worker casts (on a chunk, a digest): its address's while workers at
-        two addresses are connected (a machine's connections never confirm each other, nor
-        one that comes back), else each connection its own (a run on one machine). Worked
-        out when the votes are counted, so all of them count the same way."""
+        """Whose vote a worker casts (on a chunk, a digest): its machine's (address, or
+        certificate with --machine-identity certificate) while workers of two are
+        connected (a machine's connections never confirm each other, nor one that comes
+        back), else each connection its own (a run on one machine). Worked out when the
+        votes are counted, so all of them count the same way."""
         host = self._host(worker)
         return (host,) if len(self.ready_hosts) > 1 else (host, str(worker))
 

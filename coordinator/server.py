@@ -70,6 +70,7 @@ __all__ = ["Coordinator", "Executor", "Listener", "Options", "record"]
 log = structlog.get_logger("eggroll.coordinator")
 
 READ_BYTES = 1 << 16
+BUSY_READ_BYTES, BUSY_READ_S = 4096, 1.0  # what a refused connection may still send
 TRANSFER_QUIET_S = 2.0  # a snapshot sent quicker than this logs no progress lines
 
 # Runs a blocking call (file I/O, checkpoint decoding) off the event loop.
@@ -715,6 +716,10 @@ class Coordinator:
             self.metrics.protocol_errors.labels("BUSY").inc()
             with contextlib.suppress(Exception):
                 writer.write(Connection(Role.COORDINATOR).send_error(ErrorCode.BUSY, busy))
+                # Its HELLO read first (bounded): a close with it unread resets the
+                # connection, and a TLS worker would take that for a certificate refusal.
+                await asyncio.wait_for(reader.read(BUSY_READ_BYTES), BUSY_READ_S)
+            with contextlib.suppress(Exception):
                 writer.close()
             self._handlers.discard(task)
             return

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from eggroll_dist.worker.ray_launch import LOST, Ended, Tally, ended, worker_names
+from eggroll_dist.worker.ray_launch import (
+    LOST,
+    Ended,
+    Tally,
+    _Stop,
+    _supervise,
+    ended,
+    worker_names,
+)
 
 from .helpers import command, digest_at, start_coordinator, trained_digest
 
@@ -48,9 +56,9 @@ def test_exit_policy() -> None:
         told.stop_all and told.code == 2 and "(its last line: Error: wrong token)" in told.message
     )
     # One worker's own trouble ends it alone.
-    assert ended("w", 3) == Ended(ended("w", 3).message, False, 3)
-    assert "computes differently" in ended("w", 3).message
-    assert ended("w", LOST) == Ended(ended("w", LOST).message, False, 1)
+    faulty, lost = ended("w", 3), ended("w", LOST)
+    assert (faulty.stop_all, faulty.code) == (False, 3) and "computes differently" in faulty.message
+    assert (lost.stop_all, lost.code) == (False, 1) and "w was lost" in lost.message
     assert ended("w", -9) == Ended("w was killed by SIGKILL", False, 137)
     # Stopped by this command: SIGTERM before its handlers is a clean stop too; a kill
     # after the stop timeout is not.
@@ -72,6 +80,74 @@ def test_exit_status_is_the_cause_else_the_first_failure() -> None:
     tally.add(ended("a", 0))
     tally.add(ended("b", -15, asked=True))
     assert tally.status == 0
+
+
+class _FakeRef:
+    def __init__(self, value: object = None, ready: bool = False) -> None:
+        self.value, self.ready = value, ready
+
+
+class _FakeActor:
+    """A worker whose exit status the test sets; `stop` makes it exit with 0."""
+
+    def __init__(self, fake: _FakeRay) -> None:
+        self.fake, self.waiting, self.stopped = fake, _FakeRef(), False
+        self.wait = _Method(lambda: self.waiting)
+        self.take = _Method(lambda: _FakeRef(([], 0), True))
+        self.stop = _Method(self._stop)
+
+    def _stop(self, timeout_s: float) -> _FakeRef:
+        self.stopped = True
+        self.end(0)
+        return _FakeRef(None, True)
+
+    def end(self, status: int) -> None:
+        if not self.waiting.ready:
+            self.waiting.value, self.waiting.ready = status, True
+
+
+class _Method:
+    def __init__(self, call) -> None:
+        self.remote = call
+
+
+class _FakeRay:
+    """What _supervise uses of Ray: wait, get, kill; `script` ends workers as time goes."""
+
+    class exceptions:  # Ray's spelling
+        RayError = RuntimeError
+
+    def __init__(self, script: list[tuple[int, int]]) -> None:
+        self.actors = [_FakeActor(self), _FakeActor(self)]
+        self.script = script  # (worker, status), one per call of wait
+
+    def wait(self, refs, num_returns, timeout):
+        if self.script:
+            i, status = self.script.pop(0)
+            self.actors[i].end(status)
+        return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+
+    def get(self, ref, timeout=None):
+        return ref.value
+
+    def kill(self, actor) -> None:
+        pass
+
+
+def _supervised(script: list[tuple[int, int]]) -> tuple[int, _FakeRay]:
+    fake = _FakeRay(script)
+    status = _supervise(fake, fake.actors, ["a", "b"], _Stop(), 5.0)
+    return status, fake
+
+
+def test_a_failing_worker_stops_the_others_and_gives_its_status() -> None:
+    status, fake = _supervised([(0, 2)])
+    assert status == 2 and fake.actors[1].stopped and not fake.actors[0].stopped
+
+
+def test_a_faulty_worker_ends_alone() -> None:
+    status, fake = _supervised([(0, 3), (1, 0)])
+    assert status == 3 and not fake.actors[1].stopped
 
 
 def test_worker_names() -> None:
@@ -104,7 +180,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("ray", reason="the ray extra is not installed")
     ray_bin = command("ray")
     port = _free_port()
-    env = {**os.environ, **RAY_ENV}
+    # Ray's switch for killing a worker process's children off: a worker must go with its
+    # actor whatever it says (Ray ends the actor's process group).
+    env = {**os.environ, **RAY_ENV, "RAY_kill_child_processes_on_worker_exit": "0"}
     temp = tmp_path_factory.mktemp("ray")
     start = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port)]
     start += ["--num-cpus", "2", "--num-gpus", "2", "--include-dashboard", "false"]
@@ -158,7 +236,7 @@ class Launch:
             return "\n".join(s for s in self.lines[-60:] if '"chunk done"' not in s)
 
     def worker_events(self, name: str) -> list[dict]:
-        """The JSON events of worker `name` (its lines carry [name], after Ray's prefix)."""
+        """The JSON events of worker `name` (eggroll-ray prefixes its lines with [name])."""
         events = []
         with self._cond:
             for line in self.lines:
@@ -171,7 +249,7 @@ class Launch:
         return events
 
     def wait_event(self, name: str, event: str, timeout: float) -> dict:
-        """Worker `name`'s first `event`, waited for: Ray relays actor output with a lag."""
+        """Worker `name`'s first `event`, waited for (eggroll-ray polls its workers' lines)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [e for e in self.worker_events(name) if e.get("event") == event]
@@ -329,6 +407,37 @@ def test_a_lost_actor_ends_only_its_worker(
         launch.stop()
     launch.wait_event("lo-cpu0", "stopped", 10)
     assert _no_workers_left(words_data)
+
+
+def test_a_quiet_worker_dies_with_its_actor(ray_cluster: str, words_data: Path) -> None:
+    """A worker that prints nothing (it waits 10 s for a silent peer's answer to HELLO)
+    still goes at once when its actor is killed: a broken pipe would not stop it."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True).start()
+    port = silent.getsockname()[1]
+    launch = Launch(
+        f"127.0.0.1:{port}",
+        *("--ray-address", ray_cluster, "--device", "cpu", "--workers", "1", "--name", "q"),
+        *("--", "--data-dir", words_data, "--log-format", "json"),
+    )
+    try:
+        launch.wait_event("q-cpu0", "worker starting", 120)
+        deadline = time.monotonic() + 10
+        while not held:
+            assert time.monotonic() < deadline, "the worker did not connect"
+            time.sleep(0.1)
+        (worker,) = [p for p in _workers_of(words_data) if b"q-cpu0" in _cmdline(p)]
+        actor = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(actor, signal.SIGKILL)
+        assert _no_workers_left(words_data, within=4)  # well before its HELLO times out
+    finally:
+        launch.stop()
+        silent.close()
+        for conn in held:
+            conn.close()
 
 
 def test_a_worker_that_cannot_start_stops_the_launch(

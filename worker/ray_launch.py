@@ -121,11 +121,12 @@ def worker_names(places: list[tuple[str, str, list[str]]], base: str | None) -> 
 
 
 class WorkerProcess:
-    """A Ray actor holding one eggroll-worker child; async, so that `stop` runs while `wait`
-    is pending. The child's lines wait in the actor until the driver takes them (Ray's own
-    relay of actor output drops lines it thinks repeated and those still in flight when
-    the driver ends). An actor that dies (its node lost, its driver killed) takes the child
-    with it: Ray kills the child processes of a worker process that exits."""
+    """A Ray actor holding one eggroll-worker child, which shares the actor's process group
+    and goes with it when the actor dies (its node lost, its driver killed; the tests kill
+    an actor and watch its quiet child go). Async, so that `stop` runs while `wait` is
+    pending. The child's lines wait in the actor until the
+    driver takes them (Ray's own relay of actor output drops lines it thinks repeated and
+    those still in flight when the driver ends)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
@@ -306,8 +307,9 @@ def _plan(ray: Any, device: str, workers: int | None, cpus_per_worker: float) ->
     "--name",
     envvar="EGGROLL_RAY_NAME",
     default=None,
-    help="Base of the worker names (NAME-gpu0, ... or NAME-cpu0, ...) [default: each node's "
-    "short host name].",
+    help="Base of the worker names (NAME-gpu0, ... or NAME-cpu0, ...; with workers on "
+    "several nodes, NAME-gpu0-0, NAME-gpu0-1, ... numbered across them) [default: each "
+    "node's short host name].",
 )
 @click.option(
     "--token-file",
@@ -440,7 +442,7 @@ def _launch(
     try:
         places = ray.get(refs)
     except ray.exceptions.RayError as exc:  # an actor that could not be made on its node
-        raise click.ClickException(f"a worker could not be placed: {_first_line(exc)}") from None
+        raise click.ClickException(f"a worker could not be placed: {_last_line(exc)}") from None
     names = worker_names(places, name)
     per_node = Counter(node for node, _, _ in places)
     env = {k: v for k, v in os.environ.items() if _passed(k)}
@@ -457,7 +459,7 @@ def _launch(
     try:
         ray.get(starts)
     except ray.exceptions.RayError as exc:  # no eggroll-worker on a node
-        raise click.ClickException(f"a worker could not start: {_first_line(exc)}") from None
+        raise click.ClickException(f"a worker could not start: {_last_line(exc)}") from None
     say(f"started {n} workers for {coordinator}: {', '.join(names)}")
     return _supervise(ray, actors, names, stop, stop_timeout_s)
 
@@ -470,7 +472,7 @@ def _passed(var: str) -> bool:
     )
 
 
-def _first_line(exc: BaseException) -> str:
+def _last_line(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None) or exc
     text = str(cause).strip()
     return text.splitlines()[-1] if text else type(cause).__name__
@@ -527,7 +529,7 @@ def _supervise(
                 stopping = stop_all()
             else:
                 say(end.message)
-    for a in actors:  # any left after a second signal: Ray kills their children too
+    for a in actors:  # any left after a second signal: their children go with them
         with contextlib.suppress(Exception):
             ray.kill(a)
     return tally.status
