@@ -43,7 +43,7 @@ from ..protocol import (
 )
 from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
-from ..protocol.security import certificate_identity, is_loopback
+from ..protocol.security import IDENTITY_PREFIXES, certificate_identity, is_loopback
 from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
@@ -595,7 +595,7 @@ class Coordinator:
                 hint="joiners get an older snapshot (or none) and replay the fitness log; "
                 "the file is left for you to look at",
             )
-        kept = [h for h in self.core.suspect_hosts if h.startswith(("cn:", "cert:"))]
+        kept = [h for h in self.core.suspect_hosts if h.startswith(IDENTITY_PREFIXES)]
         if kept and not self.opt.machine_by_certificate:
             log.warning(
                 "suspect certificates not applied",

@@ -121,6 +121,7 @@ def server_tls_context(
 
 
 MAX_CN_CHARS = 64  # X.509's bound on a common name
+IDENTITY_PREFIXES = ("cn:", "cert:")  # a certificate identity, never an address
 _PLAIN_CN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_CN_CHARS}}}")
 
 

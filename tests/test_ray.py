@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import TINY_RUN, command, digest_at, start_coordinator, trained_digest
 
 from eggroll_dist.worker.ray_launch import (
     LOST,
@@ -27,25 +28,12 @@ from eggroll_dist.worker.ray_launch import (
     worker_names,
 )
 
-from .helpers import command, digest_at, start_coordinator, trained_digest
-
 SHORT_HOST = socket.gethostname().split(".")[0]
 
 # Ray's token authentication on (its default for a new cluster; a client must say so too).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
-CONFIG = """
-[model]
-n_layer = 1
-d_model = 16
-[es]
-population = 64
-chunk_size = 16
-seq_len = 8
-[validation]
-every_steps = 0
-max_tokens = 480
-"""
+CONFIG = TINY_RUN
 
 
 def test_exit_policy() -> None:
@@ -296,7 +284,7 @@ def test_gpu_workers_train_the_run_to_its_digest(
 ) -> None:
     config = tmp_path / "run.toml"
     # 32 chunks a step, so that the run outlasts a worker's wait between two tries.
-    config.write_text(CONFIG.replace("population = 64", "population = 512"))
+    config.write_text(CONFIG.replace("population = 32", "population = 256"))
     steps = 4
     save_dir = tmp_path / "run"
     port = _free_port()

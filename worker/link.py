@@ -325,10 +325,7 @@ class Link:
             # Over TLS, a reset before any frame is a refusal too: TLS 1.3 checks our
             # certificate after our side of the handshake, and a coordinator that closes
             # with our HELLO unread resets the connection, its alert lost with it.
-            refused = self.options.tls and not self.conn.messages_received
-            self.inbox.put_nowait(
-                self._closed() if refused else Ended(f"connection lost: {describe(exc)}")
-            )
+            self.inbox.put_nowait(self._closed(f"connection lost: {describe(exc)}"))
         except OSError as exc:
             self.inbox.put_nowait(Ended(f"connection lost: {describe(exc)}"))
 
@@ -345,11 +342,14 @@ class Link:
             f"(default {DEFAULT_PORT})"
         )
 
-    def _closed(self) -> Ended | WorkerFatal:
-        """Why the coordinator closed the connection. Over TLS, a close before any frame is
-        how it refuses this worker's certificate: after a few in a row, give up."""
+    def _closed(
+        self, otherwise: str = "the coordinator closed the connection"
+    ) -> Ended | WorkerFatal:
+        """Why the coordinator closed (or reset) the connection: `otherwise`, except that
+        over TLS a close before any frame is how it refuses this worker's certificate:
+        after a few in a row, give up."""
         if not self.options.tls or self.conn.messages_received:
-            return Ended("the coordinator closed the connection")
+            return Ended(otherwise)
         self.tls_refused = True
         refusals = (0 if self.bytes_read else self.options.tls_refusals) + 1  # bytes reset it
         if refusals >= TLS_REFUSALS:

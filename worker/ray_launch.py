@@ -224,13 +224,17 @@ def _reachable(address: str) -> str | None:
     return None
 
 
+def _cannot_join(address: str, why: str) -> click.ClickException:
+    return click.ClickException(
+        f"cannot join the Ray cluster at {address!r}: {why} (start one with `ray start "
+        "--head`, or give --ray-address local for one on this machine)"
+    )
+
+
 def _connect(ray: Any, address: str) -> None:
     why = _reachable(address)
     if why is not None:
-        raise click.ClickException(
-            f"cannot join the Ray cluster at {address!r}: {why} (start one with `ray start "
-            "--head`, or give --ray-address local for one on this machine)"
-        )
+        raise _cannot_join(address, why)
     try:
         if address == "local":  # a Ray of its own on this machine, for this command only
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -238,10 +242,7 @@ def _connect(ray: Any, address: str) -> None:
             ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise click.ClickException(
-            f"cannot join the Ray cluster at {address!r}: {first} (start one with `ray start "
-            "--head`, or give --ray-address local for one on this machine)"
-        ) from None
+        raise _cannot_join(address, first) from None
 
 
 def _plan(ray: Any, device: str, workers: int | None, cpus_per_worker: float) -> int:
@@ -387,22 +388,20 @@ def main(
     stop = _Stop()  # after ray.init, which may set handlers of its own
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        try:
-            status = _launch(
-                ray,
-                coordinator,
-                list(worker_args),
-                device,
-                workers,
-                cpus_per_worker,
-                name,
-                token,
-                (start_timeout_s, stop_timeout_s),
-                stop,
-            )
-        finally:
-            ray.shutdown()
+        status = _launch(
+            ray,
+            coordinator,
+            list(worker_args),
+            device,
+            workers,
+            cpus_per_worker,
+            name,
+            token,
+            (start_timeout_s, stop_timeout_s),
+            stop,
+        )
     finally:
+        ray.shutdown()
         for s, handler in old.items():
             signal.signal(s, handler)
     sys.exit(status)
@@ -510,7 +509,8 @@ def _supervise(
         if stop.asked and stopping is None:
             say(f"{stop.asked}: stopping {len(pending)} workers")
             stopping = stop_all()
-        if stop.again or (stopping and time.monotonic() > stopping + stop_timeout_s + 30):
+        overdue = stopping is not None and time.monotonic() > stopping + stop_timeout_s + 30
+        if stop.again or overdue:
             say("killing the workers left" if stop.again else "workers did not stop: killing")
             tally.add(ended("", LOST))
             break
