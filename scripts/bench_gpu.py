@@ -29,6 +29,7 @@ from eggroll_dist.shared.data import DataMeta, Dataset
 from eggroll_dist.shared.replica import ReplicaState
 
 GEMM_SIZE = 8192
+D_EGGS_RTX4090 = 545e3  # d-eggs' member-tokens/s on one RTX 4090, for scale
 
 
 def synthetic_dataset(vocab: int, tokens: int = 1 << 22) -> Dataset:
@@ -37,7 +38,8 @@ def synthetic_dataset(vocab: int, tokens: int = 1 << 22) -> Dataset:
     train = rng.integers(1, vocab, size=tokens).astype(dtype)
     valid = rng.integers(1, vocab, size=4096).astype(dtype)
     meta = DataMeta(1, vocab, len(train), len(valid), "0" * 64, "bench", 1, 1, {})
-    return Dataset(train, valid, [bytes([i]) for i in range(vocab)], meta, bytes(32))
+    pieces = [i.to_bytes(2 if vocab > 256 else 1, "big") for i in range(vocab)]
+    return Dataset(train, valid, pieces, meta, bytes(32))
 
 
 def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -146,7 +148,10 @@ def bench_population(
     # the update's device part alone: the captured graph (Z GEMMs, noise, apply kernels)
     graph_s = gpu_seconds(backend._update_graph, repeats)
     member_tokens = population * seq_len
+    worker_s, worker_members, worker_batch = worker_path(backend, chunks, repeats, chunk)
     return {
+        "worker_member_tokens_per_s": worker_members * seq_len / worker_s,
+        "worker_batch": worker_batch,
         "profile": forward_profile(backend, backend.batch_members // 2),
         "update_profile": launch_profile(backend, backend._update_sequence),
         "batch": backend.batch_members,
@@ -157,6 +162,43 @@ def bench_population(
         "graph_s": graph_s,
         "first_update_s": update[0],
     }
+
+
+def worker_path(
+    best: Any, chunks: list[tuple[int, int]], repeats: int, chunk: int, requests: int = 4
+) -> tuple[float, int, int]:
+    """The worker's own path: a backend of the worker's default batch, asked for the chunks
+    one lease request carries (as worker/replica.py asks), `requests` requests in a row (or
+    the whole population, if less). Returns (seconds, members, batch)."""
+    import cupy
+
+    from eggroll_dist.protocol.messages import MAX_CHUNKS_PER_REQUEST
+    from eggroll_dist.worker.backend.cupy_backend import BATCH_MEMBERS, CupyBackend, cupy_module
+    from eggroll_dist.worker.backend.cupy_former import batch_members
+
+    cfg = best.config
+    batch = BATCH_MEMBERS
+    if cfg.model.arch == "former":
+        batch = batch_members(cfg, batch)
+    backend = best
+    if batch != best.batch_members:
+        backend = CupyBackend(
+            best.dataset,
+            best.state,
+            xp=cupy,
+            module_factory=cupy_module,
+            stream=cupy.cuda.Stream(non_blocking=True),
+            batch_members=batch,
+        )
+    group = max(1, min(backend.parallel_chunks, MAX_CHUNKS_PER_REQUEST))
+    leases = [chunks[i : i + group] for i in range(0, len(chunks), group)][:requests]
+
+    def evaluate() -> None:
+        for lease in leases:
+            backend.evaluate_chunks(0, lease)
+
+    seconds = gpu_seconds(evaluate, repeats)
+    return seconds, sum(len(lease) for lease in leases) * chunk, backend.batch_members
 
 
 def cuda_event_timer() -> tuple[Callable[[Callable[[], None]], object], Callable[[object], float]]:
@@ -268,6 +310,15 @@ def main() -> None:
     for name, population in runs:
         r = bench_population(name, population, args.seq_len, args.repeats, args.batch_members)
         share = f"{100 * r['macs_per_s'] / ceiling:5.2f}%" if ceiling else "n/a"
+        best, worker = r["member_tokens_per_s"], r["worker_member_tokens_per_s"]
+        update_share = r["update_s"] / (r["eval_s"] + r["update_s"])
+        print(
+            f"{name} population {population:>7}: best path {best / 1e6:.2f} M member-tokens/s "
+            f"= {best / D_EGGS_RTX4090:.1f}x d-eggs' {D_EGGS_RTX4090 / 1e3:.0f}k on an RTX 4090; "
+            f"the worker's path (batch {r['worker_batch']}, the chunks of one lease request) "
+            f"{worker / 1e6:.2f} M = {100 * worker / best:.0f}% of best; the update "
+            f"{100 * update_share:.1f}% of a step"
+        )
         print(
             f"{name} population {population:>7} (batch {r['batch']}): "
             f"{r['member_tokens_per_s'] / 1e6:8.2f} M member-tokens/s  "

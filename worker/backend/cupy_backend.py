@@ -288,6 +288,11 @@ def _host(xp: Any, a: Any) -> np.ndarray:
     return xp.asnumpy(a) if hasattr(xp, "asnumpy") else np.array(a, copy=True)
 
 
+# Members per forward pass by default: a captured pass this large keeps an H100 busy
+# (2.6 M member-tokens/s at 1,024 members, 11 M at 32,768; scripts/RESULTS.md).
+BATCH_MEMBERS = 32768
+
+
 class CupyBackend:
     """One replica on one device; see the module docstring for the seams."""
 
@@ -304,7 +309,7 @@ class CupyBackend:
         device: str = "cuda",
         stream: Any = None,
         tensor_cores: bool = True,
-        batch_members: int = 32768,
+        batch_members: int = BATCH_MEMBERS,
     ) -> None:
         cfg = state.config
         self._config = cfg
@@ -1023,7 +1028,7 @@ def describe_device() -> str:
     return f"cuda:{dev.id} {name} (sm_{props['major']}{props['minor']})"
 
 
-def factory(batch_members: int = 32768, threads: int | None = None) -> BackendFactory:
+def factory(batch_members: int = BATCH_MEMBERS, threads: int | None = None) -> BackendFactory:
     """The CuPy backend on the current CUDA device; BackendUnavailable without one.
     `threads` (CPU threads) has nothing to size here: the device does the work."""
     from . import cuda_usable
