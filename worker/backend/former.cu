@@ -285,9 +285,10 @@ __device__ __forceinline__ void store_row_word(i8* p, int w, int n, bool whole, 
 // the row is read once; a word's two pairs never straddle it (dh and its offsets are even).
 #define RENORM_WORDS 8
 
-extern "C" __global__ void former_renorm(const i8* pre, const i8* res, const i8* bias, int R,
-                                         int per, int D, int dh, const int* cos,
-                                         const int* sin, i8* out) {
+// Four blocks an SM (64 registers): it waits on memory, so rows in flight matter more.
+extern "C" __global__ void __launch_bounds__(256, 4)
+    former_renorm(const i8* pre, const i8* res, const i8* bias, int R, int per, int D, int dh,
+                  const int* cos, const int* sin, i8* out) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= R) return;  // warp-uniform
   long long m = row / per, o = (long long)row * D;
@@ -320,14 +321,17 @@ extern "C" __global__ void former_renorm(const i8* pre, const i8* res, const i8*
   }
   for (int off = 16; off > 0; off >>= 1) top = max(top, __shfl_xor_sync(0xffffffffu, top, off));
   top = max(top, 1);
-  Divisor q = make_divisor(2 * top);
+  // |254 v + top| 2 top <= 510 top**2 < 2**31 (top <= 381 sqrt 2 after RoPE): one 32-bit
+  // multiply-high per output, and no 64-bit division per row
+  u32 q = small_divisor(2 * top);
 #pragma unroll
   for (int j = 0; j < RENORM_WORDS; j++) {
     int w = lane + 32 * j;
     if (4 * w >= D) break;
     u32 word = 0u;
 #pragma unroll
-    for (int k = 0; k < 4; k++) word |= (u32)(floor_by(254 * v[j][k] + top, q) & 0xff) << 8 * k;
+    for (int k = 0; k < 4; k++)
+      word |= (u32)(floor_small(254 * v[j][k] + top, q) & 0xff) << 8 * k;
     store_row_word(out + o, w, D, whole, word);
   }
 }
