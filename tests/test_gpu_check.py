@@ -85,3 +85,14 @@ def test_a_part_past_its_deadline_ends_with_everything_it_started(
         time.sleep(0.1)
     else:
         assert not Path(f"/proc/{child}").exists(), "the part's child outlived its deadline"
+
+
+def test_each_command_fits_nine_minutes() -> None:
+    """--help promises two commands of at most 9 minutes: the verdict's deadlines, and the
+    bench's with its install and preflight, add up to no more."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    parts = gpu_check.VERDICT
+    assert sum(parts.values()) <= 9 * 60
+    assert parts["install"] + parts["preflight"] + gpu_check.BENCH_DEADLINE <= 9 * 60

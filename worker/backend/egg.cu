@@ -64,34 +64,6 @@ __device__ __forceinline__ int floor_small(int v, u32 m) {
 
 // ------------------------------------------------------------------ hardware helpers
 
-__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
-  return (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0;
-}
-
-// Piece k of a row as W 32-bit words: W = 4 is one 16-byte load (a row's bytes in flight
-// at once for rows up to 512 bytes: the row kernels wait on memory, not on instructions),
-// W = 1 one word. p null reads zeros.
-template <int W>
-__device__ __forceinline__ void load_piece(const i8* p, int k, u32 (&v)[W]) {
-  if (!p) {
-    for (int i = 0; i < W; i++) v[i] = 0u;
-  } else if constexpr (W == 4) {
-    int4 q = ((const int4*)p)[k];
-    v[0] = (u32)q.x, v[1] = (u32)q.y, v[2] = (u32)q.z, v[3] = (u32)q.w;
-  } else {
-    v[0] = ((const u32*)p)[k];
-  }
-}
-
-template <int W>
-__device__ __forceinline__ void store_piece(i8* p, int k, const u32 (&v)[W]) {
-  if constexpr (W == 4) {
-    ((int4*)p)[k] = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
-  } else {
-    ((u32*)p)[k] = v[0];
-  }
-}
-
 // *p += v for int64, by the unsigned 64-bit atomic: two's complement sums are exact mod 2**64.
 __device__ __forceinline__ void add_i64(long long* p, long long v) {
   atomicAdd((unsigned long long*)p, (unsigned long long)v);
@@ -353,94 +325,63 @@ extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const int
 // out[r, n] = clip(floor(x[r, n] w[n] / max(sum_k |x[r, k]| // D, 1)) + bias[n]), and with it
 // the rank-1 dot products of the normed row that the next GEMMs need: xb1[r] = out[r, :] .
 // b1[pair, :] (and xb2 with b2) where b1 (b2) is given, so out is not read back.
-// D % 4 == 0; rows move in 16-byte pieces where D % 16 == 0 and every base is 16-byte aligned
-// (every preset), else in 32-bit words.
+// D % 4 == 0, rows read and written as 32-bit words.
 // Launch: grid (ceil(R / 8)), block (256): one warp per row, butterfly and shuffle sums.
-template <int W>
-__device__ __forceinline__ void mav_norm_row(const i8* xr, const i8* wr, const i8* br, int D,
-                                             i8* orow, const i8* b1r, int* xb1, const i8* b2r,
-                                             int* xb2, int lane) {
-  int pieces = D / (4 * W), total = 0;
-  for (int k = lane; k < pieces; k += 32) {
-    u32 v[W];
-    load_piece<W>(xr, k, v);
-    for (int i = 0; i < W; i++)
-      for (int j = 0; j < 4; j++) total += abs((int)(signed char)(v[i] >> (8 * j)));
-  }
-  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  u32 mav = small_divisor(max(total / D, 1));  // |x w| <= 2**14, the divisor <= 128
-  int d1 = 0, d2 = 0;
-  for (int k = lane; k < pieces; k += 32) {
-    u32 xv[W], wv[W], bv[W], hv[W], c1[W], c2[W];
-    load_piece<W>(xr, k, xv);
-    load_piece<W>(wr, k, wv);
-    load_piece<W>(br, k, bv);
-    load_piece<W>(b1r, k, c1);
-    load_piece<W>(b2r, k, c2);
-    for (int i = 0; i < W; i++) {
-      hv[i] = 0u;
-      for (int j = 0; j < 4; j++) {
-        int sh = 8 * j;
-        int q = floor_small((signed char)(xv[i] >> sh) * (signed char)(wv[i] >> sh), mav);
-        q += (signed char)(bv[i] >> sh);
-        hv[i] |= (u32)(CLIP8(q) & 0xff) << sh;
-      }
-      d1 = dp4a_s8((int)hv[i], (int)c1[i], d1);  // zeros where b1 (b2) is not given
-      d2 = dp4a_s8((int)hv[i], (int)c2[i], d2);
-    }
-    store_piece<W>(orow, k, hv);
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    d1 += __shfl_down_sync(0xffffffffu, d1, off);
-    d2 += __shfl_down_sync(0xffffffffu, d2, off);
-  }
-  if (lane == 0 && xb1) *xb1 = d1;
-  if (lane == 0 && xb2) *xb2 = d2;
-}
-
 extern "C" __global__ void mav_norm(const i8* x, const i8* w, const i8* bias, int R, int per,
                                     int D, i8* out, const i8* b1, int* xb1, const i8* b2,
                                     int* xb2) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= R) return;  // warp-uniform: the whole warp leaves together
-  long long member = row / per, o = (long long)row * D;
-  const i8* br = bias ? bias + member * D : 0;
-  const i8* b1r = b1 ? b1 + (member >> 1) * D : 0;
-  const i8* b2r = b2 ? b2 + (member >> 1) * D : 0;
-  int* r1 = xb1 ? xb1 + row : 0;
-  int* r2 = xb2 ? xb2 + row : 0;
-  // 16-byte pieces where every row starts on 16 bytes (null pointers are aligned)
-  if (D % 16 == 0 && aligned16(x, w, out) && aligned16(bias, b1, b2))
-    mav_norm_row<4>(x + o, w + member * D, br, D, out + o, b1r, r1, b2r, r2, lane);
-  else
-    mav_norm_row<1>(x + o, w + member * D, br, D, out + o, b1r, r1, b2r, r2, lane);
+  int words = D / 4;
+  long long member = row / per;
+  const u32* xr = (const u32*)(x + (long long)row * D);
+  const u32* wr = (const u32*)(w + member * D);
+  const u32* br = bias ? (const u32*)(bias + member * D) : 0;
+  u32* orow = (u32*)(out + (long long)row * D);
+  int total = 0;
+  for (int k = lane; k < words; k += 32) {
+    u32 v = xr[k];
+    for (int j = 0; j < 4; j++) {
+      int e = (signed char)(v >> (8 * j));
+      total += e < 0 ? -e : e;
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  u32 mav = small_divisor(max(total / D, 1));  // |x w| <= 2**14, the divisor <= 128
+  const u32* b1r = b1 ? (const u32*)(b1 + (member >> 1) * D) : 0;
+  const u32* b2r = b2 ? (const u32*)(b2 + (member >> 1) * D) : 0;
+  int d1 = 0, d2 = 0;
+  for (int k = lane; k < words; k += 32) {
+    u32 xv = xr[k], wv = wr[k], bv = br ? br[k] : 0u, hv = 0;
+    for (int j = 0; j < 4; j++) {
+      int q = floor_small((signed char)(xv >> (8 * j)) * (signed char)(wv >> (8 * j)), mav);
+      q += (signed char)(bv >> (8 * j));
+      hv |= (u32)(CLIP8(q) & 0xff) << (8 * j);
+    }
+    orow[k] = hv;
+    if (b1r) d1 = dp4a_s8((int)hv, (int)b1r[k], d1);
+    if (b2r) d2 = dp4a_s8((int)hv, (int)b2r[k], d2);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    d1 += __shfl_down_sync(0xffffffffu, d1, off);
+    d2 += __shfl_down_sync(0xffffffffu, d2, off);
+  }
+  if (lane == 0 && xb1) xb1[row] = d1;
+  if (lane == 0 && xb2) xb2[row] = d2;
 }
 
 // The rank-1 dot product of each row: xb[r] = x[r, :] . b[pair, :], the row's member being
 // r / per and its pair member >> 1; K % 4 == 0.
-// Launch: grid (ceil(R / 8)), block (256): one warp per row, dp4a over 16-byte pieces (words
-// where rows are not 16-byte aligned), a shuffle tree.
-template <int W>
-__device__ __forceinline__ int rowdot_row(const i8* xr, const i8* br, int K, int lane) {
-  int acc = 0;
-  for (int k = lane; k < K / (4 * W); k += 32) {
-    u32 xv[W], bv[W];
-    load_piece<W>(xr, k, xv);
-    load_piece<W>(br, k, bv);
-    for (int i = 0; i < W; i++) acc = dp4a_s8((int)xv[i], (int)bv[i], acc);
-  }
-  return acc;
-}
-
+// Launch: grid (ceil(R / 8)), block (256): one warp per row, dp4a over words, a shuffle tree.
 extern "C" __global__ void rowdot(const i8* x, const i8* b, int R, int per, int K, int* xb) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= R) return;
-  const i8* xr = x + (long long)row * K;
-  const i8* br = b + (long long)(row / per >> 1) * K;
-  int acc = K % 16 == 0 && aligned16(x, b, b) ? rowdot_row<4>(xr, br, K, lane)
-                                              : rowdot_row<1>(xr, br, K, lane);
+  const int* xr = (const int*)(x + (long long)row * K);
+  const int* br = (const int*)(b + (long long)(row / per >> 1) * K);
+  int acc = 0;
+  for (int k = lane; k < K / 4; k += 32) acc = dp4a_s8(xr[k], br[k], acc);
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
   if (lane == 0) xb[row] = acc;
 }
@@ -702,6 +643,10 @@ __device__ __forceinline__ int (*stage_tile(const int acc[ACC]))[STAGE_ROW] {
   stage_sums<TC>(acc, -1, st);
   __syncthreads();
   return st;
+}
+
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+  return (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0;
 }
 
 // 16 int8 kept packed in 4 words while a piece is finished (a 16-byte access each way): byte
