@@ -6,10 +6,14 @@ width 256, T = 100, at populations 32,768 and 262,144): member-tokens/s of a who
 evaluation (all chunks of a step, as the worker's evaluate_chunks runs them), where one
 forward pass's time and the update's go (each kernel's launches timed one by one), the
 update time per step (the captured graph plus the copy of the weights and state back), and
-the useful int8 MACs per second of the GEMMs per member-token (EGG: 12 D^2 per layer + V D;
-former: 12 D^2 per layer + 8 D^2 for the embedding MLP + V D) as a fraction of the int8
-ceiling: the best of cuBLAS gemmEx (int8 in, int32 out, via CuPy) and torch._int_mm (when
-torch is installed) on 8192^3.
+the useful int8 MACs per second of the GEMMs (every 2-D weight a member-token goes through,
+the former's tied head included: EGG 12 D^2 per layer + V D; former 12 D^2 per layer + 8 D^2
+for the embedding MLP + V D) as a fraction of two ceilings measured in the same run:
+- cuBLAS on the same shapes: gemmEx (int8 in, int32 out, via CuPy) on each of the preset's
+  GEMM shapes at 65,536 rows, combined as the time cuBLAS would take for the same GEMMs
+  (bare, without the epilogues, norms and attention around them);
+- the chip's int8 rate: the best of gemmEx and torch._int_mm (when torch is installed) on
+  8192^3, for scale (K = 256 is too thin for it: cuBLAS gets a fraction of it on these shapes).
 
     python scripts/bench_gpu.py [--presets d-eggs egg-paper] [--populations N ...]
                                 [--seq-len T] [--repeats 2] [--batch-members 65536]
@@ -106,11 +110,27 @@ def torch_int8_rate(repeats: int) -> float:
 DEFAULT_POPULATIONS = {"egg-paper": [32768, 262144]}  # else the preset's own
 
 
+def gemm_shapes(cfg: RunConfig) -> list[tuple[int, int]]:
+    """(N, K) of every GEMM one member-token goes through in a forward pass: each 2-D weight
+    but the embedding table, which the former's tied head uses as (V, D)."""
+    from eggroll_dist.shared.model import init_params
+
+    params = init_params(cfg.model)
+    shapes = [(p.shape[0], p.shape[1]) for n, p in params.items() if p.ndim == 2 and n != "emb"]
+    if cfg.model.arch == "former":
+        shapes.append((cfg.model.vocab_size, cfg.model.d_model))
+    return shapes
+
+
 def useful_macs(cfg: RunConfig) -> int:
     """The GEMMs' multiply-adds per member-token."""
-    d, v, layers = cfg.model.d_model, cfg.model.vocab_size, cfg.model.n_layer
-    embedding_mlp = 8 * d * d if cfg.model.arch == "former" else 0
-    return layers * 12 * d * d + embedding_mlp + v * d
+    return sum(n * k for n, k in gemm_shapes(cfg))
+
+
+def same_shape_rate(shapes: list[tuple[int, int]], rates: dict[tuple[int, int], float]) -> float:
+    """MAC/s of the GEMMs `shapes` (one each) at the per-shape `rates`: their multiply-adds
+    over the sum of their times."""
+    return sum(n * k for n, k in shapes) / sum(n * k / rates[(n, k)] for n, k in shapes)
 
 
 def bench_population(
@@ -297,10 +317,13 @@ def main() -> None:
         except Exception as exc:  # torch absent, or a cuBLAS that refuses the layout
             print(f"int8 ceiling {name}: unavailable ({type(exc).__name__}: {exc})")
     ceiling = max(ceilings.values(), default=0.0)
-    d = preset("egg-paper").model.d_model
-    for n, k in ((d, d), (4 * d, d), (d, 4 * d)):  # the forward's GEMM shapes at 65536 rows
-        rate = cublas_int8_rate(args.repeats, 65536, n, k)
-        print(f"cublas gemmEx int8, the forward shape 65536x{n}x{k}: {2 * rate / 1e12:7.1f} TOPS")
+    rates: dict[tuple[int, int], float] = {}  # cuBLAS on each GEMM shape, at 65536 rows
+    for name in args.presets:
+        for n, k in sorted(set(gemm_shapes(preset(name))) - set(rates)):
+            rates[(n, k)] = cublas_int8_rate(args.repeats, 65536, n, k)
+            print(
+                f"cublas gemmEx int8, the shape 65536x{n}x{k}: {2 * rates[n, k] / 1e12:7.1f} TOPS"
+            )
     runs = [
         (name, population)
         for name in args.presets
@@ -310,6 +333,7 @@ def main() -> None:
     for name, population in runs:
         r = bench_population(name, population, args.seq_len, args.repeats, args.batch_members)
         share = f"{100 * r['macs_per_s'] / ceiling:5.2f}%" if ceiling else "n/a"
+        cublas = same_shape_rate(gemm_shapes(preset(name)), rates)
         best, worker = r["member_tokens_per_s"], r["worker_member_tokens_per_s"]
         update_share = r["update_s"] / (r["eval_s"] + r["update_s"])
         print(
@@ -317,12 +341,14 @@ def main() -> None:
             f"= {best / D_EGGS_RTX4090:.1f}x d-eggs' {D_EGGS_RTX4090 / 1e3:.0f}k on an RTX 4090; "
             f"the worker's path (batch {r['worker_batch']}, the chunks of one lease request) "
             f"{worker / 1e6:.2f} M = {100 * worker / best:.0f}% of best; the update "
-            f"{100 * update_share:.1f}% of a step"
+            f"{100 * update_share:.1f}% of a step; useful int8 {2 * r['macs_per_s'] / 1e12:.1f} "
+            f"TOPS = {100 * r['macs_per_s'] / cublas:.0f}% of cuBLAS on the same shapes "
+            f"({2 * cublas / 1e12:.1f} TOPS)"
         )
         print(
             f"{name} population {population:>7} (batch {r['batch']}): "
             f"{r['member_tokens_per_s'] / 1e6:8.2f} M member-tokens/s  "
-            f"{2 * r['macs_per_s'] / 1e12:7.2f} TOPS useful int8 = {share} of the ceiling  "
+            f"{2 * r['macs_per_s'] / 1e12:7.2f} TOPS useful int8 = {share} of the 8192^3 ceiling  "
             f"[eval {r['eval_s']:.3f} s, update {1e3 * r['update_s']:.1f} ms per step "
             f"({1e3 * r['graph_s']:.1f} ms of it the device graph), "
             f"first update with graph capture {1e3 * r['first_update_s']:.1f} ms]"

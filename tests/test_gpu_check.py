@@ -96,3 +96,21 @@ def test_each_command_fits_nine_minutes() -> None:
     parts = gpu_check.VERDICT
     assert sum(parts.values()) <= 9 * 60
     assert parts["install"] + parts["preflight"] + gpu_check.BENCH_DEADLINE <= 9 * 60
+
+
+def test_the_bench_counts_every_gemm_and_weighs_cublas_by_time() -> None:
+    """bench_gpu's useful MACs per member-token are the presets' GEMMs (EGG: 12 D^2 a layer +
+    V D; the former: + 8 D^2 for the embedding MLP, its tied head V D), and cuBLAS's rate on
+    the same shapes is their MACs over the sum of their times, not a mean of rates."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_gpu import gemm_shapes, same_shape_rate, useful_macs
+
+    from eggroll_dist.shared.config import preset
+
+    egg, former = preset("egg-paper").model, preset("d-eggs").model
+    assert useful_macs(preset("egg-paper")) == egg.n_layer * 12 * 256**2 + egg.vocab_size * 256
+    assert useful_macs(preset("d-eggs")) == (former.n_layer * 12 + 8) * 256**2 + 8192 * 256
+    assert (8192, 256) in gemm_shapes(preset("d-eggs"))
+    shapes = [(256, 256), (256, 256), (1024, 256)]  # 2 x 65,536 MACs at rate 1, 262,144 at 8
+    rates = {(256, 256): 1.0, (1024, 256): 8.0}
+    assert same_shape_rate(shapes, rates) == 6 * 65536 / (2 * 65536 + 262144 / 8)  # 2.4
