@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,18 +47,47 @@ def synthetic_dataset(vocab: int, tokens: int = 1 << 22) -> Dataset:
     return Dataset(train, valid, pieces, meta, bytes(32))
 
 
-def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of fn() with the device drained before and after (after one warm-up)."""
+def cuda_sync() -> None:
     import cupy
 
-    fn()
     cupy.cuda.Device().synchronize()
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the bench asks of a device: a CuPy backend (dataset, state, members per forward
+    pass), a drain of its queue, and a timer of single launches (launch_profile's; None: CUDA
+    events). The tests stand the CPU build of the kernels in for it."""
+
+    backend: Callable[[Dataset, ReplicaState, int], Any]
+    sync: Callable[[], None] = cuda_sync
+    timer: tuple | None = None
+
+
+def cuda_device() -> Device:
+    import cupy
+
+    from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
+
+    def backend(data: Dataset, state: ReplicaState, batch: int) -> CupyBackend:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        return CupyBackend(
+            data, state, xp=cupy, module_factory=cupy_module, stream=stream, batch_members=batch
+        )
+
+    return Device(backend)
+
+
+def gpu_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = cuda_sync):
+    """Best wall time of fn() with the device drained before and after (after one warm-up)."""
+    fn()
+    sync()
     best = float("inf")
     for _ in range(repeats):
-        cupy.cuda.Device().synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        cupy.cuda.Device().synchronize()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -134,12 +164,14 @@ def same_shape_rate(shapes: list[tuple[int, int]], rates: dict[tuple[int, int], 
 
 
 def bench_population(
-    name: str, population: int, seq_len: int | None, repeats: int, batch: int = 65536
+    name: str,
+    population: int,
+    seq_len: int | None,
+    repeats: int,
+    batch: int = 65536,
+    device: Device | None = None,
 ) -> dict:
-    import cupy
-
-    from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
-
+    device = device or cuda_device()
     base = preset(name)
     seq_len = seq_len or base.es.seq_len
     chunk = min(base.es.chunk_size, population)
@@ -147,16 +179,10 @@ def bench_population(
         **{**base.es.__dict__, "population": population, "chunk_size": chunk, "seq_len": seq_len}
     )
     cfg = base.replace(es=es)
-    backend = CupyBackend(
-        synthetic_dataset(cfg.model.vocab_size),
-        ReplicaState.initial(cfg),
-        xp=cupy,
-        module_factory=cupy_module,
-        stream=cupy.cuda.Stream(non_blocking=True),
-        batch_members=min(population, batch),
-    )
+    data = synthetic_dataset(cfg.model.vocab_size)
+    backend = device.backend(data, ReplicaState.initial(cfg), min(population, batch))
     chunks = [(c * chunk, chunk) for c in range(population // chunk)]
-    eval_s = gpu_seconds(lambda: backend.evaluate_chunks(0, chunks), repeats)
+    eval_s = gpu_seconds(lambda: backend.evaluate_chunks(0, chunks), repeats, device.sync)
     rng = np.random.default_rng(0)
     fitness = rng.choice(np.array([-1, 0, 1], dtype=np.int8), size=cfg.pairs)
     update = []
@@ -166,14 +192,14 @@ def bench_population(
         update.append(time.perf_counter() - t)
         backend.load_state(ReplicaState(cfg, 0, backend.state.params, backend.state.opt))
     # the update's device part alone: the captured graph (Z GEMMs, noise, apply kernels)
-    graph_s = gpu_seconds(backend._update_graph, repeats)
+    graph_s = gpu_seconds(backend._update_graph, repeats, device.sync)
     member_tokens = population * seq_len
-    worker_s, worker_members, worker_batch = worker_path(backend, chunks, repeats, chunk)
+    worker_s, worker_members, worker_batch = worker_path(backend, chunks, repeats, device)
     return {
         "worker_member_tokens_per_s": worker_members * seq_len / worker_s,
         "worker_batch": worker_batch,
-        "profile": forward_profile(backend, backend.batch_members // 2),
-        "update_profile": launch_profile(backend, backend._update_sequence),
+        "profile": forward_profile(backend, backend.batch_members // 2, device.timer),
+        "update_profile": launch_profile(backend, backend._update_sequence, device.timer),
         "batch": backend.batch_members,
         "member_tokens_per_s": member_tokens / eval_s,
         "macs_per_s": member_tokens * useful_macs(cfg) / eval_s,
@@ -185,15 +211,13 @@ def bench_population(
 
 
 def worker_path(
-    best: Any, chunks: list[tuple[int, int]], repeats: int, chunk: int, requests: int = 4
+    best: Any, chunks: list[tuple[int, int]], repeats: int, device: Device, requests: int = 4
 ) -> tuple[float, int, int]:
     """The worker's own path: a backend of the worker's default batch, asked for the chunks
     one lease request carries (as worker/replica.py asks), `requests` requests in a row (or
     the whole population, if less). Returns (seconds, members, batch)."""
-    import cupy
-
     from eggroll_dist.protocol.messages import MAX_CHUNKS_PER_REQUEST
-    from eggroll_dist.worker.backend.cupy_backend import BATCH_MEMBERS, CupyBackend, cupy_module
+    from eggroll_dist.worker.backend.cupy_backend import BATCH_MEMBERS
     from eggroll_dist.worker.backend.cupy_former import batch_members
 
     cfg = best.config
@@ -202,14 +226,7 @@ def worker_path(
         batch = batch_members(cfg, batch)
     backend = best
     if batch != best.batch_members:
-        backend = CupyBackend(
-            best.dataset,
-            best.state,
-            xp=cupy,
-            module_factory=cupy_module,
-            stream=cupy.cuda.Stream(non_blocking=True),
-            batch_members=batch,
-        )
+        backend = device.backend(best.dataset, best.state, batch)
     group = max(1, min(backend.parallel_chunks, MAX_CHUNKS_PER_REQUEST))
     leases = [chunks[i : i + group] for i in range(0, len(chunks), group)][:requests]
 
@@ -217,8 +234,9 @@ def worker_path(
         for lease in leases:
             backend.evaluate_chunks(0, lease)
 
-    seconds = gpu_seconds(evaluate, repeats)
-    return seconds, sum(len(lease) for lease in leases) * chunk, backend.batch_members
+    seconds = gpu_seconds(evaluate, repeats, device.sync)
+    members = sum(count for lease in leases for _, count in lease)
+    return seconds, members, backend.batch_members
 
 
 def cuda_event_timer() -> tuple[Callable[[Callable[[], None]], object], Callable[[object], float]]:

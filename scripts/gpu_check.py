@@ -181,28 +181,22 @@ def chunk_check() -> int:
     return max(_chunk_check(name, cfg) for name, cfg in (("egg", egg), ("former", former)))
 
 
-def _chunk_check(name: str, cfg: Any) -> int:
-    import cupy
+def _chunk_check(name: str, cfg: Any, device: Any = None) -> int:
+    """cfg's chunks, three steps and the held-out scores on `device` (bench_gpu's Device;
+    None: the CUDA device) against the NumPy backend; the exit status."""
     import numpy as np
 
     from eggroll_dist.shared.replica import ReplicaState
-    from eggroll_dist.worker.backend.cupy_backend import CupyBackend, cupy_module
     from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_gpu import synthetic_dataset
+    from bench_gpu import cuda_device, synthetic_dataset
 
     data = synthetic_dataset(cfg.model.vocab_size, 1 << 16)
     ref = NumpyBackend(data, ReplicaState.initial(cfg))
-    gpu = CupyBackend(
-        data,
-        ReplicaState.initial(cfg),
-        xp=cupy,
-        module_factory=cupy_module,
-        stream=cupy.cuda.Stream(non_blocking=True),
-        batch_members=256,
-    )
-    chunks = [(c * 128, 128) for c in range(cfg.chunks)]
+    gpu = (device or cuda_device()).backend(data, ReplicaState.initial(cfg), 256)
+    size = cfg.es.chunk_size
+    chunks = [(c * size, size) for c in range(cfg.chunks)]
     for step in range(3):
         want = [ref.evaluate_chunk(step, *c) for c in chunks]
         got = gpu.evaluate_chunks(step, chunks)

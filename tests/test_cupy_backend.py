@@ -332,6 +332,38 @@ def test_the_bench_profile_times_every_launch(monkeypatch: pytest.MonkeyPatch, n
     assert {kernel: count for kernel, count, _ in rows} == Counter(launched)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU build stands in for the device")
+@pytest.mark.parametrize("name", ["tiny", "former-tiny"])
+def test_the_gpu_scripts_run_through_the_cpu_build(name: str) -> None:
+    """scripts/bench_gpu.py's whole figures (best path, worker's path, update, profiles) and
+    gpu_check's chunk check run through the CPU build of the kernels at small sizes, so a GPU
+    session's minutes go to measuring, not to the scripts' own bugs (a vocabulary above 256
+    tokens once broke both, on a GPU). The chunk check also holds the backend to NumPy."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_gpu import Device, bench_population
+    from gpu_check import _chunk_check
+
+    def backend(data, state: ReplicaState, batch: int) -> CupyBackend:
+        factory = module_factory(VARIANTS[0])
+        return CupyBackend(data, state, xp=np, module_factory=factory, batch_members=batch)
+
+    ticks = iter(range(1, 100000))
+    timer = (lambda launch: (launch(), next(ticks))[1], float)  # each launch one tick
+    device = Device(backend, sync=lambda: None, timer=timer)
+    r = bench_population(name, 16, 4, 1, batch=8, device=device)
+    assert r["batch"] == 8 and 0 < r["update_s"] and r["eval_s"] > 0
+    assert r["member_tokens_per_s"] == 16 * 4 / r["eval_s"]
+    assert r["worker_member_tokens_per_s"] > 0
+    assert {k for k, _, _ in r["profile"]} >= {"gather_windows", "noise_rows"}
+    assert r["update_profile"] and all(count > 0 for _, count, _ in r["update_profile"])
+    base = PRESETS[name]  # its noise and rule at width 32, 4 chunks of 8
+    cfg = base.replace(
+        model=dataclasses.replace(base.model, d_model=32),
+        es=dataclasses.replace(base.es, population=32, chunk_size=8, seq_len=4),
+    )
+    assert _chunk_check(name, cfg, device) == 0
+
+
 @pytest.mark.parametrize("name", ["uniform", "former"])
 def test_held_out_scores_in_several_passes(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Both metrics from the device's logit counts, in passes of at most 40 positions (the

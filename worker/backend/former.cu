@@ -285,8 +285,14 @@ __device__ __forceinline__ void store_row_word(i8* p, int w, int n, bool whole, 
 // the row is read once; a word's two pairs never straddle it (dh and its offsets are even).
 #define RENORM_WORDS 8
 
-// Four blocks an SM (64 registers): it waits on memory, so rows in flight matter more.
-extern "C" __global__ void __launch_bounds__(256, 4)
+// Four blocks an SM (64 registers) on sm_90, measured there; below it 64 registers spill,
+// so three. It waits on memory, so rows in flight matter more.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define RENORM_BLOCKS 3
+#else
+#define RENORM_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(256, RENORM_BLOCKS)
     former_renorm(const i8* pre, const i8* res, const i8* bias, int R, int per, int D, int dh,
                   const int* cos, const int* sin, i8* out) {
   int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
