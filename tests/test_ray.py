@@ -21,6 +21,7 @@ from helpers import TINY_RUN, command, digest_at, start_coordinator, trained_dig
 from eggroll_dist.worker.ray_launch import (
     LOST,
     Ended,
+    Replacements,
     Tally,
     _Stop,
     _supervise,
@@ -78,11 +79,13 @@ class _FakeRef:
 class _FakeActor:
     """A worker whose exit status the test sets; `stop` makes it exit with 0."""
 
-    def __init__(self, fake: _FakeRay) -> None:
+    def __init__(self, fake: _FakeRay, placed: bool = True) -> None:
         self.fake, self.waiting, self.stopped = fake, _FakeRef(), False
+        self.killed, self.args = False, None
         self.wait = _Method(lambda: self.waiting)
         self.take = _Method(lambda: _FakeRef(([], 0), True))
         self.stop = _Method(self._stop)
+        self.place = _Method(lambda: _FakeRef(("n1", "h", ["0"]), placed))
 
     def _stop(self, timeout_s: float) -> _FakeRef:
         self.stopped = True
@@ -110,22 +113,83 @@ class _FakeRay:
         self.script = script  # (worker, status), one per call of wait
 
     def wait(self, refs, num_returns, timeout):
-        if self.script:
+        if self.script and timeout:  # the workers' wait, not a replacement's placing
             i, status = self.script.pop(0)
-            self.actors[i].end(status)
+            if i is None:  # a wait in which nothing ends
+                time.sleep(0.05)
+            else:
+                self.actors[i].end(status)
         return [r for r in refs if r.ready], [r for r in refs if not r.ready]
 
     def get(self, ref, timeout=None):
+        if isinstance(ref.value, Exception):
+            raise ref.value
         return ref.value
 
     def kill(self, actor) -> None:
-        pass
+        actor.killed = True
 
 
-def _supervised(script: list[tuple[int, int]]) -> tuple[int, _FakeRay]:
+def _supervised(
+    script: list[tuple[int, object]], spare: Replacements | None = None
+) -> tuple[int, _FakeRay]:
     fake = _FakeRay(script)
-    status = _supervise(fake, fake.actors, ["a", "b"], _Stop(), 5.0)
+    status = _supervise(fake, list(fake.actors), ["a", "b"], _Stop(), 5.0, spare)
     return status, fake
+
+
+def _spare(fake_box: list, left: int, placed: bool = True, timeout_s: float = 5.0):
+    """Replacements whose actors join the fake (made when asked: the fake is made later)."""
+
+    def make() -> _FakeActor:
+        fake = fake_box[0]
+        actor = _FakeActor(fake, placed)
+        fake.actors.append(actor)
+        return actor
+
+    def start(actor: _FakeActor, name: str, on_node: int) -> _FakeRef:
+        actor.args = (name, on_node)
+        return _FakeRef(None, True)
+
+    return Replacements(left, make, start, timeout_s, "w", ["n1", "n1"])
+
+
+def _replaced(script: list[tuple[int, object]], left: int, **kw) -> tuple[int, _FakeRay]:
+    box: list = []
+    spare = _spare(box, left, **kw)
+    fake = _FakeRay(script)
+    box.append(fake)
+    status = _supervise(fake, list(fake.actors), ["a", "b"], _Stop(), 5.0, spare)
+    return status, fake
+
+
+LOST_ACTOR = RuntimeError("actor died")  # what ray.get raises for a lost actor (fake's error)
+
+
+def test_a_lost_worker_is_started_again_and_its_loss_is_forgiven() -> None:
+    """b is lost; a worker starts in its place (named after where Ray put it, numbered as a
+    replacement, told how many workers its node now runs), and when all finish the status
+    is 0: the loss was made good."""
+    status, fake = _replaced([(1, LOST_ACTOR), (0, 0), (0, 0), (2, 0)], left=1)
+    assert status == 0, status
+    assert len(fake.actors) == 3 and fake.actors[2].args == ("w-gpu0-r1", 2)
+
+
+def test_losses_past_the_budget_end_alone() -> None:
+    status, fake = _replaced([(1, LOST_ACTOR), (2, LOST_ACTOR), (0, 0)], left=1)
+    assert status == 1 and len(fake.actors) == 3  # one replacement, then the budget is spent
+    assert not fake.actors[0].stopped  # the others went on
+
+
+def test_a_replacement_ray_finds_no_room_for_gives_up_in_time() -> None:
+    script = [(1, LOST_ACTOR), *[(None, None)] * 6, (0, 0)]  # a ends 0.3 s later
+    status, fake = _replaced(script, left=3, placed=False, timeout_s=0.1)
+    assert status == 1 and len(fake.actors) == 3 and fake.actors[2].killed
+
+
+def test_a_replacement_still_placed_when_the_run_completes_is_dropped() -> None:
+    status, fake = _replaced([(1, LOST_ACTOR), (0, 0)], left=3, placed=False)
+    assert status == 0 and fake.actors[2].killed
 
 
 def test_a_failing_worker_stops_the_others_and_gives_its_status() -> None:
@@ -352,28 +416,46 @@ def test_sigterm_stops_every_worker_cleanly(
     assert _no_workers_left(words_data)
 
 
-def test_a_lost_actor_ends_only_its_worker(
-    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
-) -> None:
-    """An actor killed as a lost node's would be: its worker goes with it (not left
-    orphaned), the other works on, and the launch then ends with status 1."""
+def _two_cpu_workers(spawn, ray_cluster: str, words_data: Path, tmp_path: Path, *extra: str):
+    """A coordinator, and eggroll-ray's two NumPy workers lo-cpu0 and lo-cpu1 started for
+    it (`extra`: eggroll-ray's own flags): (coordinator, launch)."""
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)
     coord, port = start_coordinator(spawn, tmp_path / "run", config)
     flags = ["--data-dir", words_data, "--log-format", "json", "--max-retry-s", "1"]
     launch = Launch(
         f"127.0.0.1:{port}",
-        *("--ray-address", ray_cluster, "--device", "cpu", "--name", "lo"),
+        *("--ray-address", ray_cluster, "--device", "cpu", "--name", "lo", *extra),
         *("--", *flags),
     )
     try:
         for name in ("lo-cpu0", "lo-cpu1"):
             launch.wait_event(name, "worker starting", 120)
-        (worker,) = [p for p in _workers_of(words_data) if b"lo-cpu1" in _cmdline(p)]
-        actor = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        workers = set(_workers_of(words_data))
-        assert len(workers) == 2
-        os.kill(actor, signal.SIGKILL)
+    except BaseException:
+        launch.stop()
+        raise
+    return coord, launch
+
+
+def _kill_actor_of(words_data: Path, name: str) -> None:
+    """SIGKILL the Ray actor (the parent process) of worker `name`, as a lost node's."""
+    (worker,) = [p for p in _workers_of(words_data) if name.encode() in _cmdline(p)]
+    actor = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert len(_workers_of(words_data)) == 2
+    os.kill(actor, signal.SIGKILL)
+
+
+def test_a_lost_actor_ends_only_its_worker(
+    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
+) -> None:
+    """An actor killed as a lost node's would be, with no replacements allowed: its worker
+    goes with it (not left orphaned), the other works on, and the launch then ends with
+    status 1."""
+    coord, launch = _two_cpu_workers(
+        spawn, ray_cluster, words_data, tmp_path, "--replace-lost", "0"
+    )
+    try:
+        _kill_actor_of(words_data, "lo-cpu1")
         deadline = time.monotonic() + 30
         while not any("lo-cpu1 was lost" in line for line in launch.lines):
             assert time.monotonic() < deadline, launch.tail()
@@ -394,6 +476,30 @@ def test_a_lost_actor_ends_only_its_worker(
     finally:
         launch.stop()
     launch.wait_event("lo-cpu0", "stopped", 10)
+    assert _no_workers_left(words_data)
+
+
+def test_a_lost_worker_is_started_again_where_ray_finds_room(
+    spawn, ray_cluster: str, words_data: Path, tmp_path: Path
+) -> None:
+    """A lost actor's worker is started again (the default allows 3): a new actor on the
+    CPU the lost one freed, its worker joining the coordinator under a replacement's name;
+    a clean stop then ends with status 0, the loss made good."""
+    coord, launch = _two_cpu_workers(spawn, ray_cluster, words_data, tmp_path)
+    try:
+        _kill_actor_of(words_data, "lo-cpu1")
+        launch.wait_event("lo-cpu0-r1", "worker starting", 60)
+        assert any("lo-cpu0-r1 started in place of lo-cpu1" in line for line in launch.lines)
+        coord.wait_for(
+            lambda e: e.get("event") == "worker joined" and e.get("worker") == "lo-cpu0-r1",
+            60,
+            "the replacement joining",
+        )
+        assert len(_workers_of(words_data)) == 2
+        launch.proc.send_signal(signal.SIGTERM)
+        assert launch.finish(60) == 0, launch.tail()
+    finally:
+        launch.stop()
     assert _no_workers_left(words_data)
 
 

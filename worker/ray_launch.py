@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -329,6 +330,15 @@ def _plan(ray: Any, device: str, workers: int | None, cpus_per_worker: float) ->
     help="Seconds to wait for Ray to place every worker (an autoscaler may add nodes).",
 )
 @click.option(
+    "--replace-lost",
+    envvar="EGGROLL_RAY_REPLACE_LOST",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Workers to start again, wherever Ray finds room (within --start-timeout-s), after "
+    "their actor or Ray node was lost (a preempted node, say); 0: none.",
+)
+@click.option(
     "--stop-timeout-s",
     type=click.FloatRange(min=1),
     default=30.0,
@@ -345,6 +355,7 @@ def main(
     name: str | None,
     token_file: str | None,
     start_timeout_s: float,
+    replace_lost: int,
     stop_timeout_s: float,
 ) -> None:
     """Run one eggroll-worker per GPU of a Ray cluster (or NumPy workers on its CPUs), all
@@ -356,8 +367,9 @@ def main(
     variables set here. Each line a worker prints comes prefixed with its name. SIGINT or
     SIGTERM stops every worker cleanly (exit 0); a second one, 1.5 s later or more, kills
     them. A worker that exits with 1 or 2 stops the others, and its status is this
-    command's; one that exits with 3 (it computes differently), is killed by a signal, or
-    is lost with its node ends alone.
+    command's; one that exits with 3 (it computes differently) or is killed by a signal
+    ends alone; one lost with its actor or node is started again elsewhere, up to
+    --replace-lost times in all, else ends alone.
     """
     try:
         parse_address(coordinator, DEFAULT_PORT)
@@ -399,6 +411,7 @@ def main(
             token,
             (start_timeout_s, stop_timeout_s),
             stop,
+            replace_lost,
         )
     finally:
         ray.shutdown()
@@ -418,15 +431,14 @@ def _launch(
     token: str,
     timeouts: tuple[float, float],
     stop: _Stop,
+    replace_lost: int = 0,
 ) -> int:
     start_timeout_s, stop_timeout_s = timeouts
     n = _plan(ray, device, workers, cpus_per_worker)
-    actor = ray.remote(WorkerProcess)
-    gpus = 1 if device == "gpu" else 0
-    actors = [
-        actor.options(num_gpus=gpus, num_cpus=cpus_per_worker, max_restarts=0).remote()
-        for _ in range(n)
-    ]
+    cls = ray.remote(WorkerProcess).options(
+        num_gpus=1 if device == "gpu" else 0, num_cpus=cpus_per_worker, max_restarts=0
+    )
+    actors = [cls.remote() for _ in range(n)]
     refs = [a.place.remote() for a in actors]
     deadline = time.monotonic() + start_timeout_s
     while len(ray.wait(refs, num_returns=n, timeout=0.5)[0]) < n:
@@ -447,20 +459,27 @@ def _launch(
     env = {k: v for k, v in os.environ.items() if _passed(k)}
     if token:
         env["EGGROLL_TOKEN"] = token  # in the environment, never on a command line
-    starts = []
-    for a, worker_name, (node, _, _) in zip(actors, names, places, strict=True):
-        worker_env = {**env, "EGGROLL_WORKERS_PER_HOST": str(per_node[node])}
+
+    def start(actor: Any, worker_name: str, workers_on_node: int) -> Any:
+        worker_env = {**env, "EGGROLL_WORKERS_PER_HOST": str(workers_on_node)}
         args = [coordinator, "--name", worker_name]
         if device == "cpu":
             worker_env["EGGROLL_THREADS"] = str(max(1, int(cpus_per_worker)))
             args += ["--backend", "numpy"]
-        starts.append(a.start.remote(args + worker_args, worker_env))
+        return actor.start.remote(args + worker_args, worker_env)
+
+    starts = [
+        start(a, worker_name, per_node[node])
+        for a, worker_name, (node, _, _) in zip(actors, names, places, strict=True)
+    ]
     try:
         ray.get(starts)
     except ray.exceptions.RayError as exc:  # no eggroll-worker on a node
         raise click.ClickException(f"a worker could not start: {_last_line(exc)}") from None
     say(f"started {n} workers for {coordinator}: {', '.join(names)}")
-    return _supervise(ray, actors, names, stop, stop_timeout_s)
+    spare = Replacements(replace_lost, cls.remote, start, start_timeout_s, name)
+    spare.nodes = [node for node, _, _ in places]
+    return _supervise(ray, actors, names, stop, stop_timeout_s, spare)
 
 
 def _passed(var: str) -> bool:
@@ -477,14 +496,84 @@ def _last_line(exc: BaseException) -> str:
     return text.splitlines()[-1] if text else type(cause).__name__
 
 
+@dataclass
+class Replacements:
+    """Workers lost with their actor or node that may be started again: how many more
+    (`left`), a new actor for Ray to place (`make`), a worker started in it (`start`: actor,
+    name, workers on its node; the ref of the start), how long Ray may take to find room,
+    and the base of the names (worker_names'). `nodes`: each worker's node, by index."""
+
+    left: int
+    make: Callable[[], Any]
+    start: Callable[[Any, str, int], Any]
+    timeout_s: float
+    base: str | None = None
+    nodes: list[str] = field(default_factory=list)
+
+
 def _supervise(
-    ray: Any, actors: list[Any], names: list[str], stop: _Stop, stop_timeout_s: float
+    ray: Any,
+    actors: list[Any],
+    names: list[str],
+    stop: _Stop,
+    stop_timeout_s: float,
+    spare: Replacements | None = None,
 ) -> int:
-    """Relay the workers' lines and act on their ends (`ended`) until none is left."""
+    """Relay the workers' lines, act on their ends (`ended`) and start lost ones again
+    (`spare`) until none is left."""
     tally = Tally()
     last = [""] * len(actors)
     pending = {a.wait.remote(): i for i, a in enumerate(actors)}
     stopping: float | None = None  # when this command asked the workers to stop
+    placing: dict[Any, tuple[Any, float, str]] = {}  # a replacement: (actor, deadline, for)
+    made, complete = 0, False  # complete: a worker said the run is (no more replacements)
+
+    def replace(i: int) -> bool:
+        if spare is None or spare.left == 0 or stopping is not None or complete:
+            return False
+        spare.left -= 1
+        actor = spare.make()
+        placing[actor.place.remote()] = (actor, time.monotonic() + spare.timeout_s, names[i])
+        return True
+
+    def give_up(actor: Any, lost: str, why: str) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+        say(f"no worker in place of {lost}: {why}")
+        tally.add(ended(lost, LOST))
+
+    def placed() -> None:
+        nonlocal made
+        assert spare is not None
+        if stopping is not None or complete:  # no new workers
+            for actor, _, _ in placing.values():
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            placing.clear()
+            return
+        ready, _ = ray.wait(list(placing), num_returns=len(placing), timeout=0)
+        for ref in ready:
+            actor, _, lost = placing.pop(ref)
+            made += 1
+            try:
+                node, host, gpus = ray.get(ref)
+                name = f"{worker_names([(node, host, gpus)], spare.base)[0]}-r{made}"
+                on_node = 1 + sum(spare.nodes[j] == node for j in pending.values())
+                ray.get(spare.start(actor, name, on_node), timeout=60)
+            except ray.exceptions.RayError as exc:
+                give_up(actor, lost, f"it could not start ({_last_line(exc)})")
+                continue
+            actors.append(actor)
+            names.append(name)
+            last.append("")
+            spare.nodes.append(node)
+            pending[actor.wait.remote()] = len(actors) - 1
+            say(f"{name} started in place of {lost}")
+        now = time.monotonic()
+        for ref, (actor, deadline, lost) in list(placing.items()):
+            if now > deadline:
+                del placing[ref]
+                give_up(actor, lost, f"Ray found no room within {spare.timeout_s:g} s")
 
     def relay(ids: list[int]) -> None:
         takes = {actors[i].take.remote(): i for i in ids}
@@ -505,7 +594,7 @@ def _supervise(
             actors[i].stop.remote(stop_timeout_s)
         return time.monotonic()
 
-    while pending:
+    while pending or placing:
         if stop.asked and stopping is None:
             say(f"{stop.asked}: stopping {len(pending)} workers")
             stopping = stop_all()
@@ -514,6 +603,11 @@ def _supervise(
             say("killing the workers left" if stop.again else "workers did not stop: killing")
             tally.add(ended("", LOST))
             break
+        if placing:
+            placed()
+        if not pending:
+            time.sleep(0.5)
+            continue
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
         relay(sorted(pending.values()))
         for ref in ready:
@@ -522,14 +616,22 @@ def _supervise(
                 status = ray.get(ref)
             except ray.exceptions.RayError:
                 status = LOST
+            if status is LOST and replace(i):
+                assert spare is not None
+                say(
+                    f"{names[i]} was lost with its Ray node or actor; starting another in its "
+                    f"place ({spare.left} more may be)"
+                )
+                continue
             end = ended(names[i], status, last[i], asked=stopping is not None)
             tally.add(end)
+            complete = complete or (status == 0 and stopping is None)
             if end.stop_all and pending:
                 say(f"{end.message}; stopping the others")
                 stopping = stop_all()
             else:
                 say(end.message)
-    for a in actors:  # any left after a second signal: their children go with them
-        with contextlib.suppress(Exception):
-            ray.kill(a)
+    for a in actors + [actor for actor, _, _ in placing.values()]:
+        with contextlib.suppress(Exception):  # any left after a second signal: their
+            ray.kill(a)  # children go with them
     return tally.status
