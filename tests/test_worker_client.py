@@ -67,7 +67,9 @@ from eggroll_dist.worker.backend import (
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import DIVERGED_ATTEMPTS, WorkerClient, WorkerFatal
 from eggroll_dist.worker.data.build import prepare_data_dir
+from eggroll_dist.worker.link import TLS_REFUSALS, Link, LinkOptions
 from eggroll_dist.worker.replica import Replica
+from eggroll_dist.worker.session import Ended, Identity
 
 CFG = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16), es=ESConfig(population=16, chunk_size=8, seq_len=8)
@@ -745,3 +747,35 @@ async def test_cli_sigterm_closes_and_exits_0(coordinator: FakeCoordinator, data
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+class _ResetReader:
+    """The read side of a connection its peer reset before sending anything."""
+
+    async def read(self, n: int) -> bytes:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+@pytest.mark.parametrize(
+    ("tls", "before", "verdict"),
+    [
+        (False, 0, "connection lost: "),  # a plain reset: the network, retried
+        (True, 0, "the coordinator closed the TLS connection before the handshake"),
+        (True, TLS_REFUSALS - 1, "does not accept this worker's certificate"),
+    ],
+)
+async def test_a_reset_before_any_frame_over_tls_is_a_refusal(
+    tls: bool, before: int, verdict: str
+) -> None:
+    """Some OpenSSL builds deliver a coordinator's refusal of the worker's certificate as a
+    reset (TLS 1.3 checks it after the worker's side of the handshake), not as an alert.
+    Over TLS, a reset before any frame counts as a refusal: the TLS_REFUSALS-th in a row
+    ends the worker (WorkerFatal); without TLS it is a lost connection, tried again."""
+    identity = Identity("w", b"t" * 32, "numpy", "cpu", b"\0" * 32, 256, 1000)
+    options = LinkOptions(identity, tls=tls, tls_refusals=before)
+    link = Link(options, None, _ResetReader(), None)  # type: ignore[arg-type]
+    await link._read_loop()
+    (item,) = [link.inbox.get_nowait() for _ in range(link.inbox.qsize())]
+    fatal = before == TLS_REFUSALS - 1
+    assert isinstance(item, WorkerFatal if fatal else Ended) and verdict in str(item)
+    assert link.tls_refused is tls
