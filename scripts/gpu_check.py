@@ -8,8 +8,8 @@ writes the project's wheel and the small dependencies a GPU image without networ
 (for CPython 3.12 on x86-64 Linux; numpy, CuPy and PyTorch are the image's own) into
 WHEELS, under 64 MiB. Carry WHEELS and the checkout to the GPU machine, then:
 
-    python3 scripts/gpu_check.py verdict LOG_DIR --wheels WHEELS   # about 1 min, 9 at most
-    python3 scripts/gpu_check.py bench LOG_DIR --wheels WHEELS     # 9 min at most
+    python3 scripts/gpu_check.py verdict LOG_DIR --wheels WHEELS   # 2 to 4 min, 9 at most
+    python3 scripts/gpu_check.py bench LOG_DIR --wheels WHEELS     # about 1.5 min, 9 at most
 
 Each part runs under its own deadline and its result is printed the moment it is known;
 its log goes to LOG_DIR/<part>.log. The verdict's parts:
