@@ -78,7 +78,9 @@ def cuda_device() -> Device:
     return Device(backend)
 
 
-def gpu_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = cuda_sync):
+def gpu_seconds(
+    fn: Callable[[], object], repeats: int, sync: Callable[[], None] = cuda_sync
+) -> float:
     """Best wall time of fn() with the device drained before and after (after one warm-up)."""
     fn()
     sync()
@@ -193,7 +195,7 @@ def bench_population(
         backend.load_state(ReplicaState(cfg, 0, backend.state.params, backend.state.opt))
     # the update's device part alone: the captured graph (Z GEMMs, noise, apply kernels)
     graph_s = gpu_seconds(backend._update_graph, repeats, device.sync)
-    member_tokens = population * seq_len
+    member_tokens = len(chunks) * chunk * seq_len  # whole chunks only
     worker_s, worker_members, worker_batch = worker_path(backend, chunks, repeats, device)
     return {
         "worker_member_tokens_per_s": worker_members * seq_len / worker_s,

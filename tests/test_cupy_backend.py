@@ -35,6 +35,7 @@ from eggroll_dist.shared.window import validation_streams, validation_windows
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
 from eggroll_dist.worker.backend import cupy_backend as cupy_backend_module
 from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels, forward_launches
+from eggroll_dist.worker.backend.cupy_former import batch_members as former_batch
 from eggroll_dist.worker.backend.cupy_former import launches as former_launches
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 
@@ -340,7 +341,7 @@ def test_the_gpu_scripts_run_through_the_cpu_build(name: str) -> None:
     session's minutes go to measuring, not to the scripts' own bugs (a vocabulary above 256
     tokens once broke both, on a GPU). The chunk check also holds the backend to NumPy."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from bench_gpu import Device, bench_population
+    from bench_gpu import Device, bench_population, synthetic_dataset, worker_path
     from gpu_check import _chunk_check
 
     def backend(data, state: ReplicaState, batch: int) -> CupyBackend:
@@ -354,6 +355,14 @@ def test_the_gpu_scripts_run_through_the_cpu_build(name: str) -> None:
     assert r["batch"] == 8 and 0 < r["update_s"] and r["eval_s"] > 0
     assert r["member_tokens_per_s"] == 16 * 4 / r["eval_s"]
     assert r["worker_member_tokens_per_s"] > 0
+    # the worker's path: its default batch, 16 chunks a lease request (the protocol's bound)
+    cfg = PRESETS[name].replace(es=ESConfig(population=80, chunk_size=2, seq_len=4))
+    best = backend(synthetic_dataset(cfg.model.vocab_size), ReplicaState.initial(cfg), 8)
+    chunks = [(2 * c, 2) for c in range(40)]
+    _, members, batch = worker_path(best, chunks, 1, device, requests=2)
+    default = cupy_backend_module.BATCH_MEMBERS
+    assert members == 2 * 16 * 2
+    assert batch == (default if name == "tiny" else former_batch(cfg, default)) > 8
     assert {k for k, _, _ in r["profile"]} >= {"gather_windows", "noise_rows"}
     assert r["update_profile"] and all(count > 0 for _, count, _ in r["update_profile"])
     base = PRESETS[name]  # its noise and rule at width 32, 4 chunks of 8

@@ -26,8 +26,11 @@ from eggroll_dist.worker.ray_launch import (
     _Stop,
     _supervise,
     ended,
+    replacement_name,
     worker_names,
+    workers_on_node,
 )
+from eggroll_dist.worker.session import FINISHED
 
 SHORT_HOST = socket.gethostname().split(".")[0]
 
@@ -38,7 +41,9 @@ CONFIG = TINY_RUN
 
 
 def test_exit_policy() -> None:
-    assert ended("w", 0) == Ended("w stopped: the run is complete", False, 0)
+    done = f"stopped: the run at h:7000 {FINISHED}"  # eggroll-worker's last line then
+    assert ended("w", 0, done) == Ended("w stopped: the run is complete", False, 0)
+    assert ended("w", 0) == Ended("w stopped", False, 0)  # a signal not ours (a node's end)
     # Statuses every worker would share stop the others, and say why.
     told = ended("w", 2, "Error: wrong token")
     assert (
@@ -81,9 +86,9 @@ class _FakeActor:
 
     def __init__(self, fake: _FakeRay, placed: bool = True) -> None:
         self.fake, self.waiting, self.stopped = fake, _FakeRef(), False
-        self.killed, self.args = False, None
+        self.killed, self.args, self.lines = False, None, []
         self.wait = _Method(lambda: self.waiting)
-        self.take = _Method(lambda: _FakeRef(([], 0), True))
+        self.take = _Method(self._take)
         self.stop = _Method(self._stop)
         self.place = _Method(lambda: _FakeRef(("n1", "h", ["0"]), placed))
 
@@ -92,9 +97,15 @@ class _FakeActor:
         self.end(0)
         return _FakeRef(None, True)
 
-    def end(self, status: int) -> None:
+    def _take(self) -> _FakeRef:
+        lines, self.lines = self.lines, []
+        return _FakeRef((lines, 0), True)
+
+    def end(self, status: object) -> None:
         if not self.waiting.ready:
             self.waiting.value, self.waiting.ready = status, True
+            if status == 0 and not self.stopped:  # what eggroll-worker says at the run's end
+                self.lines = [f"stopped: the run at h:7000 {FINISHED}"]
 
 
 class _Method:
@@ -108,12 +119,14 @@ class _FakeRay:
     class exceptions:  # Ray's spelling
         RayError = RuntimeError
 
-    def __init__(self, script: list[tuple[int, int]]) -> None:
+    def __init__(self, script: list[tuple[int | None, object]]) -> None:
         self.actors = [_FakeActor(self), _FakeActor(self)]
-        self.script = script  # (worker, status), one per call of wait
+        self.script = script  # (worker or None, status), one per wait of the workers
 
     def wait(self, refs, num_returns, timeout):
-        if self.script and timeout:  # the workers' wait, not a replacement's placing
+        if timeout and not self.script:  # the workers' wait (not a replacement's placing)
+            assert any(r.ready for r in refs), "the script ended with workers still running"
+        elif timeout:
             i, status = self.script.pop(0)
             if i is None:  # a wait in which nothing ends
                 time.sleep(0.05)
@@ -138,7 +151,9 @@ def _supervised(
     return status, fake
 
 
-def _spare(fake_box: list, left: int, placed: bool = True, timeout_s: float = 5.0):
+def _spare(
+    fake_box: list, left: int, placed: bool = True, timeout_s: float = 5.0, fail_start=False
+):
     """Replacements whose actors join the fake (made when asked: the fake is made later)."""
 
     def make() -> _FakeActor:
@@ -149,9 +164,9 @@ def _spare(fake_box: list, left: int, placed: bool = True, timeout_s: float = 5.
 
     def start(actor: _FakeActor, name: str, on_node: int) -> _FakeRef:
         actor.args = (name, on_node)
-        return _FakeRef(None, True)
+        return _FakeRef(RuntimeError("no eggroll-worker") if fail_start else None, True)
 
-    return Replacements(left, make, start, timeout_s, "w", ["n1", "n1"])
+    return Replacements(left, make, start, timeout_s, "w", ["n2", "n1"])  # a on n2, b on n1
 
 
 def _replaced(script: list[tuple[int, object]], left: int, **kw) -> tuple[int, _FakeRay]:
@@ -167,12 +182,43 @@ LOST_ACTOR = RuntimeError("actor died")  # what ray.get raises for a lost actor 
 
 
 def test_a_lost_worker_is_started_again_and_its_loss_is_forgiven() -> None:
-    """b is lost; a worker starts in its place (named after where Ray put it, numbered as a
-    replacement, told how many workers its node now runs), and when all finish the status
-    is 0: the loss was made good."""
-    status, fake = _replaced([(1, LOST_ACTOR), (0, 0), (0, 0), (2, 0)], left=1)
+    """b (on n1) is lost and killed for good; a worker starts in its place (named after
+    where Ray put it, n1's GPU 0, numbered as a replacement, told it is alone on n1), and
+    when all finish the status is 0: the loss was made good."""
+    status, fake = _replaced([(1, LOST_ACTOR), (0, 0), (2, 0)], left=1)
     assert status == 0, status
-    assert len(fake.actors) == 3 and fake.actors[2].args == ("w-gpu0-r1", 2)
+    assert fake.actors[1].killed
+    assert len(fake.actors) == 3 and fake.actors[2].args == ("w-gpu0-r1", 1)
+
+
+def test_replacement_names_and_counts() -> None:
+    assert replacement_name(("n", "host", ["3"]), None, 2, 1) == "host-gpu3-r1"
+    assert replacement_name(("n", "host", []), "lo", 2, 4) == "lo-cpu1-r4"
+    assert workers_on_node(["a", "b", "a", "a"], [0, 1, 3], "a") == 3  # 2 live there, + 1
+
+
+def test_a_replacement_that_cannot_start_counts_as_lost() -> None:
+    status, fake = _replaced([(1, LOST_ACTOR), (0, 0)], left=1, fail_start=True)
+    assert status == 1 and fake.actors[2].killed
+
+
+def test_a_stop_drops_the_replacements_being_placed() -> None:
+    box: list = []
+    fake = _FakeRay([(1, LOST_ACTOR), (None, None)])
+    box.append(fake)
+    stop = _Stop()
+    scripted = fake.wait
+
+    def wait(refs, num_returns, timeout):  # once the loss is seen: SIGTERM, as a handler
+        if timeout and not fake.script:
+            stop.asked = "SIGTERM"
+            return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+        return scripted(refs, num_returns, timeout)
+
+    fake.wait = wait  # type: ignore[method-assign]
+    spare = _spare(box, 3, placed=False)
+    status = _supervise(fake, list(fake.actors), ["a", "b"], stop, 5.0, spare)
+    assert status == 0 and fake.actors[2].killed and fake.actors[0].stopped
 
 
 def test_losses_past_the_budget_end_alone() -> None:
@@ -488,10 +534,10 @@ def test_a_lost_worker_is_started_again_where_ray_finds_room(
     coord, launch = _two_cpu_workers(spawn, ray_cluster, words_data, tmp_path)
     try:
         _kill_actor_of(words_data, "lo-cpu1")
-        launch.wait_event("lo-cpu0-r1", "worker starting", 60)
-        assert any("lo-cpu0-r1 started in place of lo-cpu1" in line for line in launch.lines)
+        launch.wait_event("lo-cpu1-r1", "worker starting", 60)
+        assert any("lo-cpu1-r1 started in place of lo-cpu1" in line for line in launch.lines)
         coord.wait_for(
-            lambda e: e.get("event") == "worker joined" and e.get("worker") == "lo-cpu0-r1",
+            lambda e: e.get("event") == "worker joined" and e.get("worker") == "lo-cpu1-r1",
             60,
             "the replacement joining",
         )

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, load_token
 from ..shared.cli import OneLineError, command
 from .cli import parse_address
+from .session import FINISHED
 
 PROG = "eggroll-ray"
 EXIT_FAULTY = 3  # a worker that computes differently from the run (worker/cli.py)
@@ -42,6 +43,7 @@ LOST = None  # the status of a worker whose actor died with its node
 _NOT_PASSED = ("EGGROLL_TOKEN", "EGGROLL_TOKEN_FILE", "EGGROLL_NAME", "EGGROLL_STOP_TIMEOUT_S")
 SIGNAL_AGAIN_S = 1.5  # a second signal sooner is the same one (a group and its leader)
 MAX_BUFFERED_LINES = 10_000  # a worker's lines held between two polls by the driver
+START_S = 15.0  # a placed actor starts its eggroll-worker (a Popen) within this
 
 
 def say(text: str) -> None:
@@ -68,7 +70,8 @@ def ended(name: str, status: int | None, last: str = "", asked: bool = False) ->
     if status is LOST:
         return Ended(f"{name} was lost with its Ray node or actor; the others go on", False, 1)
     if status == 0 or (asked and status == -signal.SIGTERM):
-        return Ended(f"{name} stopped" + ("" if asked else ": the run is complete"), False, 0)
+        done = ": the run is complete" if FINISHED in last else ""
+        return Ended(f"{name} stopped{done}", False, 0)
     if status < 0:
         how = signal.Signals(-status).name if -status in signal.valid_signals() else -status
         return Ended(f"{name} was killed by {how}", False, 128 - status)
@@ -119,6 +122,23 @@ def worker_names(places: list[tuple[str, str, list[str]]], base: str | None) -> 
     if len(set(names)) != len(names):  # one --name for several nodes
         names = [f"{n}-{i}" for i, n in enumerate(names)]
     return names
+
+
+def replacement_name(
+    place: tuple[str, str, list[str]], base: str | None, on_node: int, n: int
+) -> str:
+    """The n-th replacement's name: after where Ray put it (its node, its GPU or its count
+    of CPU workers there, `on_node` with itself), numbered as a replacement so that it
+    never takes a live worker's name."""
+    _, host, gpus = place
+    stem = base if base is not None else host
+    where = f"gpu{','.join(gpus)}" if gpus else f"cpu{on_node - 1}"
+    return f"{stem}-{where}-r{n}"
+
+
+def workers_on_node(nodes: list[str], live: Iterable[int], node: str) -> int:
+    """Live workers (by index into `nodes`) on `node`, and one more: a newcomer's count."""
+    return 1 + sum(nodes[i] == node for i in live)
 
 
 class WorkerProcess:
@@ -477,8 +497,8 @@ def _launch(
     except ray.exceptions.RayError as exc:  # no eggroll-worker on a node
         raise click.ClickException(f"a worker could not start: {_last_line(exc)}") from None
     say(f"started {n} workers for {coordinator}: {', '.join(names)}")
-    spare = Replacements(replace_lost, cls.remote, start, start_timeout_s, name)
-    spare.nodes = [node for node, _, _ in places]
+    nodes = [node for node, _, _ in places]
+    spare = Replacements(replace_lost, cls.remote, start, start_timeout_s, name, nodes)
     return _supervise(ray, actors, names, stop, stop_timeout_s, spare)
 
 
@@ -526,7 +546,7 @@ def _supervise(
     pending = {a.wait.remote(): i for i, a in enumerate(actors)}
     stopping: float | None = None  # when this command asked the workers to stop
     placing: dict[Any, tuple[Any, float, str]] = {}  # a replacement: (actor, deadline, for)
-    made, complete = 0, False  # complete: a worker said the run is (no more replacements)
+    made, complete = 0, False  # complete: a worker said the run is done (none to replace)
 
     def replace(i: int) -> bool:
         if spare is None or spare.left == 0 or stopping is not None or complete:
@@ -542,10 +562,12 @@ def _supervise(
         say(f"no worker in place of {lost}: {why}")
         tally.add(ended(lost, LOST))
 
-    def placed() -> None:
+    def tend_replacements() -> None:
+        """Start those Ray has placed; give up on those past their deadline; drop them all
+        once the run is complete or a stop is asked."""
         nonlocal made
         assert spare is not None
-        if stopping is not None or complete:  # no new workers
+        if stop.asked or stopping is not None or complete:  # no new workers
             for actor, _, _ in placing.values():
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
@@ -556,17 +578,17 @@ def _supervise(
             actor, _, lost = placing.pop(ref)
             made += 1
             try:
-                node, host, gpus = ray.get(ref)
-                name = f"{worker_names([(node, host, gpus)], spare.base)[0]}-r{made}"
-                on_node = 1 + sum(spare.nodes[j] == node for j in pending.values())
-                ray.get(spare.start(actor, name, on_node), timeout=60)
+                place = ray.get(ref)
+                on_node = workers_on_node(spare.nodes, pending.values(), place[0])
+                name = replacement_name(place, spare.base, on_node, made)
+                ray.get(spare.start(actor, name, on_node), timeout=START_S)
             except ray.exceptions.RayError as exc:
                 give_up(actor, lost, f"it could not start ({_last_line(exc)})")
                 continue
             actors.append(actor)
             names.append(name)
             last.append("")
-            spare.nodes.append(node)
+            spare.nodes.append(place[0])
             pending[actor.wait.remote()] = len(actors) - 1
             say(f"{name} started in place of {lost}")
         now = time.monotonic()
@@ -604,7 +626,7 @@ def _supervise(
             tally.add(ended("", LOST))
             break
         if placing:
-            placed()
+            tend_replacements()
         if not pending:
             time.sleep(0.5)
             continue
@@ -616,16 +638,22 @@ def _supervise(
                 status = ray.get(ref)
             except ray.exceptions.RayError:
                 status = LOST
-            if status is LOST and replace(i):
-                assert spare is not None
-                say(
-                    f"{names[i]} was lost with its Ray node or actor; starting another in its "
-                    f"place ({spare.left} more may be)"
-                )
-                continue
+            if status is LOST:
+                with contextlib.suppress(Exception):  # lost is final: a partitioned actor
+                    ray.kill(actors[i])  # that comes back must not run a second worker
+                if complete:
+                    say(f"{names[i]} was lost after the run completed")
+                    continue
+                if replace(i):
+                    assert spare is not None
+                    say(
+                        f"{names[i]} was lost with its Ray node or actor; starting another "
+                        f"in its place ({spare.left} replacements left)"
+                    )
+                    continue
             end = ended(names[i], status, last[i], asked=stopping is not None)
             tally.add(end)
-            complete = complete or (status == 0 and stopping is None)
+            complete = complete or (status == 0 and FINISHED in last[i])
             if end.stop_all and pending:
                 say(f"{end.message}; stopping the others")
                 stopping = stop_all()

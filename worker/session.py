@@ -147,6 +147,9 @@ class RunFinished(Exception):
     """The coordinator ended the run at its last step: nothing is left to do (one line)."""
 
 
+FINISHED = "is complete: nothing left"  # in RunFinished's line (eggroll-ray looks for it)
+
+
 class Ended(Exception):
     """This connection is over; reconnect. The message (one line) says why;
     `drop_replica` says the replica must start again from step 0 (DIVERGED); `own` that it
@@ -817,7 +820,7 @@ class Session:
             return Ended(text, drop_replica=True, own=own)
         if code is ErrorCode.SHUTTING_DOWN:
             if error.message == RUN_COMPLETE:
-                raise RunFinished(f"the run at {self.me.coordinator} is complete: nothing left")
+                raise RunFinished(f"the run at {self.me.coordinator} {FINISHED}")
             return Ended("the coordinator is shutting down")
         return Ended(f"the coordinator ended the connection with {code.name}{said}")
 
