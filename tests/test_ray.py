@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import TINY_RUN, command, digest_at, start_coordinator, trained_digest
 
+from eggroll_dist.worker import ray_launch
 from eggroll_dist.worker.ray_launch import (
     LOST,
     Ended,
@@ -34,8 +36,13 @@ from eggroll_dist.worker.session import FINISHED
 
 SHORT_HOST = socket.gethostname().split(".")[0]
 
-# Ray's token authentication on (its default for a new cluster; a client must say so too).
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+# Ray's token authentication on (its default for a new cluster; a client must say so too),
+# with a token of the test's own: `ray start --head` (Ray 2.60) refuses to start without one.
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(16),
+}
 
 CONFIG = TINY_RUN
 
@@ -43,7 +50,7 @@ CONFIG = TINY_RUN
 def test_exit_policy() -> None:
     done = f"stopped: the run at h:7000 {FINISHED}"  # eggroll-worker's last line then
     assert ended("w", 0, done) == Ended("w stopped: the run is complete", False, 0)
-    assert ended("w", 0) == Ended("w stopped", False, 0)  # a signal not ours (a node's end)
+    assert ended("w", 0) == Ended("w stopped", False, 0)  # a signal not ours, not replaced
     # Statuses every worker would share stop the others, and say why.
     told = ended("w", 2, "Error: wrong token")
     assert (
@@ -81,6 +88,9 @@ class _FakeRef:
         self.value, self.ready = value, ready
 
 
+SIGNALLED = "signalled"  # a script's status: exit 0 on a signal not ours (a node's end)
+
+
 class _FakeActor:
     """A worker whose exit status the test sets; `stop` makes it exit with 0."""
 
@@ -103,8 +113,11 @@ class _FakeActor:
 
     def end(self, status: object) -> None:
         if not self.waiting.ready:
-            self.waiting.value, self.waiting.ready = status, True
-            if status == 0 and not self.stopped:  # what eggroll-worker says at the run's end
+            signalled = status == SIGNALLED
+            self.waiting.value, self.waiting.ready = 0 if signalled else status, True
+            if signalled:
+                self.lines = ["stopped"]
+            elif status == 0 and not self.stopped:  # what eggroll-worker says at the run's end
                 self.lines = [f"stopped: the run at h:7000 {FINISHED}"]
 
 
@@ -122,6 +135,7 @@ class _FakeRay:
     def __init__(self, script: list[tuple[int | None, object]]) -> None:
         self.actors = [_FakeActor(self), _FakeActor(self)]
         self.script = script  # (worker or None, status), one per wait of the workers
+        self.events: list[tuple[str, int]] = []  # ("kill" | "make", actor index), in order
 
     def wait(self, refs, num_returns, timeout):
         if timeout and not self.script:  # the workers' wait (not a replacement's placing)
@@ -141,6 +155,7 @@ class _FakeRay:
 
     def kill(self, actor) -> None:
         actor.killed = True
+        self.events.append(("kill", self.actors.index(actor)))
 
 
 def _supervised(
@@ -152,7 +167,12 @@ def _supervised(
 
 
 def _spare(
-    fake_box: list, left: int, placed: bool = True, timeout_s: float = 5.0, fail_start=False
+    fake_box: list,
+    left: int,
+    placed: bool = True,
+    timeout_s: float = 5.0,
+    fail_start: bool = False,
+    started: bool = True,
 ):
     """Replacements whose actors join the fake (made when asked: the fake is made later)."""
 
@@ -160,11 +180,12 @@ def _spare(
         fake = fake_box[0]
         actor = _FakeActor(fake, placed)
         fake.actors.append(actor)
+        fake.events.append(("make", len(fake.actors) - 1))
         return actor
 
     def start(actor: _FakeActor, name: str, on_node: int) -> _FakeRef:
         actor.args = (name, on_node)
-        return _FakeRef(RuntimeError("no eggroll-worker") if fail_start else None, True)
+        return _FakeRef(RuntimeError("no eggroll-worker") if fail_start else None, started)
 
     return Replacements(left, make, start, timeout_s, "w", ["n2", "n1"])  # a on n2, b on n1
 
@@ -187,8 +208,20 @@ def test_a_lost_worker_is_started_again_and_its_loss_is_forgiven() -> None:
     when all finish the status is 0: the loss was made good."""
     status, fake = _replaced([(1, LOST_ACTOR), (0, 0), (2, 0)], left=1)
     assert status == 0, status
-    assert fake.actors[1].killed
+    assert fake.events[:2] == [("kill", 1), ("make", 2)]  # the lost one goes first
     assert len(fake.actors) == 3 and fake.actors[2].args == ("w-gpu0-r1", 1)
+
+
+def test_a_worker_stopped_by_a_signal_not_ours_is_replaced() -> None:
+    """A clean stop this command did not ask for, before the run's end (a preempted
+    node's SIGTERM, ahead of Ray seeing the node lost): its actor (holding a GPU) is
+    killed and another worker starts; a finished run's clean stops are not replaced."""
+    status, fake = _replaced([(1, SIGNALLED), (0, 0), (2, 0)], left=1)
+    assert status == 0, status
+    assert fake.events[:2] == [("kill", 1), ("make", 2)]
+    assert len(fake.actors) == 3 and fake.actors[2].args == ("w-gpu0-r1", 1)
+    status, fake = _replaced([(0, 0), (1, SIGNALLED)], left=1)  # after the run's end
+    assert status == 0 and len(fake.actors) == 2
 
 
 def test_replacement_names_and_counts() -> None:
@@ -200,6 +233,17 @@ def test_replacement_names_and_counts() -> None:
 def test_a_replacement_that_cannot_start_counts_as_lost() -> None:
     status, fake = _replaced([(1, LOST_ACTOR), (0, 0)], left=1, fail_start=True)
     assert status == 1 and fake.actors[2].killed
+
+
+def test_a_start_that_hangs_gives_up_without_holding_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replacement's start is polled, not waited on: the others' ends are seen meanwhile,
+    and one that never starts counts as lost after START_S."""
+    monkeypatch.setattr(ray_launch, "START_S", 0.2)
+    script = [(1, LOST_ACTOR), *[(None, None)] * 8, (0, 0)]  # a ends 0.4 s later
+    status, fake = _replaced(script, left=3, started=False)
+    assert status == 1 and len(fake.actors) == 3 and fake.actors[2].killed
 
 
 def test_a_stop_drops_the_replacements_being_placed() -> None:
@@ -218,7 +262,8 @@ def test_a_stop_drops_the_replacements_being_placed() -> None:
     fake.wait = wait  # type: ignore[method-assign]
     spare = _spare(box, 3, placed=False)
     status = _supervise(fake, list(fake.actors), ["a", "b"], stop, 5.0, spare)
-    assert status == 0 and fake.actors[2].killed and fake.actors[0].stopped
+    # The loss was not made good: it counts.
+    assert status == 1 and fake.actors[2].killed and fake.actors[0].stopped
 
 
 def test_losses_past_the_budget_end_alone() -> None:

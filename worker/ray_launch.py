@@ -356,7 +356,8 @@ def _plan(ray: Any, device: str, workers: int | None, cpus_per_worker: float) ->
     default=3,
     show_default=True,
     help="Workers to start again, wherever Ray finds room (within --start-timeout-s), after "
-    "their actor or Ray node was lost (a preempted node, say); 0: none.",
+    "their actor or Ray node was lost, or they stopped on a signal not ours before the run's "
+    "end (a preempted node, say); 0: none.",
 )
 @click.option(
     "--stop-timeout-s",
@@ -388,8 +389,9 @@ def main(
     SIGTERM stops every worker cleanly (exit 0); a second one, 1.5 s later or more, kills
     them. A worker that exits with 1 or 2 stops the others, and its status is this
     command's; one that exits with 3 (it computes differently) or is killed by a signal
-    ends alone; one lost with its actor or node is started again elsewhere, up to
-    --replace-lost times in all, else ends alone.
+    ends alone; one lost with its actor or node, or stopped by a signal not ours before the
+    run's end (a preempted node), is started again elsewhere, up to --replace-lost times in
+    all, else ends alone.
     """
     try:
         parse_address(coordinator, DEFAULT_PORT)
@@ -545,11 +547,14 @@ def _supervise(
     last = [""] * len(actors)
     pending = {a.wait.remote(): i for i, a in enumerate(actors)}
     stopping: float | None = None  # when this command asked the workers to stop
-    placing: dict[Any, tuple[Any, float, str]] = {}  # a replacement: (actor, deadline, for)
+    # A replacement, by the ref of its placing: (actor, deadline, the lost worker's name);
+    # then by the ref of its start: (actor, deadline, lost, its name, its node).
+    placing: dict[Any, tuple[Any, float, str]] = {}
+    starting: dict[Any, tuple[Any, float, str, str, str]] = {}
     made, complete = 0, False  # complete: a worker said the run is done (none to replace)
 
     def replace(i: int) -> bool:
-        if spare is None or spare.left == 0 or stopping is not None or complete:
+        if spare is None or spare.left == 0 or stop.asked or stopping is not None or complete:
             return False
         spare.left -= 1
         actor = spare.make()
@@ -563,32 +568,50 @@ def _supervise(
         tally.add(ended(lost, LOST))
 
     def tend_replacements() -> None:
-        """Start those Ray has placed; give up on those past their deadline; drop them all
-        once the run is complete or a stop is asked."""
+        """Start those Ray has placed, register those started; give up on those past their
+        deadline; drop them all once the run is complete (their losses no longer matter) or
+        a stop is asked (their losses were not made good). Never blocks: the workers' lines
+        and a second signal wait on no replacement."""
         nonlocal made
         assert spare is not None
         if stop.asked or stopping is not None or complete:  # no new workers
-            for actor, _, _ in placing.values():
+            dropped = [(a, lost) for a, _, lost in placing.values()]
+            dropped += [(a, lost) for a, _, lost, _, _ in starting.values()]
+            placing.clear()
+            starting.clear()
+            for actor, lost in dropped:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
-            placing.clear()
+                if not complete:
+                    tally.add(ended(lost, LOST))
             return
         ready, _ = ray.wait(list(placing), num_returns=len(placing), timeout=0)
         for ref in ready:
             actor, _, lost = placing.pop(ref)
-            made += 1
             try:
-                place = ray.get(ref)
-                on_node = workers_on_node(spare.nodes, pending.values(), place[0])
-                name = replacement_name(place, spare.base, on_node, made)
-                ray.get(spare.start(actor, name, on_node), timeout=START_S)
+                node, host, gpus = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                give_up(actor, lost, f"it could not be placed ({_last_line(exc)})")
+                continue
+            made += 1
+            nodes = spare.nodes + [n for *_, n in starting.values()]
+            live = [*pending.values(), *range(len(spare.nodes), len(nodes))]
+            on_node = workers_on_node(nodes, live, node)
+            name = replacement_name((node, host, gpus), spare.base, on_node, made)
+            deadline = time.monotonic() + START_S
+            starting[spare.start(actor, name, on_node)] = (actor, deadline, lost, name, node)
+        ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=0)
+        for ref in ready:
+            actor, _, lost, name, node = starting.pop(ref)
+            try:
+                ray.get(ref)
             except ray.exceptions.RayError as exc:
                 give_up(actor, lost, f"it could not start ({_last_line(exc)})")
                 continue
             actors.append(actor)
             names.append(name)
             last.append("")
-            spare.nodes.append(place[0])
+            spare.nodes.append(node)
             pending[actor.wait.remote()] = len(actors) - 1
             say(f"{name} started in place of {lost}")
         now = time.monotonic()
@@ -596,6 +619,10 @@ def _supervise(
             if now > deadline:
                 del placing[ref]
                 give_up(actor, lost, f"Ray found no room within {spare.timeout_s:g} s")
+        for ref, (actor, deadline, lost, _, _) in list(starting.items()):
+            if now > deadline:
+                del starting[ref]
+                give_up(actor, lost, f"it did not start within {START_S:g} s")
 
     def relay(ids: list[int]) -> None:
         takes = {actors[i].take.remote(): i for i in ids}
@@ -616,7 +643,7 @@ def _supervise(
             actors[i].stop.remote(stop_timeout_s)
         return time.monotonic()
 
-    while pending or placing:
+    while pending or placing or starting:
         if stop.asked and stopping is None:
             say(f"{stop.asked}: stopping {len(pending)} workers")
             stopping = stop_all()
@@ -625,7 +652,7 @@ def _supervise(
             say("killing the workers left" if stop.again else "workers did not stop: killing")
             tally.add(ended("", LOST))
             break
-        if placing:
+        if placing or starting:
             tend_replacements()
         if not pending:
             time.sleep(0.5)
@@ -638,17 +665,22 @@ def _supervise(
                 status = ray.get(ref)
             except ray.exceptions.RayError:
                 status = LOST
-            if status is LOST:
+            # A clean stop that neither this command asked for nor the run's end explains
+            # came from a signal not ours: most often its node shutting down (a preempted
+            # node's SIGTERM can reach the worker before Ray sees the node lost).
+            signalled = status == 0 and stopping is None and FINISHED not in last[i]
+            if status is LOST or signalled:
                 with contextlib.suppress(Exception):  # lost is final: a partitioned actor
                     ray.kill(actors[i])  # that comes back must not run a second worker
                 if complete:
-                    say(f"{names[i]} was lost after the run completed")
+                    say(f"{names[i]} ended after the run completed")
                     continue
                 if replace(i):
                     assert spare is not None
+                    how = "was lost with its Ray node or actor" if status is LOST else "stopped"
                     say(
-                        f"{names[i]} was lost with its Ray node or actor; starting another "
-                        f"in its place ({spare.left} replacements left)"
+                        f"{names[i]} {how}; starting another in its place "
+                        f"({spare.left} replacements left)"
                     )
                     continue
             end = ended(names[i], status, last[i], asked=stopping is not None)
@@ -659,7 +691,8 @@ def _supervise(
                 stopping = stop_all()
             else:
                 say(end.message)
-    for a in actors + [actor for actor, _, _ in placing.values()]:
+    left = [actor for actor, *_ in (*placing.values(), *starting.values())]
+    for a in actors + left:
         with contextlib.suppress(Exception):  # any left after a second signal: their
             ray.kill(a)  # children go with them
     return tally.status

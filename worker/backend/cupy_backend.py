@@ -289,7 +289,8 @@ def _host(xp: Any, a: Any) -> np.ndarray:
 
 
 # Members per forward pass by default: a captured pass this large keeps an H100 busy
-# (2.6 M member-tokens/s at 1,024 members, 11 M at 32,768; scripts/RESULTS.md).
+# (egg-paper: 15.0 M member-tokens/s at 32,768 on the worker's path, 2.6 M at 1,024 on
+# older kernels; scripts/RESULTS.md).
 BATCH_MEMBERS = 32768
 
 
