@@ -149,6 +149,7 @@ class _FakeRay:
         return [r for r in refs if r.ready], [r for r in refs if not r.ready]
 
     def get(self, ref, timeout=None):
+        assert ref.ready, "a get that would block the supervisor"
         if isinstance(ref.value, Exception):
             raise ref.value
         return ref.value
@@ -222,6 +223,43 @@ def test_a_worker_stopped_by_a_signal_not_ours_is_replaced() -> None:
     assert len(fake.actors) == 3 and fake.actors[2].args == ("w-gpu0-r1", 1)
     status, fake = _replaced([(0, 0), (1, SIGNALLED)], left=1)  # after the run's end
     assert status == 0 and len(fake.actors) == 2
+    status, fake = _replaced([(1, SIGNALLED), (0, 0)], left=0)  # none left: a clean end
+    assert status == 0 and len(fake.actors) == 2
+
+
+def _stopped_when(fake: _FakeRay, stop: _Stop) -> None:
+    """SIGTERM arrives, as a handler would set it, in the wait after the script's last."""
+    scripted = fake.wait
+
+    def wait(refs, num_returns, timeout):
+        if timeout and not fake.script:
+            stop.asked = "SIGTERM"
+            return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+        return scripted(refs, num_returns, timeout)
+
+    fake.wait = wait  # type: ignore[method-assign]
+
+
+def test_a_stop_seen_with_a_signalled_worker_starts_no_replacement() -> None:
+    """Our own SIGTERM reached a worker too (a process group): its clean stop, seen in the
+    wait in which the handler ran, is not replaced, and the status stays 0."""
+    box: list = []
+    fake = _FakeRay([(None, None)])
+    box.append(fake)
+    stop = _Stop()
+    scripted = fake.wait
+
+    def wait(refs, num_returns, timeout):
+        if timeout and not fake.script:
+            stop.asked = "SIGTERM"  # the handler ran while b stopped
+            fake.actors[1].end(SIGNALLED)
+            fake.wait = scripted  # type: ignore[method-assign]
+            _stopped_when(fake, stop)
+        return scripted(refs, num_returns, timeout)
+
+    fake.wait = wait  # type: ignore[method-assign]
+    status = _supervise(fake, list(fake.actors), ["a", "b"], stop, 5.0, _spare(box, 3))
+    assert status == 0 and ("make", 2) not in fake.events and fake.actors[0].stopped
 
 
 def test_replacement_names_and_counts() -> None:
@@ -246,24 +284,29 @@ def test_a_start_that_hangs_gives_up_without_holding_the_others(
     assert status == 1 and len(fake.actors) == 3 and fake.actors[2].killed
 
 
-def test_a_stop_drops_the_replacements_being_placed() -> None:
+@pytest.mark.parametrize("how, code", [(LOST_ACTOR, 1), (SIGNALLED, 0)])
+def test_a_stop_drops_the_replacements_being_placed(how: object, code: int) -> None:
+    """A loss not made good counts as the worker ended: lost 1, a clean stop 0."""
     box: list = []
-    fake = _FakeRay([(1, LOST_ACTOR), (None, None)])
+    fake = _FakeRay([(1, how), (None, None)])
     box.append(fake)
     stop = _Stop()
-    scripted = fake.wait
-
-    def wait(refs, num_returns, timeout):  # once the loss is seen: SIGTERM, as a handler
-        if timeout and not fake.script:
-            stop.asked = "SIGTERM"
-            return [r for r in refs if r.ready], [r for r in refs if not r.ready]
-        return scripted(refs, num_returns, timeout)
-
-    fake.wait = wait  # type: ignore[method-assign]
+    _stopped_when(fake, stop)  # once the loss is seen
     spare = _spare(box, 3, placed=False)
     status = _supervise(fake, list(fake.actors), ["a", "b"], stop, 5.0, spare)
-    # The loss was not made good: it counts.
-    assert status == 1 and fake.actors[2].killed and fake.actors[0].stopped
+    assert status == code and fake.actors[2].killed and fake.actors[0].stopped
+
+
+def test_a_failing_worker_stops_a_replacement_on_its_way(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """a's status 2 would end every worker alike: the replacement still starting for the
+    lost b is dropped too, not left to run alone."""
+    status, fake = _replaced([(1, LOST_ACTOR), (None, None), (0, 2)], left=3, started=False)
+    err = capsys.readouterr().err
+    assert status == 2 and fake.actors[2].killed
+    assert "a exited with status 2; stopping the others" in err
+    assert "no worker in place of b: a stop was asked" in err
 
 
 def test_losses_past_the_budget_end_alone() -> None:

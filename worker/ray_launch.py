@@ -533,6 +533,20 @@ class Replacements:
     nodes: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Replacing:
+    """A replacement on its way: its actor, the deadline of its placing (then of its start),
+    the worker it stands in for (`lost`) and how that one ended (LOST, or 0: stopped on a
+    signal not ours), and where it goes once placed."""
+
+    actor: Any
+    deadline: float
+    lost: str
+    status: int | None
+    name: str = ""
+    node: str = ""
+
+
 def _supervise(
     ray: Any,
     actors: list[Any],
@@ -547,82 +561,82 @@ def _supervise(
     last = [""] * len(actors)
     pending = {a.wait.remote(): i for i, a in enumerate(actors)}
     stopping: float | None = None  # when this command asked the workers to stop
-    # A replacement, by the ref of its placing: (actor, deadline, the lost worker's name);
-    # then by the ref of its start: (actor, deadline, lost, its name, its node).
-    placing: dict[Any, tuple[Any, float, str]] = {}
-    starting: dict[Any, tuple[Any, float, str, str, str]] = {}
+    placing: dict[Any, _Replacing] = {}  # by the ref of its placing
+    starting: dict[Any, _Replacing] = {}  # by the ref of its start
     made, complete = 0, False  # complete: a worker said the run is done (none to replace)
 
-    def replace(i: int) -> bool:
+    def replace(i: int, status: int | None) -> bool:
         if spare is None or spare.left == 0 or stop.asked or stopping is not None or complete:
             return False
         spare.left -= 1
         actor = spare.make()
-        placing[actor.place.remote()] = (actor, time.monotonic() + spare.timeout_s, names[i])
+        deadline = time.monotonic() + spare.timeout_s
+        placing[actor.place.remote()] = _Replacing(actor, deadline, names[i], status)
         return True
 
-    def give_up(actor: Any, lost: str, why: str) -> None:
+    def give_up(r: _Replacing, why: str) -> None:
+        """A loss not made good: it ends as the lost worker did."""
         with contextlib.suppress(Exception):
-            ray.kill(actor)
-        say(f"no worker in place of {lost}: {why}")
-        tally.add(ended(lost, LOST))
+            ray.kill(r.actor)
+        say(f"no worker in place of {r.lost}: {why}")
+        tally.add(ended(r.lost, r.status))
 
     def tend_replacements() -> None:
         """Start those Ray has placed, register those started; give up on those past their
-        deadline; drop them all once the run is complete (their losses no longer matter) or
-        a stop is asked (their losses were not made good). Never blocks: the workers' lines
-        and a second signal wait on no replacement."""
+        deadline, and on all of them once a stop is asked; drop them once the run is
+        complete (their losses no longer matter). Never blocks: the workers' lines and a
+        second signal wait on no replacement."""
         nonlocal made
         assert spare is not None
         if stop.asked or stopping is not None or complete:  # no new workers
-            dropped = [(a, lost) for a, _, lost in placing.values()]
-            dropped += [(a, lost) for a, _, lost, _, _ in starting.values()]
+            dropped = [*placing.values(), *starting.values()]
             placing.clear()
             starting.clear()
-            for actor, lost in dropped:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
-                if not complete:
-                    tally.add(ended(lost, LOST))
+            for r in dropped:
+                if complete:
+                    with contextlib.suppress(Exception):
+                        ray.kill(r.actor)
+                else:
+                    give_up(r, "a stop was asked")
             return
         ready, _ = ray.wait(list(placing), num_returns=len(placing), timeout=0)
         for ref in ready:
-            actor, _, lost = placing.pop(ref)
+            r = placing.pop(ref)
             try:
-                node, host, gpus = ray.get(ref)
+                r.node, host, gpus = ray.get(ref)
             except ray.exceptions.RayError as exc:
-                give_up(actor, lost, f"it could not be placed ({_last_line(exc)})")
+                give_up(r, f"it could not be placed ({_last_line(exc)})")
                 continue
             made += 1
-            nodes = spare.nodes + [n for *_, n in starting.values()]
+            nodes = spare.nodes + [s.node for s in starting.values()]
             live = [*pending.values(), *range(len(spare.nodes), len(nodes))]
-            on_node = workers_on_node(nodes, live, node)
-            name = replacement_name((node, host, gpus), spare.base, on_node, made)
-            deadline = time.monotonic() + START_S
-            starting[spare.start(actor, name, on_node)] = (actor, deadline, lost, name, node)
+            on_node = workers_on_node(nodes, live, r.node)
+            r.name = replacement_name((r.node, host, gpus), spare.base, on_node, made)
+            r.deadline = time.monotonic() + START_S
+            starting[spare.start(r.actor, r.name, on_node)] = r
         ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=0)
         for ref in ready:
-            actor, _, lost, name, node = starting.pop(ref)
+            r = starting.pop(ref)
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as exc:
-                give_up(actor, lost, f"it could not start ({_last_line(exc)})")
+                give_up(r, f"it could not start ({_last_line(exc)})")
                 continue
-            actors.append(actor)
-            names.append(name)
+            actors.append(r.actor)
+            names.append(r.name)
             last.append("")
-            spare.nodes.append(node)
-            pending[actor.wait.remote()] = len(actors) - 1
-            say(f"{name} started in place of {lost}")
+            spare.nodes.append(r.node)
+            pending[r.actor.wait.remote()] = len(actors) - 1
+            say(f"{r.name} started in place of {r.lost}")
         now = time.monotonic()
-        for ref, (actor, deadline, lost) in list(placing.items()):
-            if now > deadline:
+        for ref, r in list(placing.items()):
+            if now > r.deadline:
                 del placing[ref]
-                give_up(actor, lost, f"Ray found no room within {spare.timeout_s:g} s")
-        for ref, (actor, deadline, lost, _, _) in list(starting.items()):
-            if now > deadline:
+                give_up(r, f"Ray found no room within {spare.timeout_s:g} s")
+        for ref, r in list(starting.items()):
+            if now > r.deadline:
                 del starting[ref]
-                give_up(actor, lost, f"it did not start within {START_S:g} s")
+                give_up(r, f"it did not start within {START_S:g} s")
 
     def relay(ids: list[int]) -> None:
         takes = {actors[i].take.remote(): i for i in ids}
@@ -675,7 +689,7 @@ def _supervise(
                 if complete:
                     say(f"{names[i]} ended after the run completed")
                     continue
-                if replace(i):
+                if replace(i, status):
                     assert spare is not None
                     how = "was lost with its Ray node or actor" if status is LOST else "stopped"
                     say(
@@ -686,12 +700,12 @@ def _supervise(
             end = ended(names[i], status, last[i], asked=stopping is not None)
             tally.add(end)
             complete = complete or (status == 0 and FINISHED in last[i])
-            if end.stop_all and pending:
+            if end.stop_all and (pending or placing or starting):
                 say(f"{end.message}; stopping the others")
                 stopping = stop_all()
             else:
                 say(end.message)
-    left = [actor for actor, *_ in (*placing.values(), *starting.values())]
+    left = [r.actor for r in (*placing.values(), *starting.values())]
     for a in actors + left:
         with contextlib.suppress(Exception):  # any left after a second signal: their
             ray.kill(a)  # children go with them
