@@ -97,6 +97,7 @@ class _FakeActor:
     def __init__(self, fake: _FakeRay, placed: bool = True) -> None:
         self.fake, self.waiting, self.stopped = fake, _FakeRef(), False
         self.killed, self.args, self.lines = False, None, []
+        self.take_fails = False
         self.wait = _Method(lambda: self.waiting)
         self.take = _Method(self._take)
         self.stop = _Method(self._stop)
@@ -108,6 +109,8 @@ class _FakeActor:
         return _FakeRef(None, True)
 
     def _take(self) -> _FakeRef:
+        if self.take_fails:
+            return _FakeRef(RuntimeError("the actor did not answer"), True)
         lines, self.lines = self.lines, []
         return _FakeRef((lines, 0), True)
 
@@ -225,6 +228,18 @@ def test_a_worker_stopped_by_a_signal_not_ours_is_replaced() -> None:
     assert status == 0 and len(fake.actors) == 2
     status, fake = _replaced([(1, SIGNALLED), (0, 0)], left=0)  # none left: a clean end
     assert status == 0 and len(fake.actors) == 2
+
+
+def test_a_clean_stop_whose_lines_were_not_read_is_not_replaced() -> None:
+    """Its last lines may have said the run is complete: a replacement could wait forever
+    on a coordinator that has gone."""
+    box: list = []
+    spare = _spare(box, 1)
+    fake = _FakeRay([(1, SIGNALLED), (0, 0)])
+    box.append(fake)
+    fake.actors[1].take_fails = True
+    status = _supervise(fake, list(fake.actors), ["a", "b"], _Stop(), 5.0, spare)
+    assert status == 0 and ("make", 2) not in fake.events
 
 
 def _stopped_when(fake: _FakeRay, stop: _Stop) -> None:

@@ -638,19 +638,23 @@ def _supervise(
                 del starting[ref]
                 give_up(r, f"it did not start within {START_S:g} s")
 
-    def relay(ids: list[int]) -> None:
+    def relay(ids: list[int]) -> set[int]:
+        """Print the workers' new lines; the ids whose lines could not be taken."""
         takes = {actors[i].take.remote(): i for i in ids}
+        unread = set()
         for ref, i in takes.items():
             try:
                 lines, dropped = ray.get(ref, timeout=10)
             except ray.exceptions.RayError:
-                continue  # a lost actor: its end says so
+                unread.add(i)  # a lost actor (its end says so), or one that did not answer
+                continue
             if dropped:
                 say(f"{names[i]}: {dropped} lines dropped (the driver fell behind)")
             for line in lines:
                 click.echo(f"[{names[i]}] {line}")
                 if line.strip():
                     last[i] = line[:500]
+        return unread
 
     def stop_all() -> float:
         for i in pending.values():
@@ -672,7 +676,7 @@ def _supervise(
             time.sleep(0.5)
             continue
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
-        relay(sorted(pending.values()))
+        unread = relay(sorted(pending.values()))
         for ref in ready:
             i = pending.pop(ref)
             try:
@@ -681,8 +685,11 @@ def _supervise(
                 status = LOST
             # A clean stop that neither this command asked for nor the run's end explains
             # came from a signal not ours: most often its node shutting down (a preempted
-            # node's SIGTERM can reach the worker before Ray sees the node lost).
-            signalled = status == 0 and stopping is None and FINISHED not in last[i]
+            # node's SIGTERM can reach the worker before Ray sees the node lost). Without
+            # its last lines, which may say the run is complete, it is not known to be.
+            signalled = (
+                status == 0 and stopping is None and FINISHED not in last[i] and i not in unread
+            )
             if status is LOST or signalled:
                 with contextlib.suppress(Exception):  # lost is final: a partitioned actor
                     ray.kill(actors[i])  # that comes back must not run a second worker
