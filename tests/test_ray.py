@@ -13,7 +13,8 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -194,12 +195,21 @@ def _spare(
     return Replacements(left, make, start, timeout_s, "w", ["n2", "n1"])  # a on n2, b on n1
 
 
-def _replaced(script: list[tuple[int, object]], left: int, **kw) -> tuple[int, _FakeRay]:
+def _replaced(
+    script: list[tuple[int, object]],
+    left: int,
+    stop: _Stop | None = None,
+    prepare: Callable[[_FakeRay], object] | None = None,
+    **kw,
+) -> tuple[int, _FakeRay]:
+    """Workers a and b supervised with `left` replacements; `prepare` sets the fake up."""
     box: list = []
     spare = _spare(box, left, **kw)
     fake = _FakeRay(script)
     box.append(fake)
-    status = _supervise(fake, list(fake.actors), ["a", "b"], _Stop(), 5.0, spare)
+    if prepare is not None:
+        prepare(fake)
+    status = _supervise(fake, list(fake.actors), ["a", "b"], stop or _Stop(), 5.0, spare)
     return status, fake
 
 
@@ -233,21 +243,21 @@ def test_a_worker_stopped_by_a_signal_not_ours_is_replaced() -> None:
 def test_a_clean_stop_whose_lines_were_not_read_is_not_replaced() -> None:
     """Its last lines may have said the run is complete: a replacement could wait forever
     on a coordinator that has gone."""
-    box: list = []
-    spare = _spare(box, 1)
-    fake = _FakeRay([(1, SIGNALLED), (0, 0)])
-    box.append(fake)
-    fake.actors[1].take_fails = True
-    status = _supervise(fake, list(fake.actors), ["a", "b"], _Stop(), 5.0, spare)
+    status, fake = _replaced(
+        [(1, SIGNALLED), (0, 0)], 1, prepare=lambda f: setattr(f.actors[1], "take_fails", True)
+    )
     assert status == 0 and ("make", 2) not in fake.events
 
 
-def _stopped_when(fake: _FakeRay, stop: _Stop) -> None:
-    """SIGTERM arrives, as a handler would set it, in the wait after the script's last."""
+def _stopped_when(fake: _FakeRay, stop: _Stop, ending: int | None = None) -> None:
+    """SIGTERM arrives, as a handler would set it, in the wait after the script's last;
+    with `ending`, that worker stops on it in the same wait (one process group)."""
     scripted = fake.wait
 
     def wait(refs, num_returns, timeout):
         if timeout and not fake.script:
+            if ending is not None and stop.asked is None:
+                fake.actors[ending].end(SIGNALLED)
             stop.asked = "SIGTERM"
             return [r for r in refs if r.ready], [r for r in refs if not r.ready]
         return scripted(refs, num_returns, timeout)
@@ -258,22 +268,8 @@ def _stopped_when(fake: _FakeRay, stop: _Stop) -> None:
 def test_a_stop_seen_with_a_signalled_worker_starts_no_replacement() -> None:
     """Our own SIGTERM reached a worker too (a process group): its clean stop, seen in the
     wait in which the handler ran, is not replaced, and the status stays 0."""
-    box: list = []
-    fake = _FakeRay([(None, None)])
-    box.append(fake)
     stop = _Stop()
-    scripted = fake.wait
-
-    def wait(refs, num_returns, timeout):
-        if timeout and not fake.script:
-            stop.asked = "SIGTERM"  # the handler ran while b stopped
-            fake.actors[1].end(SIGNALLED)
-            fake.wait = scripted  # type: ignore[method-assign]
-            _stopped_when(fake, stop)
-        return scripted(refs, num_returns, timeout)
-
-    fake.wait = wait  # type: ignore[method-assign]
-    status = _supervise(fake, list(fake.actors), ["a", "b"], stop, 5.0, _spare(box, 3))
+    status, fake = _replaced([(None, None)], 3, stop, partial(_stopped_when, stop=stop, ending=1))
     assert status == 0 and ("make", 2) not in fake.events and fake.actors[0].stopped
 
 
@@ -302,13 +298,9 @@ def test_a_start_that_hangs_gives_up_without_holding_the_others(
 @pytest.mark.parametrize("how, code", [(LOST_ACTOR, 1), (SIGNALLED, 0)])
 def test_a_stop_drops_the_replacements_being_placed(how: object, code: int) -> None:
     """A loss not made good counts as the worker ended: lost 1, a clean stop 0."""
-    box: list = []
-    fake = _FakeRay([(1, how), (None, None)])
-    box.append(fake)
     stop = _Stop()
-    _stopped_when(fake, stop)  # once the loss is seen
-    spare = _spare(box, 3, placed=False)
-    status = _supervise(fake, list(fake.actors), ["a", "b"], stop, 5.0, spare)
+    once_lost = partial(_stopped_when, stop=stop)  # SIGTERM once the loss is seen
+    status, fake = _replaced([(1, how), (None, None)], 3, stop, once_lost, placed=False)
     assert status == code and fake.actors[2].killed and fake.actors[0].stopped
 
 

@@ -565,8 +565,12 @@ def _supervise(
     starting: dict[Any, _Replacing] = {}  # by the ref of its start
     made, complete = 0, False  # complete: a worker said the run is done (none to replace)
 
+    def closed() -> bool:
+        """No new workers: a stop is asked, or the run is complete."""
+        return bool(stop.asked) or stopping is not None or complete
+
     def replace(i: int, status: int | None) -> bool:
-        if spare is None or spare.left == 0 or stop.asked or stopping is not None or complete:
+        if spare is None or spare.left == 0 or closed():
             return False
         spare.left -= 1
         actor = spare.make()
@@ -588,7 +592,7 @@ def _supervise(
         second signal wait on no replacement."""
         nonlocal made
         assert spare is not None
-        if stop.asked or stopping is not None or complete:  # no new workers
+        if closed():
             dropped = [*placing.values(), *starting.values()]
             placing.clear()
             starting.clear()
@@ -608,9 +612,8 @@ def _supervise(
                 give_up(r, f"it could not be placed ({_last_line(exc)})")
                 continue
             made += 1
-            nodes = spare.nodes + [s.node for s in starting.values()]
-            live = [*pending.values(), *range(len(spare.nodes), len(nodes))]
-            on_node = workers_on_node(nodes, live, r.node)
+            on_node = workers_on_node(spare.nodes, pending.values(), r.node)
+            on_node += sum(s.node == r.node for s in starting.values())  # starting beside it
             r.name = replacement_name((r.node, host, gpus), spare.base, on_node, made)
             r.deadline = time.monotonic() + START_S
             starting[spare.start(r.actor, r.name, on_node)] = r
