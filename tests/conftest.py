@@ -88,7 +88,13 @@ class Proc:
             return sum(1 for e in self.events if match(e))
 
     def wait(self, timeout: float = 60.0) -> int:
-        return self.proc.wait(timeout)
+        """Its exit code, once its last lines are read too (a test reads them next)."""
+        code = self.proc.wait(timeout)
+        deadline = time.monotonic() + 10  # a child that inherited its stdout may hold it
+        with self._cond:
+            while not self._eof and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+        return code
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -13,6 +13,7 @@ the real shell would wait for its backend thread.
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -104,6 +105,30 @@ max_tokens = 200
 def command(name: str) -> str:
     """A console script of the installation under test."""
     return str(Path(sys.executable).with_name(name))
+
+
+_PORTS_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range: no `bind(0)` and no
+    outgoing connection can take it before the server it is meant for binds it (one from
+    `bind(0)`, closed and handed on, could be). Never the same one twice in a session."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 500):
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def start_coordinator(

@@ -142,8 +142,8 @@ def test_worker_sigkill_mid_step_loses_nothing(
     steps = 6
     save_dir = tmp_path / "run"
     coord, port = start_coordinator(spawn, save_dir, slow_config, "--max-steps", str(steps))
-    # One thread each: a chunk per request, so the victim holds a lease when it dies.
-    start_worker(spawn, port, words_data, "steady", "--threads", "1")
+    # The victim alone, one thread: a chunk per request, and a free chunk always there for it
+    # (another worker could have taken the step's last ones and left it waiting).
     victim = start_worker(spawn, port, words_data, "victim", "--threads", "1")
     coord.wait_for(committed(2), 120, "step 2")
     victim.wait_for(
@@ -152,8 +152,9 @@ def test_worker_sigkill_mid_step_loses_nothing(
         "a chunk done by the victim",
     )
     # It asked for its next chunk at once; a moment later it holds that lease, mid-chunk.
-    time.sleep(0.05)
+    time.sleep(0.1)
     victim.kill()
+    start_worker(spawn, port, words_data, "steady", "--threads", "1")
     coord.wait_for(
         lambda e: e.get("event") == "chunks requeued" and e.get("reason") == "disconnect",
         30,

@@ -14,7 +14,6 @@ import errno
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ import structlog
 from helpers import (
     TINY_RUN,
     Network,
+    free_port,
     inspect_run,
     start_worker,
     trained_digest,
@@ -313,12 +313,6 @@ def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
         subprocess.run(["umount", "-l", str(fs.path)], check=False, timeout=30)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def coordinator(
     spawn: Callable[..., Any], save_dir: Path, config: Path, log_format: str, *extra: str
 ) -> tuple[Any, int]:
@@ -425,7 +419,8 @@ def test_a_full_fitness_log_stops_the_coordinator_and_a_restart_resumes(
     line = wait_line(coord, re.compile("commit failed"), 120)
     seen = time.monotonic()
     assert coord.wait(5) != 0
-    assert time.monotonic() - seen < 1.0  # stops at once
+    # at once: not after the 5 s drain or the 10 s wait for a final snapshot
+    assert time.monotonic() - seen < 3.0
     assert str(save_dir / "fitness.log") in line and "No space left on device" in line
     assert lines_with(coord, "session failed") == []
     worker.stop()

@@ -74,7 +74,7 @@ def test_a_part_past_its_deadline_ends_with_everything_it_started(
         "time.sleep(60)\n"
     )
     monkeypatch.setattr(gpu_check, "part_command", lambda *_: [sys.executable, "-c", tree])
-    assert gpu_check.run_part("mixed", 2, tmp_path, None) == 124
+    assert gpu_check.run_part("mixed", 5, tmp_path, None) == 124
     assert "mixed      FAIL" in capsys.readouterr().out
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5

@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
@@ -44,12 +44,6 @@ needs_prometheus = pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="the prometheus binary is not installed (Debian: apt-get install prometheus)",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:

@@ -18,7 +18,14 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, command, digest_at, start_coordinator, trained_digest
+from helpers import (
+    TINY_RUN,
+    command,
+    digest_at,
+    free_port,
+    start_coordinator,
+    trained_digest,
+)
 
 from eggroll_dist.worker import ray_launch
 from eggroll_dist.worker.ray_launch import (
@@ -361,18 +368,12 @@ def test_refuses_worker_flags_it_owns() -> None:
         assert f"give {flag.split('=')[0]} to eggroll-ray itself" in done.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A one-node Ray cluster on loopback, two CPUs and two declared GPUs; its address."""
     pytest.importorskip("ray", reason="the ray extra is not installed")
     ray_bin = command("ray")
-    port = _free_port()
+    port = free_port()
     # Ray's switch for killing a worker process's children off: a worker must go with its
     # actor whatever it says (Ray ends the actor's process group).
     env = {**os.environ, **RAY_ENV, "RAY_kill_child_processes_on_worker_exit": "0"}
@@ -405,7 +406,8 @@ class Launch:
         )
         self.lines: list[str] = []
         self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -422,7 +424,8 @@ class Launch:
                 f"eggroll-ray still running after {timeout} s:\n" + self.tail()
             ) from None
         finally:
-            time.sleep(0.2)  # the reader takes the last lines
+            # the reader takes the last lines (Ray's own processes may hold the pipe: bounded)
+            self._reader.join(10)
 
     def tail(self) -> str:
         with self._cond:
@@ -492,7 +495,7 @@ def test_gpu_workers_train_the_run_to_its_digest(
     config.write_text(CONFIG.replace("population = 32", "population = 256"))
     steps = 4
     save_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     flags = ["--backend", "numpy", "--data-dir", words_data, "--log-format", "json"]
     launch = Launch(
         f"127.0.0.1:{port}", "--ray-address", ray_cluster, "--", *flags, "--max-retry-s", "0.2"
@@ -713,7 +716,7 @@ def test_workers_the_cluster_cannot_place_are_one_line(ray_cluster: str) -> None
 
 def test_no_cluster_is_one_line() -> None:
     pytest.importorskip("ray", reason="the ray extra is not installed")
-    launch = Launch("127.0.0.1:9", "--ray-address", f"127.0.0.1:{_free_port()}")
+    launch = Launch("127.0.0.1:9", "--ray-address", f"127.0.0.1:{free_port()}")
     try:
         assert launch.finish(120) == 1, launch.tail()
     finally:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "run-workers.sh"
 WORKER = Path(sys.executable).with_name("eggroll-worker")
@@ -352,9 +353,7 @@ def test_no_gpu_is_one_clear_line(tmp_path: Path, wrapper: Path, case: str) -> N
 def test_worker_that_cannot_start_stops_the_others(
     words_data: Path, tmp_path: Path, bin_dir: Path, wrapper: Path
 ) -> None:
-    with socket.socket() as s:  # a port nobody listens on: the good workers keep retrying
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens on it: the good workers keep retrying
     flags = ["--backend", "numpy", "--data-dir", words_data, "--log-format", "json"]
     env = script_env([bin_dir], EGGROLL_WORKER_BIN=str(wrapper), FAIL_GPU="1")
     script = Script([f"127.0.0.1:{port}", *flags, "--max-retry-s", "1"], env)
@@ -374,9 +373,7 @@ def test_a_worker_that_computes_differently_leaves_the_others_running(
     words_data: Path, tmp_path: Path, bin_dir: Path, wrapper: Path
 ) -> None:
     """Exit status 3 is one worker's fault (a faulty GPU?): the others keep running."""
-    with socket.socket() as s:  # a port nobody listens on: the good workers keep retrying
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens on it: the good workers keep retrying
     flags = ["--backend", "numpy", "--data-dir", words_data, "--log-format", "json"]
     env = script_env([bin_dir], EGGROLL_WORKER_BIN=str(wrapper), FAULTY_GPU="1")
     script = Script([f"127.0.0.1:{port}", *flags, "--max-retry-s", "1"], env)

@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import SMALL_RUN, inspect_run
+from helpers import SMALL_RUN, free_port, inspect_run
 
 from eggroll_dist.protocol.ternary import unpack_ternary
 from eggroll_dist.shared.save_dir import SaveDir
@@ -53,15 +52,10 @@ pytestmark = [
     ),
 ]
 
-# Eight small chunks a step: well under a second a step here.
-STEPS = 8
+# Eight small chunks a step: well under a second a step here; steps enough that a stop
+# early in a step lands before the last.
+STEPS = 16
 CHUNKS_PER_STEP = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def which(name: str) -> str:

@@ -4,6 +4,7 @@ host name that does not resolve each end it with one line, within a bounded time
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import threading
@@ -33,6 +34,8 @@ def _worker(address: str, data_dir: Path, *extra: str, timeout: float):
         capture_output=True,
         text=True,
         timeout=timeout,
+        # one try of a second per lookup: a slow resolver must not outlast the test's bounds
+        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
     )
     return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - t0
 
