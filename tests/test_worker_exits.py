@@ -9,6 +9,8 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,46 +56,10 @@ def test_workers_exit_0_when_the_run_is_complete(spawn, words_data: Path, tmp_pa
     assert worker.count(lambda e: e.get("event") == "reconnecting") == 0
 
 
-@pytest.fixture
-def http_responder():
-    """A tiny HTTP server that answers whatever it is sent with a 400, as web servers do."""
-    server = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(5)
-                conn.recv(4096)
-                conn.sendall(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join(5)
-    server.close()
-
-
-def test_an_http_peer_is_named_at_once(http_responder: int, words_data: Path) -> None:
-    code, lines, seconds = _worker(f"127.0.0.1:{http_responder}", words_data, timeout=30)
-    assert code == 2, lines
-    assert seconds < 20
-    assert "answered in HTTP" in lines[-1] and "12345" in lines[-1]
-    assert not any("reconnecting" in line for line in lines)
-
-
-@pytest.fixture
-def silent_listener():
-    """A peer that accepts and reads, but never answers: a web server waiting for a request
-    line. (`python -m http.server` is not that for sure: HELLO's length bytes, which follow
-    the host name and pid in the worker's name, are a newline now and then; that completes a
-    request line and draws an error page.)"""
+@contextmanager
+def loopback_peer(answer: bytes | None) -> Iterator[int]:
+    """A peer on loopback, its port: it reads what each connection sends first, answers
+    `answer` and closes; or, with None, keeps every connection open and never writes."""
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
     held: list[socket.socket] = []
@@ -105,16 +71,49 @@ def silent_listener():
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
-            held.append(conn)  # kept open, never written to
+            if answer is None:
+                held.append(conn)
+                continue
+            with conn:
+                conn.settimeout(5)
+                conn.recv(4096)
+                conn.sendall(answer)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join(5)
-    for conn in held:
-        conn.close()
-    server.close()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+@pytest.fixture
+def http_responder() -> Iterator[int]:
+    """A tiny HTTP server that answers whatever it is sent with a 400, as web servers do."""
+    with loopback_peer(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n") as port:
+        yield port
+
+
+def test_an_http_peer_is_named_at_once(http_responder: int, words_data: Path) -> None:
+    code, lines, seconds = _worker(f"127.0.0.1:{http_responder}", words_data, timeout=30)
+    assert code == 2, lines
+    assert seconds < 20
+    assert "answered in HTTP" in lines[-1] and "12345" in lines[-1]
+    assert not any("reconnecting" in line for line in lines)
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A peer that never answers: a web server waiting for a request line. (`python -m
+    http.server` is not that for sure: HELLO's length bytes, which follow the host name and
+    pid in the worker's name, are a newline now and then; that completes a request line and
+    draws an error page.)"""
+    with loopback_peer(None) as port:
+        yield port
 
 
 def test_a_silent_peer_is_named_after_the_hello_deadline(

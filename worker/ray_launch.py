@@ -632,14 +632,14 @@ def _supervise(
             pending[r.actor.wait.remote()] = len(actors) - 1
             say(f"{r.name} started in place of {r.lost}")
         now = time.monotonic()
-        for ref, r in list(placing.items()):
-            if now > r.deadline:
-                del placing[ref]
-                give_up(r, f"Ray found no room within {spare.timeout_s:g} s")
-        for ref, r in list(starting.items()):
-            if now > r.deadline:
-                del starting[ref]
-                give_up(r, f"it did not start within {START_S:g} s")
+        for waiting, why in (
+            (placing, f"Ray found no room within {spare.timeout_s:g} s"),
+            (starting, f"it did not start within {START_S:g} s"),
+        ):
+            for ref, r in list(waiting.items()):
+                if now > r.deadline:
+                    del waiting[ref]
+                    give_up(r, why)
 
     def relay(ids: list[int]) -> set[int]:
         """Print the workers' new lines; the ids whose lines could not be taken."""
