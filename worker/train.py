@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,11 +83,13 @@ from .data.build import vocabulary_mismatch
 from .objective import NextToken, Objective, Reward, make_objective
 from .reward import RewardError
 from .source import replay_progress
+from .stop_signal import stop_on_signals
 
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
 SNAPSHOTS_KEPT = 3  # the newest snapshots of a save directory kept, as the coordinator's
+STOP_HINT = "after the chunk under way; the steps committed are kept (again: at once)"
 
 
 @dataclass
@@ -540,7 +540,9 @@ def _run(
             if layout is not None and snapshot_every and backend.step % snapshot_every == 0:
                 _keep_snapshot(layout, backend.state)
 
-        with _stop_on_signals() as stop:
+        # The first SIGINT or SIGTERM stops after the chunk under way, a second one at once
+        # (KeyboardInterrupt: the committed steps are kept, without a snapshot of the last).
+        with stop_on_signals(log, STOP_HINT) as stop:
             result = train(
                 cfg,
                 backend,
@@ -589,34 +591,6 @@ def _keep_snapshot(layout: Layout, state: ReplicaState) -> None:
     save_checkpoint(layout.snapshot(state.step), state)
     for old in layout.snapshot_steps()[:-SNAPSHOTS_KEPT]:
         layout.snapshot(old).unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[Callable[[], str]]:
-    """While training: SIGINT or SIGTERM asks to stop after the chunk under way (what the
-    yielded callable says: the signal's name, or ""); a second one stops at once
-    (KeyboardInterrupt: the committed steps are kept, without a snapshot of the last)."""
-    got: list[str] = []
-
-    def handle(signum: int, frame: object) -> None:
-        if got:
-            raise KeyboardInterrupt
-        got.append(signal.Signals(signum).name)
-        log.warning(
-            "stopping",
-            signal=got[0],
-            hint="after the chunk under way; the steps committed are kept (again: at once)",
-        )
-
-    if threading.current_thread() is not threading.main_thread():  # no handlers there
-        yield lambda: ""
-        return
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield lambda: got[0] if got else ""
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 class _Curve:
