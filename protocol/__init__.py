@@ -52,13 +52,12 @@ from .messages import (
     Validation,
     Wait,
     Welcome,
-    auth_mac,
     clip_utf8,
     decode_message,
     encode_message,
     iter_snapshot_chunks,
-    verify_mac,
 )
+from .security import auth_mac, verify_mac
 from .ternary import (
     check_packed,
     check_packed_rows,

@@ -1,4 +1,5 @@
-"""Who may talk to whom: the shared token, protected mode, and TLS contexts.
+"""Who may talk to whom: the shared token and its handshake MAC, protected mode, and TLS
+contexts.
 
 Both sides use these, so the rules are written once:
 
@@ -16,6 +17,7 @@ Both sides use these, so the rules are written once:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import os
 import re
@@ -28,12 +30,14 @@ __all__ = [
     "MIN_TOKEN_BYTES",
     "TOKEN_ENV",
     "TokenError",
+    "auth_mac",
     "check_token",
     "client_tls_context",
     "is_loopback",
     "load_token",
     "new_token",
     "server_tls_context",
+    "verify_mac",
 ]
 
 MIN_TOKEN_BYTES = 16
@@ -64,6 +68,16 @@ def check_token(token: bytes, source: str) -> bytes:
 
 
 _HOW = "make one with `eggroll-coordinator --new-token` (or `openssl rand -hex 32`)"
+
+
+def auth_mac(token: bytes, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of the challenge nonce, keyed with the shared token."""
+    return hmac.new(token, nonce, hashlib.sha256).digest()
+
+
+def verify_mac(token: bytes, nonce: bytes, mac: bytes) -> bool:
+    """Constant-time check of an AUTH mac against the expected one."""
+    return hmac.compare_digest(auth_mac(token, nonce), mac)
 
 
 def load_token(token_file: str | Path | None, environ: dict[str, str] | None = None) -> bytes:

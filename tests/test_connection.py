@@ -43,11 +43,10 @@ from eggroll_dist.protocol.messages import (
     Step,
     Wait,
     Welcome,
-    auth_mac,
     encode_message,
     iter_snapshot_chunks,
-    verify_mac,
 )
+from eggroll_dist.protocol.security import auth_mac, verify_mac
 from eggroll_dist.protocol.ternary import pack_ternary
 
 TOKEN = b"shared-token"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 import struct
 from pathlib import Path
@@ -49,12 +47,10 @@ from eggroll_dist.protocol.messages import (
     Validation,
     Wait,
     Welcome,
-    auth_mac,
     clip_utf8,
     decode_message,
     encode_message,
     iter_snapshot_chunks,
-    verify_mac,
 )
 from eggroll_dist.protocol.ternary import pack_ternary, packed_size
 
@@ -483,18 +479,6 @@ def test_snapshot_chunks_reassemble() -> None:
 def test_snapshot_request_latest() -> None:
     assert SnapshotRequest(LATEST_SNAPSHOT).encode() == b"\xff" * 8
     assert Welcome(bytes(16), b"", 0, NO_SNAPSHOT, 1).snapshot_step == -1
-
-
-def test_auth_mac() -> None:
-    token, nonce = b"secret-token", bytes(range(32))
-    mac = auth_mac(token, nonce)
-    assert mac == hmac.new(token, nonce, hashlib.sha256).digest()
-    assert len(mac) == 32
-    assert verify_mac(token, nonce, mac)
-    assert not verify_mac(b"other-token", nonce, mac)
-    assert not verify_mac(token, bytes(32), mac)
-    assert not verify_mac(token, nonce, mac[:-1] + bytes([mac[-1] ^ 1]))
-    Auth(mac)  # fits the AUTH field
 
 
 def test_clip_utf8_and_error_from_exception() -> None:

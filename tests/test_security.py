@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ssl
 from pathlib import Path
 
 import pytest
 
+from eggroll_dist.protocol.messages import Auth
 from eggroll_dist.protocol.security import (
     MIN_TOKEN_BYTES,
     TokenError,
+    auth_mac,
     certificate_identity,
     client_tls_context,
     is_loopback,
     load_token,
     new_token,
     server_tls_context,
+    verify_mac,
 )
 
 
@@ -82,3 +87,15 @@ def test_a_certificate_stands_for_its_plain_common_name_else_its_serial() -> Non
     assert certificate_identity(cert(serial="0A1C")) not in named | {None}
     assert certificate_identity(None) is None and certificate_identity({}) is None
     assert certificate_identity({"subject": ()}) is None
+
+
+def test_auth_mac() -> None:
+    token, nonce = b"secret-token", bytes(range(32))
+    mac = auth_mac(token, nonce)
+    assert mac == hmac.new(token, nonce, hashlib.sha256).digest()
+    assert len(mac) == 32
+    assert verify_mac(token, nonce, mac)
+    assert not verify_mac(b"other-token", nonce, mac)
+    assert not verify_mac(token, bytes(32), mac)
+    assert not verify_mac(token, nonce, mac[:-1] + bytes([mac[-1] ^ 1]))
+    Auth(mac)  # fits the AUTH field
