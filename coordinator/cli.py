@@ -29,8 +29,8 @@ from ..shared.cli import (
 )
 from ..shared.config import ConfigError
 from ..shared.data import DataError, DataMeta, load_data_dir
-from ..shared.goal import GoalError
 from ..shared.logs import configure_logging
+from ..shared.pinned import GoalError
 from ..shared.save_dir import Layout, baselines_record
 from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
 from .metrics import Metrics

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..shared.atomic_file import fsync_dir, write_atomic
 from ..shared.config import RunConfig
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.goal import GoalError
+from ..shared.pinned import GoalError
 from ..shared.replica import CheckpointError, load_checkpoint
 from ..shared.save_dir import (
     RUN_FORMAT,

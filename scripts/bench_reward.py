@@ -22,7 +22,7 @@ from threadpoolctl import threadpool_limits
 
 from eggroll_dist.shared.config import ESConfig, FitnessConfig, preset
 from eggroll_dist.shared.data import load_data_dir
-from eggroll_dist.shared.goal import generation_seed, settings, step_prompts
+from eggroll_dist.shared.prompts import generation_seed, settings, step_prompts
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.sample import generate_rows
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend

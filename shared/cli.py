@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 import click
 
 from .config import PRESETS, RunConfig, resolve_config
-from .goal import pin
 from .logs import os_error_text
+from .pinned import pin
 
 F = TypeVar("F", bound=Callable[..., object])
 

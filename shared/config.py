@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import hf
 from .model import ARCHS
+from .objectives import OBJECTIVES
 from .rules import RULES
 
 CONFIG_FORMAT = 1
@@ -247,20 +246,8 @@ def validate(cfg: RunConfig) -> None:
         m.head_bias in ("none", "zero", "zipf"),
         f"model.head_bias={m.head_bias!r} must be 'none', 'zero' or 'zipf'",
     )
-    problem = ARCHS[m.arch].check(m)  # the architecture's own settings
+    problem = ARCHS[m.arch].check(cfg)  # the architecture's own settings
     _check(problem is None, problem or "")
-    if m.arch == "hf":
-        _check_hf(cfg)
-    else:
-        for key in ("path", "targets", "rank", "files", "matrices"):
-            _check(
-                getattr(m, key) == getattr(ModelConfig(), key),
-                f"model.{key} is a setting of model.arch='hf', not of {m.arch!r}",
-            )
-        _check(
-            es.sigma == 0,
-            "es.sigma is a setting of model.arch='hf': int8 models use es.sigma_shift",
-        )
     _check(
         es.population >= 2 and es.population % 2 == 0,
         f"es.population={es.population} must be even and >= 2 (members come in ± pairs)",
@@ -320,74 +307,21 @@ def validate(cfg: RunConfig) -> None:
         _check(0 <= seed <= MAX_SEED, f"{name}={seed} must be in 0..2**64-1")
 
 
-def _check_hf(cfg: RunConfig) -> None:
-    """The settings a Hugging Face run reads, and those it cannot have."""
-    es, f = cfg.es, cfg.fitness
-    _check(
-        0 < es.sigma <= 1 and math.isfinite(es.sigma),
-        f"es.sigma={es.sigma} must be in (0, 1]: the perturbation's standard deviation per "
-        "weight of a Hugging Face model (e.g. 0.01)",
-    )
-    for on, name in (
-        (es.adaptive_noise, "es.adaptive_noise"),
-        (es.token_noise_rows, "es.token_noise_rows"),
-        (f.chunk_mean_filter, "fitness.chunk_mean_filter"),
-        (f.adaptive_threshold, "fitness.adaptive_threshold"),
-        (cfg.update.rule != "ztest", "update.rule"),
-        (cfg.model.init_from, "model.init_from"),
-    ):
-        _check(not on, f"{name} is not available for model.arch='hf'")
-    _check(
-        f.prompts != "data",
-        "fitness.prompts='data' is not available for model.arch='hf': give a prompts file",
-    )
-    # Z is summed as float64: every partial sum must stay an exact integer (shared/hf.py).
-    _check(
-        hf.z_bound(cfg.pairs, cfg.model.rank, es.noise) < hf.F64_EXACT,
-        "es.population * model.rank is too large for an exact update",
-    )
-
-
 def _is_hex(text: str, digits: int) -> bool:
     return len(text) == digits and all(c in "0123456789abcdef" for c in text)
 
 
 def _check_fitness(cfg: RunConfig) -> None:
     f = cfg.fitness
-    objectives = ("next_token", "reward")
-    _check(f.objective in objectives, f"fitness.objective={f.objective!r} must be {objectives}")
+    _check(
+        f.objective in OBJECTIVES,
+        f"fitness.objective={f.objective!r} must be {_names(OBJECTIVES)}",
+    )
     for name in ("reward_sha256", "prompts_sha256"):
         value = getattr(f, name)
         _check(not value or _is_hex(value, 64), f"fitness.{name} must be 64 hex digits")
-    if f.objective == "next_token":
-        for name in ("reward", "prompts"):
-            _check(
-                not getattr(f, name),
-                f"fitness.{name} is set but fitness.objective is 'next_token': "
-                "set objective = 'reward' to train for it",
-            )
-        return
-    _check(bool(f.reward), "fitness.objective='reward' needs fitness.reward ('file.py:function')")
-    _check(bool(f.prompts), "fitness.objective='reward' needs fitness.prompts (a file or 'data')")
-    _check(
-        not (f.chunk_mean_filter or f.adaptive_threshold),
-        "fitness.chunk_mean_filter and adaptive_threshold shape loss differences: "
-        "turn them off for objective='reward'",
-    )
-    for name, lo, hi in (
-        ("prompts_per_step", 1, 1024),
-        ("completion_tokens", 1, 4096),
-        ("temperature", 0, 100_000),
-        ("min_p", 0, 1000),
-        ("held_out_prompts", 0, 4096),
-    ):
-        value = getattr(f, name)
-        _check(lo <= value <= hi, f"fitness.{name}={value} must be {lo}..{hi}")
-    # A chunk's reward sum crosses the wire in millionths of at most 1e6 each (shared/goal.py).
-    _check(
-        cfg.es.chunk_size * f.prompts_per_step < 9_000_000,
-        "es.chunk_size * fitness.prompts_per_step must be below 9,000,000 completions",
-    )
+    problem = OBJECTIVES[f.objective].check(cfg)  # the objective's own settings
+    _check(problem is None, problem or "")
 
 
 def _typed(section: str, cls: type, values: dict[str, Any]) -> Any:

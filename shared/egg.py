@@ -34,7 +34,7 @@ import numpy as np
 
 from .loss import token_loss, true_bits
 from .matmul import clip8, floor_div
-from .perturb import MemberNoise, ParamSpec, perturbed_mm, perturbed_rows
+from .perturb import MemberNoise, ParamSpec, int8_settings, perturbed_mm, perturbed_rows
 
 if TYPE_CHECKING:
     from .config import ModelConfig, RunConfig
@@ -63,11 +63,17 @@ def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
 
 
-def check(m: ModelConfig) -> str | None:
-    """The EGG model has no settings beyond the common ones, and no head bias."""
+FAMILY = "int8"
+EXACT = True  # integers only: every device computes the same bytes
+OWN_TOKENIZER = False  # the data's vocabulary
+
+
+def check(cfg: RunConfig) -> str | None:
+    """The EGG model has no settings beyond the common int8 ones, and no head bias."""
+    m = cfg.model
     if m.head_bias != "none":
         return f"model.head_bias={m.head_bias!r} needs model.arch='former'"
-    return None
+    return int8_settings(cfg)
 
 
 class EggModel:

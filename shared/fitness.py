@@ -14,13 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import FitnessConfig, RunConfig
-from .loss import token_loss
-
-# A reward run's rewards: each within ±MAX_REWARD, and a chunk's sum crosses the wire (RESULT's
-# loss_sum) as an integer in REWARD_UNITs, which stays inside int64 (shared/config.py bounds
-# chunk_size * prompts_per_step).
-MAX_REWARD = 1e6
-REWARD_UNIT = 1e-6
+from .objectives import objective_of
 
 
 def _iroot(x: int, n: int) -> int:
@@ -50,39 +44,20 @@ def pair_fitness(member_loss: np.ndarray, cfg: FitnessConfig) -> np.ndarray:
     return fit
 
 
+# The objective's own arithmetic (shared/objectives/), asked for the run's objective.
+
+
 def member_tokens(cfg: RunConfig, members: int) -> int:
-    """Tokens `members` members score in a step: seq_len each for the loss; for a reward,
-    the tokens they generate (prompts_per_step * completion_tokens each)."""
-    f = cfg.fitness
-    per = f.prompts_per_step * f.completion_tokens if f.objective == "reward" else cfg.es.seq_len
-    return members * per
+    """Tokens `members` members score (or write, for a reward) in a step."""
+    return objective_of(cfg).member_tokens(cfg, members)
 
 
 def mean_score(cfg: RunConfig, score_sum: int) -> float:
-    """A step's mean loss in bits per token, or for a reward run its mean reward per
-    completion, from the sum of its chunks' loss_sum (a reward run's: millionths)."""
-    if cfg.fitness.objective == "reward":
-        return score_sum * REWARD_UNIT / (cfg.es.population * cfg.fitness.prompts_per_step)
-    return score_sum / 16 / (cfg.es.population * cfg.es.seq_len)
+    """A step's mean score (bits per token, or a reward run's mean reward per completion)
+    from the sum of its chunks' loss_sum."""
+    return objective_of(cfg).mean_score(cfg, score_sum)
 
 
 def chunk_loss_range(cfg: RunConfig) -> tuple[int, int]:
-    """Inclusive bounds of one chunk's loss sum, for checking what a worker reports (a
-    reward run: its rewards' sum in millionths, each reward within ±MAX_REWARD).
-
-    A token's integer loss only falls as its target logit rises and only rises as the
-    others do, so it lies between the loss of a row with the target at the top and every
-    other logit at the bottom, and the reverse.
-    """
-    if cfg.fitness.objective == "reward":
-        bound = cfg.es.chunk_size * cfg.fitness.prompts_per_step * round(MAX_REWARD / REWARD_UNIT)
-        return -bound, bound
-    v = cfg.model.vocab_size
-    best = np.full((1, v), -128, dtype=np.int32)
-    best[0, 0] = 127
-    worst = np.full((1, v), 127, dtype=np.int32)
-    worst[0, 0] = -128
-    target = np.zeros(1, dtype=np.int64)
-    lo, hi = int(token_loss(best, target)[0]), int(token_loss(worst, target)[0])
-    tokens = cfg.es.chunk_size * cfg.es.seq_len
-    return tokens * lo, tokens * hi
+    """Inclusive bounds of one chunk's loss_sum, for checking what a worker reports."""
+    return objective_of(cfg).loss_range(cfg)

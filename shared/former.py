@@ -59,7 +59,7 @@ import numpy as np
 
 from .loss import token_loss, true_bits
 from .matmul import clip8, floor_div, frozen
-from .perturb import MemberNoise, ParamSpec, perturbed_mm, perturbed_rows
+from .perturb import MemberNoise, ParamSpec, int8_settings, perturbed_mm, perturbed_rows
 
 if TYPE_CHECKING:
     from .config import ModelConfig, RunConfig
@@ -118,11 +118,17 @@ def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
 
 
-def check(m: ModelConfig) -> str | None:
+FAMILY = "int8"
+EXACT = True  # integers only: every device computes the same bytes
+OWN_TOKENIZER = False  # the data's vocabulary
+
+
+def check(cfg: RunConfig) -> str | None:
     """RoPE rotates pairs of a head's dimensions: each head needs an even size."""
+    m = cfg.model
     if m.d_model % m.heads or (m.d_model // m.heads) % 2:
         return f"model.d_model={m.d_model} must split into {m.heads} heads of an even size"
-    return None
+    return int8_settings(cfg)
 
 
 # -------------------------------------------------------------------------------- tables

@@ -181,8 +181,17 @@ def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     )
 
 
-def check(m: ModelConfig) -> str | None:
-    """None, or one line naming the first invalid hf setting of `m`."""
+FAMILY = "hf"
+EXACT = False  # float evaluation: a CPU and a GPU score members differently
+OWN_TOKENIZER = True  # the tokenizer saved beside the model
+
+
+def check(cfg: RunConfig) -> str | None:
+    """None, or one line naming the first invalid setting of a Hugging Face run."""
+    return _check_model(cfg.model) or _check_run(cfg)
+
+
+def _check_model(m: ModelConfig) -> str | None:
     if not m.path:
         return "model.arch='hf' needs model.path, the Hugging Face model directory"
     if not 1 <= m.rank <= 4096:
@@ -210,6 +219,32 @@ def check(m: ModelConfig) -> str | None:
         digest, _, name = entry.partition(" ")
         if len(digest) != 64 or not name or "/" in name or name.startswith("."):
             return f"model.files entry {entry!r} must be 'sha256 name' (a file of the folder)"
+    return None
+
+
+def _check_run(cfg: RunConfig) -> str | None:
+    """The settings a Hugging Face run reads, and those it cannot have."""
+    es, f = cfg.es, cfg.fitness
+    if not (0 < es.sigma <= 1 and math.isfinite(es.sigma)):
+        return (
+            f"es.sigma={es.sigma} must be in (0, 1]: the perturbation's standard deviation per "
+            "weight of a Hugging Face model (e.g. 0.01)"
+        )
+    for on, name in (
+        (es.adaptive_noise, "es.adaptive_noise"),
+        (es.token_noise_rows, "es.token_noise_rows"),
+        (f.chunk_mean_filter, "fitness.chunk_mean_filter"),
+        (f.adaptive_threshold, "fitness.adaptive_threshold"),
+        (cfg.update.rule != "ztest", "update.rule"),
+        (cfg.model.init_from, "model.init_from"),
+    ):
+        if on:
+            return f"{name} is not available for model.arch='hf'"
+    if f.prompts == "data":
+        return "fitness.prompts='data' is not available for model.arch='hf': give a prompts file"
+    # Z is summed as float64: every partial sum must stay an exact integer.
+    if z_bound(cfg.pairs, cfg.model.rank, es.noise) >= F64_EXACT:
+        return "es.population * model.rank is too large for an exact update"
     return None
 
 

@@ -1,16 +1,21 @@
 """The architectures: what a model must provide, and the registry that picks one by name.
 
 An architecture is one module in this folder (shared/egg.py, shared/former.py) with
-    specs(m)                its int8 tensors (`ParamSpec`), in noise-stream order
-    check(m)                None, or one line saying which of its settings is invalid
+    FAMILY                  which backends evaluate it: "int8" (NumPy, CuPy) or "hf" (PyTorch)
+    EXACT                   whether its results agree bit for bit on every device, so that
+                            two workers' fitness for a chunk can be compared
+    OWN_TOKENIZER           whether the model brings its own tokenizer (else it reads the
+                            data's vocabulary, of model.vocab_size tokens)
+    specs(m)                its tensors (`ParamSpec`), in noise-stream order
+    check(cfg)              None, or one line naming the first setting of a run it refuses
     MODEL(cfg, params)      the forward pass of a batch of population members (`Model`)
-    GENERATOR(cfg, params)  the unperturbed model one token at a time (`Generator`)
-and one line in `ARCHS`. The `hf` family (shared/hf.py) is the exception that proves the
-seam: its tensors are int64 accumulators of a Hugging Face model's updates, it brings its
-own `apply_update`, and PyTorch evaluates it (worker/backend/torch_backend.py). Every int8
-architecture perturbs its weights through shared/perturb.py
-and scores with shared/loss.py, so the update rules, the replicas and the backends never
-ask which architecture they hold.
+    GENERATOR(cfg, params)  the unperturbed model one token at a time (`Generator`); a
+                            family no NumPy code evaluates gives functions that refuse
+and one line in `ARCHS`. The `hf` family (shared/hf.py) fills the seam differently: its
+tensors are int64 accumulators of a Hugging Face model's updates, it brings its own
+`apply_update`, and PyTorch evaluates it (worker/backend/torch_backend.py). Every int8
+architecture perturbs its weights through shared/perturb.py and scores with shared/loss.py,
+so the update rules, the replicas and the backends never ask which architecture they hold.
 """
 
 from __future__ import annotations
@@ -87,9 +92,13 @@ class Generator(Protocol):
 class Architecture(Protocol):
     """What an architecture module provides (see the module docstring)."""
 
+    FAMILY: str
+    EXACT: bool
+    OWN_TOKENIZER: bool
+
     def specs(self, m: ModelConfig) -> tuple[ParamSpec, ...]: ...
 
-    def check(self, m: ModelConfig) -> str | None: ...
+    def check(self, cfg: RunConfig) -> str | None: ...
 
     MODEL: Callable[[RunConfig, dict[str, np.ndarray]], Model]
     GENERATOR: Callable[[RunConfig, dict[str, np.ndarray]], Generator]

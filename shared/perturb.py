@@ -309,3 +309,19 @@ def perturbed_rows(
         b = noise.b[name].astype(np.int32)[:, None, :]  # (M, 1, D)
         x += ((a_tok[:, :, None] * b) >> (4 + cfg.es.sigma_shift)).reshape(x.shape)
     return x
+
+
+HF_SETTINGS = ("path", "targets", "rank", "files", "matrices")  # model.arch "hf"'s own
+
+
+def int8_settings(cfg: RunConfig) -> str | None:
+    """None, or one line naming a setting that an int8 architecture cannot have: those of
+    Hugging Face models (shared/hf.py), whose noise is a float es.sigma, not es.sigma_shift."""
+    m = cfg.model
+    default = type(m)()
+    for key in HF_SETTINGS:
+        if getattr(m, key) != getattr(default, key):
+            return f"model.{key} is a setting of model.arch='hf', not of {m.arch!r}"
+    if cfg.es.sigma != 0:
+        return "es.sigma is a setting of model.arch='hf': int8 models use es.sigma_shift"
+    return None

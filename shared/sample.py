@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any, Protocol
 
@@ -341,6 +341,10 @@ class TrainingSamples:
         kept, out = self.tokens(state)
         return decode(kept, self.pieces), decode(out, self.pieces)
 
+    def request(self, step: int) -> SampleAsk:
+        """The sample of step `step` as a request any backend answers (`write_sample`)."""
+        return SampleAsk(step, 0, PROMPT_TOKENS, NEW_TOKENS, **asdict(self.settings))
+
 
 class SampleRequest(Protocol):
     """What a sample request names (the protocol's SAMPLE message has these fields)."""
@@ -363,6 +367,21 @@ class SampleRequest(Protocol):
     def presence_penalty(self) -> int: ...
     @property
     def frequency_penalty(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SampleAsk:
+    """A `SampleRequest` made here rather than received: a held-out document's continuation."""
+
+    seed: int
+    prompt_index: int
+    prompt_tokens: int
+    new_tokens: int
+    temperature: int
+    min_p: int
+    top_k: int
+    presence_penalty: int
+    frequency_penalty: int
 
 
 def write_sample(

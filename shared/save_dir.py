@@ -71,9 +71,10 @@ import numpy as np
 from .atomic_file import write_atomic
 from .config import ConfigError, RunConfig, from_dict
 from .fitness_log import FitnessLog, FitnessLogError
-from .goal import GoalError, initial_state, resolve
+from .pinned import GoalError, resolve
 from .progress import Progress
 from .replica import CheckpointError, ReplicaState, load_checkpoint, replay
+from .start import initial_state
 
 RUN_FORMAT = 2  # 2: digests.log holds replica digest 2 (the tree of shared/replica.py)
 RUN_FILE = "run.json"

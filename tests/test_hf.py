@@ -236,7 +236,7 @@ def test_expert_layers_are_refused() -> None:
 
 
 def test_a_workers_model_path_stays_inside_its_goal_dir(tmp_path: Path) -> None:
-    from eggroll_dist.shared.goal import GoalError, model_dir
+    from eggroll_dist.shared.pinned import GoalError, model_dir
 
     cfg = _cfg()
     assert model_dir(cfg, tmp_path) == tmp_path / "tiny"

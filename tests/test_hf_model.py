@@ -17,7 +17,7 @@ from hf_models import CORPUS, save_model  # noqa: E402
 from eggroll_dist.shared import hf  # noqa: E402
 from eggroll_dist.shared import hf_dir as hd  # noqa: E402
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig  # noqa: E402
-from eggroll_dist.shared.goal import GoalError, pin  # noqa: E402
+from eggroll_dist.shared.pinned import GoalError, pin  # noqa: E402
 from eggroll_dist.shared.replica import ReplicaState, replay  # noqa: E402
 from eggroll_dist.worker import hf_model as hm  # noqa: E402
 

@@ -197,7 +197,7 @@ def test_a_config_whose_matrices_are_not_the_models_is_refused(gpt2_run: Path) -
     """A worker checks the pinned matrices against its own model before allocating them."""
     from dataclasses import replace
 
-    from eggroll_dist.shared.goal import GoalError, check_model
+    from eggroll_dist.shared.pinned import GoalError, check_model
 
     cfg = SaveDir.open(gpt2_run / "run").config
     check_model(cfg, gpt2_run / "model")

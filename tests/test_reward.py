@@ -30,19 +30,11 @@ from eggroll_dist.shared.config import (
     load_config,
 )
 from eggroll_dist.shared.data import load_data_dir
-from eggroll_dist.shared.goal import (
-    GoalError,
-    Prompts,
-    check_files,
-    initial_state,
-    load_prompts,
-    pin,
-    read_prompts,
-    reward_fitness,
-    step_prompts,
-)
 from eggroll_dist.shared.model import build_generator, build_model, param_specs
+from eggroll_dist.shared.objectives.reward import reward_fitness
 from eggroll_dist.shared.perturb import member_noise, pair_noise
+from eggroll_dist.shared.pinned import GoalError, check_files, pin
+from eggroll_dist.shared.prompts import Prompts, load_prompts, read_prompts, step_prompts
 from eggroll_dist.shared.replica import ReplicaState, save_checkpoint
 from eggroll_dist.shared.sample import (
     Completions,
@@ -53,6 +45,7 @@ from eggroll_dist.shared.sample import (
     next_tokens,
 )
 from eggroll_dist.shared.save_dir import SaveDir
+from eggroll_dist.shared.start import initial_state
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.objective import make_objective
 from eggroll_dist.worker.reward import RewardError, RewardRunner
@@ -172,9 +165,10 @@ def test_a_reward_that_is_easy_to_move_rises(words_data: Path) -> None:
         result = train(cfg, backend, 30, objective=objective)
     finally:
         objective.close()
-    assert before is not None and len(result.train_reward) == 30
-    first, last = np.mean(result.train_reward[:3]), np.mean(result.train_reward[-3:])
-    assert last > 4 * first and last > 0.1, result.train_reward
+    rewards = result.scores["reward"]
+    assert before is not None and len(rewards) == 30
+    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert last > 4 * first and last > 0.1, rewards
     final = result.curve[-1]
     assert final["held_out_reward"] > before + 0.1
     assert final["bits_per_token"] > 0 and final["tokens"] > 0  # reported beside it

@@ -37,8 +37,8 @@ from ..protocol import (
     iter_snapshot_chunks,
 )
 from ..shared.config import RunConfig
-from ..shared.goal import GoalError
 from ..shared.hf_dir import ModelDirError
+from ..shared.pinned import GoalError
 from ..shared.replica import ReplicaState
 from . import session as flow
 from .backend import BackendUnavailable, ChunkResult, Validation

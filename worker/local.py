@@ -36,7 +36,6 @@ from ..shared.cli import (
 from ..shared.config import ConfigError
 from ..shared.data import META_FILE, DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.goal import GoalError
 from ..shared.logs import (
     LISTENING,
     PROGRESS,
@@ -49,6 +48,7 @@ from ..shared.logs import (
     echo,
     held_out_text,
 )
+from ..shared.pinned import GoalError
 from ..shared.progress import YEAR_S, duration_text
 from ..shared.replica import load_checkpoint
 from ..shared.save_dir import Layout

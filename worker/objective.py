@@ -1,10 +1,11 @@
 """What a chunk's fitness measures: the data's next-token loss, or a reward over generated
-text (shared/goal.py). Both give a `ChunkResult` per chunk, so the trainer and the worker
-daemon never ask which objective a run has.
+text (shared/objectives/reward.py). Both give a `ChunkResult` per chunk, held-out rewards
+and samples, so the trainer and the worker daemon never ask which objective a run has: a
+new objective is a module in shared/objectives/ and its runner here, in `MAKERS`.
 
 `ChunkResult.loss_sum` is the chunk's integer loss (1/16 bit) for the loss, the sum of its
-rewards in millionths (`shared.fitness.REWARD_UNIT`) for a reward: what RESULT carries, and
-what `shared.fitness.mean_score` turns into the step's train loss or mean reward.
+rewards in millionths (`shared.objectives.reward.REWARD_UNIT`) for a reward: what RESULT
+carries, and what `shared.fitness.mean_score` turns into the step's mean loss or reward.
 """
 
 from __future__ import annotations
@@ -18,20 +19,18 @@ import numpy as np
 
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
-from ..shared.goal import (
+from ..shared.objectives.reward import reward_fitness, reward_units
+from ..shared.prompts import (
     Prompt,
     Prompts,
-    TextCodec,
-    data_codec,
     generation_seed,
     held_out,
     load_prompts,
-    reward_fitness,
-    reward_units,
     settings,
     step_prompts,
 )
-from ..shared.sample import Completions
+from ..shared.sample import Completions, SampleRequest
+from ..shared.text_codec import TextCodec, data_codec
 from .backend import Backend, ChunkResult
 from .reward import RewardRunner
 
@@ -53,6 +52,21 @@ class Objective(Protocol):
         """The unperturbed model's mean reward on the held-out prompts (None: no reward)."""
         ...
 
+    @property
+    def held_out_prompts(self) -> int:
+        """How many prompts `held_out` scores (0: none)."""
+        ...
+
+    def parallel_chunks(self, backend: Backend) -> int:
+        """How many chunks `evaluate_chunks` gains by taking at once (1: none)."""
+        ...
+
+    def sample(self, backend: Backend, request: SampleRequest) -> tuple[str, str]:
+        """What the unperturbed model writes, as (prompt, text): what this objective
+        scores (a reward: a held-out prompt's completion), else `request`'s held-out
+        document's continuation."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -69,6 +83,15 @@ class NextToken:
 
     def held_out(self, backend: Backend) -> float | None:
         return None
+
+    held_out_prompts = 0
+
+    def parallel_chunks(self, backend: Backend) -> int:
+        return backend.parallel_chunks
+
+    def sample(self, backend: Backend, request: SampleRequest) -> tuple[str, str]:
+        prompt, text = backend.write_sample(request)
+        return prompt.decode("utf-8", "replace"), text.decode("utf-8", "replace")
 
     def close(self) -> None:
         pass
@@ -134,7 +157,14 @@ class Reward:
         tokens = backend.complete(backend.step, None, self._request(chosen, backend.step))
         return float(self._rewards(chosen, tokens).mean())
 
-    def sample(self, backend: Backend) -> tuple[str, str]:
+    @property
+    def held_out_prompts(self) -> int:
+        return len(held_out(self.cfg, self.prompts))
+
+    def parallel_chunks(self, backend: Backend) -> int:
+        return 1  # a reward's chunks are scored one after another: no gain in asking more
+
+    def sample(self, backend: Backend, request: SampleRequest | None = None) -> tuple[str, str]:
         """The unperturbed model's completion of the first held-out prompt (prompt, text)."""
         chosen = held_out(self.cfg, self.prompts)[:1] or self.prompts.train[:1]
         tokens = backend.complete(backend.step, None, self._request(chosen, backend.step))
@@ -142,6 +172,26 @@ class Reward:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _next_token(
+    cfg: RunConfig, dataset: Dataset, base: Path, reward_timeout_s: float, codec: TextCodec | None
+) -> Objective:
+    return NextToken()
+
+
+def _reward(
+    cfg: RunConfig, dataset: Dataset, base: Path, reward_timeout_s: float, codec: TextCodec | None
+) -> Objective:
+    codec = codec or data_codec(cfg, dataset)
+    prompts = load_prompts(cfg, base, dataset, codec)
+    runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s, cfg.fitness.reward_sha256)
+    runner.start()  # a reward file that does not import fails here, not at the first chunk
+    return Reward(cfg, prompts, runner, codec)
+
+
+# The worker's side of each objective of `shared.objectives.OBJECTIVES`, by the same name.
+MAKERS = {"next_token": _next_token, "reward": _reward}
 
 
 def make_objective(
@@ -152,13 +202,7 @@ def make_objective(
     codec: TextCodec | None = None,
 ) -> Objective:
     """The run's objective; goal files are read under `base` (GoalError if one is missing
-    or not the run's: check them with `shared.goal.check_files` first; RewardError if the
+    or not the run's: check them with `shared.pinned.check_files` first; RewardError if the
     reward does not import). Text is the model's own (`codec`: a Hugging Face tokenizer),
     else the data's vocabulary."""
-    if cfg.fitness.objective != "reward":
-        return NextToken()
-    codec = codec or data_codec(cfg, dataset)
-    prompts = load_prompts(cfg, base, dataset, codec)
-    runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s, cfg.fitness.reward_sha256)
-    runner.start()  # a reward file that does not import fails here, not at the first chunk
-    return Reward(cfg, prompts, runner, codec)
+    return MAKERS[cfg.fitness.objective](cfg, dataset, base, reward_timeout_s, codec)

@@ -30,12 +30,11 @@ from ..protocol import Sample
 from ..protocol.messages import MAX_CHUNKS_PER_REQUEST, MAX_SAMPLE_TEXT_BYTES
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
-from ..shared.goal import held_out, initial_state
+from ..shared.pinned import check_files
 from ..shared.replica import CheckpointError, ReplicaState, decode_checkpoint, encode_checkpoint
-from ..shared.sample import write_sample
+from ..shared.start import initial_state
 from .backend import Backend, BackendFactory, ChunkResult, Validation
-from .backend.torch_backend import TorchBackend
-from .objective import NextToken, Objective, Reward, make_objective
+from .objective import NextToken, Objective, make_objective
 from .reward import RewardError
 
 __all__ = ["Replica"]
@@ -131,9 +130,10 @@ class Replica:
     def parallel_chunks(self) -> int:
         """Chunks to ask for at once: what the backend scores in one pass, within the
         protocol's bound."""
-        if self.backend is None or isinstance(self.objective, Reward):
-            return 1  # a reward's chunks are scored one after another: no gain in asking more
-        return max(1, min(self.backend.parallel_chunks, MAX_CHUNKS_PER_REQUEST))
+        if self.backend is None:
+            return 1
+        own = self.objective.parallel_chunks(self.backend)
+        return max(1, min(own, MAX_CHUNKS_PER_REQUEST))
 
     @property
     def config_digest(self) -> bytes | None:
@@ -165,6 +165,8 @@ class Replica:
     async def start(self, config: RunConfig, run_id: bytes) -> None:
         """A fresh replica at step 0 of the run, and the run's objective. GoalError when a
         goal file is missing or not the run's."""
+        # The same goal everywhere (reward, prompts, start, model), under --goal-dir only.
+        await self._call(check_files, config, self.goal_dir)
         state = await self._call(initial_state, config, self.goal_dir)
         backend = await self._call(self.factory.build, self.dataset, state)
         objective = await self._call(  # off the event loop: heartbeats go on meanwhile
@@ -272,15 +274,14 @@ class Replica:
 
         def score() -> Validation:
             v = backend.validate()
-            if not isinstance(objective, Reward):
-                return v
             try:
                 reward = objective.held_out(backend)
             except RewardError as exc:  # reporting only: the run goes on without it
                 log.warning("held-out reward failed", error=str(exc))
                 reward = None
-            prompts = 0 if reward is None else len(held_out(backend.config, objective.prompts))
-            return replace(v, reward=reward, reward_prompts=prompts)
+            if reward is None:
+                return v
+            return replace(v, reward=reward, reward_prompts=objective.held_out_prompts)
 
         return await self._call(score)
 
@@ -290,14 +291,5 @@ class Replica:
         continuation are each cut to what SAMPLE_TEXT carries."""
         backend = self._backend()
 
-        def write() -> tuple[bytes, bytes]:
-            if isinstance(backend, TorchBackend):  # a Hugging Face model's own tokens
-                r = request
-                texts = backend.write_sample(
-                    r.seed, r.prompt_index, r.prompt_tokens, r.new_tokens, r.temperature, r.min_p
-                )
-                return texts[0].encode(), texts[1].encode()
-            return write_sample(backend.state, self.dataset, request)
-
-        prompt, text = await self._call(write)
+        prompt, text = await self._call(backend.write_sample, request)
         return prompt[:MAX_SAMPLE_TEXT_BYTES], text[:MAX_SAMPLE_TEXT_BYTES]

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import inspect
 import json
+import math
 import os
 import selectors
 import signal
@@ -25,11 +26,12 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..shared.goal import BUILTIN_REWARDS, GoalError, check_rewards, reward_target
+from ..shared.objectives.reward import BUILTIN_REWARDS, MAX_REWARD, reward_target
+from ..shared.pinned import GoalError
 
 __all__ = ["RewardError", "RewardRunner"]
 
@@ -41,12 +43,47 @@ class RewardError(Exception):
     """The reward failed on a chunk; str() is one line naming the function and the prompt."""
 
 
+def check_rewards(
+    values: Sequence[Any],
+    expected: int,
+    function: str,
+    prompt_of: Callable[[int], str] | None = None,
+) -> list[float]:
+    """The reward function's answer as floats, or one line (GoalError) naming the function
+    and, with `prompt_of`, the prompt of the completion at fault."""
+
+    def at(i: int) -> str:
+        return "" if prompt_of is None else f" (prompt {prompt_of(i)})"
+
+    if not isinstance(values, list | tuple):
+        raise GoalError(f"{function} returned {type(values).__name__}, not a list of numbers")
+    if len(values) != expected:
+        raise GoalError(f"{function} returned {len(values)} rewards for {expected} completions")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise GoalError(
+                f"{function} returned {type(v).__name__} {v!r} for completion {i}{at(i)}"
+            )
+        v = float(v)
+        if not math.isfinite(v) or abs(v) > MAX_REWARD:
+            raise GoalError(
+                f"{function} returned {v!r} for completion {i}: rewards must be finite and "
+                f"within ±{MAX_REWARD:g}{at(i)}"
+            )
+        out.append(v)
+    return out
+
+
 def _load(spec: str, base: Path, sha256: str) -> tuple[Callable[..., Any], str]:
     """The reward function and its name for messages, run from the very bytes whose digest
     is `sha256` (the run's pin; "" where nothing pins it): read once, checked, compiled, so
     neither a file changed since nor a stale .pyc runs instead. Modules it imports from its
     folder are not pinned."""
-    path, name = reward_target(spec)
+    try:
+        path, name = reward_target(spec)
+    except ValueError as exc:  # a config that was never validated
+        raise GoalError(str(exc)) from None
     if not path:
         return BUILTIN_REWARDS[name], spec
     file = Path(path) if Path(path).is_absolute() else base / path

@@ -79,7 +79,7 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.data import Dataset
 from ..shared.fitness import member_tokens
-from ..shared.goal import GoalError, check_files
+from ..shared.model import ARCHS
 from ..shared.progress import Progress
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from .backend import BackendFactory, ChunkResult, HeldOut
@@ -290,7 +290,8 @@ class Identity:
     train_tokens: int
     coordinator: str = "the coordinator"  # host:port, for messages
     goal_dir: Path | None = None  # where a reward run's files are (None: no --goal-dir)
-    hf: bool = False  # its backend evaluates Hugging Face models
+    # None, or why its backend does not evaluate a run's model (`BackendFactory.serves`)
+    serves: Callable[[RunConfig], str | None] = lambda cfg: None
 
     def __post_init__(self) -> None:
         size = len(self.name.encode("utf-8"))
@@ -320,7 +321,7 @@ class Identity:
             train_tokens=len(data.train),
             coordinator=where,
             goal_dir=goal_dir,
-            hf=factory.hf,
+            serves=factory.serves,
         )
 
 
@@ -607,30 +608,23 @@ class Session:
                 f"WELCOME says {msg.pairs_per_step} pairs per step, the run config has "
                 f"{config.pairs}"
             )
-        if config.model.arch == "hf" and not me.hf:
-            raise self._refuse(
-                f"the run fine-tunes a Hugging Face model, which the {me.backend} backend "
-                "cannot evaluate: start this worker with --backend torch (or auto)"
-            )
-        if config.model.arch != "hf" and me.backend == "torch":
-            raise self._refuse(
-                f"the run trains an int8 {config.model.arch!r} model, which the torch backend "
-                "does not evaluate: start this worker with --backend auto, numpy or cupy"
-            )
-        if config.model.arch != "hf" and me.vocab_size != config.model.vocab_size:
-            raise self._refuse(
-                f"the run's model has a vocabulary of {config.model.vocab_size}, this "
-                f"worker's data has {me.vocab_size}: point --data-dir at the run's data"
-            )
-        if config.model.arch != "hf" and me.train_tokens <= config.es.seq_len:
-            raise self._refuse(
-                f"this worker's input.bin has {me.train_tokens} tokens, the run's "
-                f"es.seq_len={config.es.seq_len} needs more: point --data-dir at the run's data"
-            )
-        try:  # the same goal everywhere: reward source, prompts, starting replica
-            check_files(config, me.goal_dir)
-        except GoalError as exc:
-            raise self._refuse(str(exc)) from None
+        problem = me.serves(config)
+        if problem is not None:
+            raise self._refuse(problem)
+        if not ARCHS[config.model.arch].OWN_TOKENIZER:  # it reads the data's tokens
+            if me.vocab_size != config.model.vocab_size:
+                raise self._refuse(
+                    f"the run's model has a vocabulary of {config.model.vocab_size}, this "
+                    f"worker's data has {me.vocab_size}: point --data-dir at the run's data"
+                )
+            if me.train_tokens <= config.es.seq_len:
+                raise self._refuse(
+                    f"this worker's input.bin has {me.train_tokens} tokens, the run's "
+                    f"es.seq_len={config.es.seq_len} needs more: point --data-dir at the "
+                    "run's data"
+                )
+        # Its goal files (reward, prompts, start, model) are checked as the replica starts,
+        # off the event loop (`Replica.start`).
         return config
 
     def _refuse(self, message: str) -> WorkerFatal:

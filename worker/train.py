@@ -42,7 +42,6 @@ from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness import mean_score, member_tokens
 from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.goal import GoalError, initial_state
 from ..shared.hf_dir import ModelDirError
 from ..shared.logs import (
     SAMPLE,
@@ -54,8 +53,11 @@ from ..shared.logs import (
     held_out_text,
     os_error_text,
 )
+from ..shared.model import ARCHS
+from ..shared.objectives import objective_of
+from ..shared.pinned import GoalError
 from ..shared.replica import ReplicaState, save_checkpoint
-from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, TrainingSamples
+from ..shared.sample import TrainingSamples
 from ..shared.save_dir import (
     RUN_FILE,
     HistoryLog,
@@ -68,6 +70,7 @@ from ..shared.save_dir import (
     write_run,
     write_start,
 )
+from ..shared.start import initial_state
 from ..shared.tracking import (
     CurveSink,
     Tracker,
@@ -77,10 +80,16 @@ from ..shared.tracking import (
 )
 from ..shared.vocab import escape
 from ..shared.window import data_too_short
-from .backend import Backend, BackendFactory, BackendUnavailable, Validation, get_backend
-from .backend.torch_backend import TorchBackend
+from .backend import (
+    Backend,
+    BackendFactory,
+    BackendUnavailable,
+    Validation,
+    get_backend,
+    reference_backend,
+)
 from .data.build import vocabulary_mismatch
-from .objective import NextToken, Objective, Reward, make_objective
+from .objective import NextToken, Objective, make_objective
 from .reward import RewardError
 from .source import replay_progress
 from .stop_signal import stop_on_signals
@@ -100,8 +109,9 @@ class TrainResult:
     member_tokens: int = 0
     curve: list[dict[str, Any]] = field(default_factory=list)  # validations
     samples: list[dict[str, Any]] = field(default_factory=list)  # step, prompt, text
-    train_loss: list[float] = field(default_factory=list)  # bits per token per step
-    train_reward: list[float] = field(default_factory=list)  # mean reward per step (reward runs)
+    # each step's mean score, under its objective's SCORE: "loss_bits" (bits per token) or
+    # "reward" (mean reward per completion)
+    scores: dict[str, list[float]] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
     validation: Validation | None = None  # the latest
@@ -141,16 +151,9 @@ def _sample(
     objective: Objective,
 ) -> None:
     state = backend.state
-    # A reward run shows what the reward scores: a held-out prompt's completion.
-    if isinstance(objective, Reward):
-        prompt, text = objective.sample(backend)
-    elif isinstance(backend, TorchBackend):  # a Hugging Face model writes its own tokens
-        s = samples.settings
-        prompt, text = backend.write_sample(
-            state.step, 0, PROMPT_TOKENS, NEW_TOKENS, s.temperature, s.min_p
-        )
-    else:
-        prompt, text = samples.write(state)
+    # A reward run shows what the reward scores (a held-out prompt's completion), else a
+    # held-out document's continuation.
+    prompt, text = objective.sample(backend, samples.request(state.step))
     result.samples.append({"step": state.step, "prompt": prompt, "text": text})
     # Escaped: model text must not reach a terminal's control sequences (one line each).
     _point(
@@ -181,7 +184,7 @@ def train(
     to stop now (a signal's name; "" to go on): the step under way is dropped after its
     current chunks, and the run ends unvalidated. `committed` hears of each step applied."""
     objective = objective or NextToken()
-    reward_run = cfg.fitness.objective == "reward"
+    score_name = objective_of(cfg).SCORE
     result = TrainResult(backend.state)
     tokens_per_step = member_tokens(cfg, cfg.es.population)
     every = cfg.validation.every_steps
@@ -223,12 +226,12 @@ def train(
         result.fitness.append(packed)
         committed(backend)
         score = mean_score(cfg, loss_sum)
-        (result.train_reward if reward_run else result.train_loss).append(score)
+        result.scores.setdefault(score_name, []).append(score)
         _point(
             curve,
             STEP,
             step=step + 1,
-            **{("reward" if reward_run else "loss_bits"): round(score, 4)},
+            **{score_name: round(score, 4)},
             changed=changed,
             member_tok_s=round(tokens_per_step / dt),
             step_s=round(dt, 4),  # as summary.json's step_seconds
@@ -255,6 +258,7 @@ def train(
 
 def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
     final = result.curve[-1]
+    losses, rewards = result.scores.get("loss_bits", []), result.scores.get("reward", [])
     return {
         "steps": result.state.step,
         "preset": preset_name,
@@ -264,13 +268,9 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
         **{f"valid_{k}": value for k, value in final.items() if k != "step"},
         "baselines": meta.baselines,
         "baselines_per_byte": meta.baselines_per_byte,
-        "train_loss_bits": result.train_loss[-1] if result.train_loss else None,
-        **({"train_losses": result.train_loss} if result.train_loss else {}),
-        **(
-            {"train_reward": result.train_reward[-1], "train_rewards": result.train_reward}
-            if result.train_reward
-            else {}
-        ),
+        "train_loss_bits": losses[-1] if losses else None,
+        **({"train_losses": losses} if losses else {}),
+        **({"train_reward": rewards[-1], "train_rewards": rewards} if rewards else {}),
         "member_tokens": result.member_tokens,
         "member_tokens_per_second": result.member_tokens / max(result.train_seconds, 1e-9),
         "seconds": result.seconds,
@@ -359,13 +359,12 @@ def main(
     try:
         cfg, base = run_config(preset_name, config_path, init_from)
         dataset = load_data_dir(data_dir)
-        hf = cfg.model.arch == "hf"
         factory = get_backend(
-            "torch" if hf else "numpy", threads=threads, goal_dir=base, confined=False
+            reference_backend(cfg), threads=threads, goal_dir=base, confined=False
         )
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
-    if not hf:  # a Hugging Face model reads the data's text with its own tokenizer
+    if not ARCHS[cfg.model.arch].OWN_TOKENIZER:  # else it reads the data's text with its own
         mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
         if mismatch is not None:
             raise click.ClickException(mismatch)
@@ -517,7 +516,7 @@ def _run(
         m = cfg.model
         model = (
             {"model": m.path, "targets": len(m.matrices), "rank": m.rank}
-            if m.arch == "hf"
+            if m.path  # a model directory's (shared/hf.py)
             else {
                 "preset": preset_name or ("tiny" if not config_path else None),
                 "layers": m.n_layer,

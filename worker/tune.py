@@ -34,8 +34,8 @@ from ..shared.config import (
     ValidationConfig,
 )
 from ..shared.data import DataError, load_data_dir
-from ..shared.goal import GoalError, pin
 from ..shared.logs import configure_logging
+from ..shared.pinned import GoalError, pin
 from ..shared.tracking import TrackingError, check_available
 from .backend import BackendUnavailable, get_backend
 from .train import run_training

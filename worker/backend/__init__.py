@@ -17,12 +17,14 @@ from typing import Protocol
 
 import numpy as np
 
+from ...protocol.replica_messages import bits_per_byte
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
-from ...shared.goal import TextCodec
 from ...shared.logs import held_out_fields
+from ...shared.model import ARCHS
 from ...shared.replica import ReplicaState
-from ...shared.sample import Completions
+from ...shared.sample import Completions, SampleRequest
+from ...shared.text_codec import TextCodec
 
 __all__ = [
     "Backend",
@@ -34,6 +36,7 @@ __all__ = [
     "check_chunk",
     "cuda_usable",
     "get_backend",
+    "reference_backend",
 ]
 
 
@@ -55,11 +58,7 @@ class HeldOut:
 
     @property
     def bits_per_byte(self) -> float | None:
-        """Total bits over the bytes of the text the targets decode to (None: no bytes);
-        the ratio first, so that one byte per token gives bits per token exactly."""
-        if not self.text_bytes:
-            return None
-        return self.bits_per_token * (self.tokens / self.text_bytes)
+        return bits_per_byte(self.bits_per_token, self.tokens, self.text_bytes)
 
 
 @dataclass(frozen=True)
@@ -139,6 +138,11 @@ class Backend(Protocol):
         (1, P, N)."""
         ...
 
+    def write_sample(self, request: SampleRequest) -> tuple[bytes, bytes]:
+        """The unperturbed model continues held-out document `request.prompt_index`:
+        (prompt, continuation) as UTF-8 bytes, whole (SAMPLE_TEXT cuts them)."""
+        ...
+
     def apply_step(self, fitness: np.ndarray) -> int:
         """Apply the committed fitness of `self.step` (all pairs); returns weights changed."""
         ...
@@ -170,22 +174,39 @@ class BackendFactory:
     device: str
     build: Callable[[Dataset, ReplicaState], Backend]
     threads: int | None = None
-    hf: bool = False  # serves the hf family (Hugging Face models)
+    families: tuple[str, ...] = ("int8",)  # the architectures' FAMILYs it evaluates
+
+    def serves(self, cfg: RunConfig) -> str | None:
+        """None, or one line saying that this backend does not evaluate the run's model
+        and which backends do."""
+        arch = cfg.model.arch
+        if ARCHS[arch].FAMILY in self.families:
+            return None
+        others = [n for n, fams in FAMILIES.items() if ARCHS[arch].FAMILY in fams]
+        return (
+            f"the run trains model.arch={arch!r}, which the {self.name} backend does not "
+            f"evaluate: start this worker with --backend {_choices(['auto', *others])}"
+        )
+
+
+def _choices(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def _by_family(int8: BackendFactory, hf: Callable[[], BackendFactory]) -> BackendFactory:
-    """`--backend auto`: the int8 models on `int8`, Hugging Face models on the PyTorch
-    backend (made on the first hf run, so hosts without torch never import it)."""
+    """`--backend auto`: the int8 models on `int8`, every other family on the PyTorch
+    backend (made on its first run, so hosts without torch never import it)."""
     made: list[BackendFactory] = []
 
     def build(dataset: Dataset, state: ReplicaState) -> Backend:
-        if state.config.model.arch != "hf":
+        if ARCHS[state.config.model.arch].FAMILY in int8.families:
             return int8.build(dataset, state)
         if not made:
             made.append(hf())
         return made[0].build(dataset, state)
 
-    return BackendFactory(int8.name, int8.device, build, int8.threads, hf=True)
+    families = (*int8.families, *FAMILIES["torch"])
+    return BackendFactory(int8.name, int8.device, build, int8.threads, families)
 
 
 # name -> "module:function(batch_members, threads)" returning a BackendFactory; imported
@@ -195,6 +216,15 @@ _REGISTRY = {
     "cupy": "cupy_backend:factory",
     "torch": "torch_backend:factory",
 }
+# The model families (`Architecture.FAMILY`) each backend evaluates; the first that
+# evaluates a family is its reference, which the one-process commands run.
+FAMILIES: dict[str, tuple[str, ...]] = {"numpy": ("int8",), "cupy": ("int8",), "torch": ("hf",)}
+
+
+def reference_backend(cfg: RunConfig) -> str:
+    """The backend a one-process command evaluates the run's model on."""
+    family = ARCHS[cfg.model.arch].FAMILY
+    return next(name for name, fams in FAMILIES.items() if family in fams)
 
 
 def cuda_usable() -> bool:

@@ -30,7 +30,7 @@ from ...shared.loss import token_loss, true_bits
 from ...shared.model import Recurrent, build_model, param_specs
 from ...shared.perturb import member_noise, noise_scales, pair_noise
 from ...shared.replica import ReplicaState
-from ...shared.sample import Completions, generate_rows
+from ...shared.sample import Completions, SampleRequest, generate_rows, write_sample
 from ...shared.update import apply_update
 from ...shared.window import (
     VALIDATION_STREAMS,
@@ -200,6 +200,9 @@ class NumpyBackend:
             losses.append(loss)
         loss = np.concatenate(losses)
         return ChunkResult(pair_fitness(loss, cfg.fitness), int(loss.sum()))
+
+    def write_sample(self, request: SampleRequest) -> tuple[bytes, bytes]:
+        return write_sample(self.state, self.dataset, request)
 
     def complete(
         self, step: int, members: tuple[int, int] | None, request: Completions

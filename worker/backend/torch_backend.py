@@ -27,13 +27,15 @@ import structlog
 from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
-from ...shared.goal import TextCodec, check_model, model_dir
+from ...shared.objectives import objective_of
+from ...shared.pinned import check_model, model_dir
 from ...shared.replica import ReplicaState
-from ...shared.sample import Completions
+from ...shared.sample import Completions, SampleRequest
+from ...shared.text_codec import TextCodec
 from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
 from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
-from . import BackendFactory, ChunkResult, HeldOut, Validation, check_chunk
+from . import FAMILIES, BackendFactory, ChunkResult, HeldOut, Validation, check_chunk
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -76,13 +78,14 @@ class TorchBackend:
         self.state = state
         cfg = state.config
         limit = getattr(self.lm.model.config, "max_position_embeddings", None) or 1 << 16
+        windows = objective_of(cfg).WINDOWS  # members read the train split's windows
         self.codec = TextCodec(
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             self._decode,
             max(1, limit - cfg.fitness.completion_tokens),
             "the model's max_position_embeddings less fitness.completion_tokens",
         )
-        if cfg.fitness.objective == "next_token" and cfg.es.seq_len + 1 > limit:
+        if windows and cfg.es.seq_len + 1 > limit:
             raise HFModelError(
                 f"es.seq_len={cfg.es.seq_len} reads {cfg.es.seq_len + 1} positions; the model "
                 f"in {path} has {limit}"
@@ -91,7 +94,7 @@ class TorchBackend:
         # it here with one line, not in the middle of a step.
         self._splits: dict[str, np.ndarray] = {}
         self.split("valid")
-        if cfg.fitness.objective == "next_token":
+        if windows:
             self.split("train")
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -204,37 +207,31 @@ class TorchBackend:
             parts.append(self.lm.complete(step, (lo, n), *args))
         return np.concatenate(parts)
 
-    def write_sample(
-        self,
-        seed: int,
-        document: int,
-        prompt_tokens: int,
-        new_tokens: int,
-        temperature: int,
-        min_p: int,
-    ) -> tuple[str, str]:
+    def write_sample(self, request: SampleRequest) -> tuple[bytes, bytes]:
         """The unperturbed model continues the first `prompt_tokens` tokens of held-out
-        document `document` (modulo their number; temperature and min_p in thousandths, as
-        eggroll-sample gives them; the int8 models' penalties do not apply)."""
+        document `prompt_index` (modulo their number; temperature and min_p in thousandths;
+        the int8 models' penalties and top-k do not apply)."""
         valid, eos = self.split("valid"), self.tokenizer.eos_token_id
         starts = np.concatenate([[0], np.flatnonzero(valid == eos) + 1])
         starts = starts[starts < len(valid)]
+        document = request.prompt_index
         first = int(starts[document % len(starts)])
-        window = valid[first : first + max(1, min(prompt_tokens, self.codec.context))]
+        window = valid[first : first + max(1, min(request.prompt_tokens, self.codec.context))]
         cut = np.flatnonzero(window == eos)
         prompt = window[: cut[0]] if len(cut) and cut[0] > 0 else window
         out = self.lm.complete(
             self.step,
             None,
             [prompt.tolist()],
-            new_tokens,
-            temperature / 1000,
-            seed,
+            request.new_tokens,
+            request.temperature / 1000,
+            request.seed,
             0,
             [document],
-            min_p / 1000,
+            request.min_p / 1000,
         )
-        return self.codec.decode(prompt.tolist()), self.codec.decode(out[0, 0].tolist())
+        texts = self.codec.decode(prompt.tolist()), self.codec.decode(out[0, 0].tolist())
+        return texts[0].encode(), texts[1].encode()
 
 
 def factory(
@@ -262,6 +259,5 @@ def factory(
         log.info("loading model", path=str(path), device=device, dtype=dtype)
         return TorchBackend(dataset, state, path, device, dtype, batch_members)
 
-    return BackendFactory(
-        TorchBackend.name, device, build, threads if device == "cpu" else None, hf=True
-    )
+    cpu_threads = threads if device == "cpu" else None
+    return BackendFactory(TorchBackend.name, device, build, cpu_threads, FAMILIES["torch"])
