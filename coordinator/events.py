@@ -1,8 +1,9 @@
 """What the run core reports: events that happened in the run, for the shell to record.
 
 The core (`run.py`) neither measures nor logs; it returns these beside its commands, and the
-server's executor (`server.py`) decides how each is measured (`metrics.py`) and logged
-(shared/logs.py names the events eggroll-local reads). Plain frozen data, no behaviour.
+server's executor (`server.py`) records them: `record.py` decides how each is measured
+(`metrics.py`) and logged (shared/logs.py names the events eggroll-local reads). Plain frozen
+data, no behaviour.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """The run core: the coordinator's side of protocol/SPEC.md §8 as pure code.
 
 No asyncio, no sockets, no metrics, no logging. `RunCore` owns the open step's jobs, the chunk
-timer, digest agreement and the snapshot, validation and sample wants, and keeps one `Peer`
-record per connected worker. Each incoming message goes to `receive(peer, msg)`; time passing
-goes to `expire()`, a lost connection to `peer_left(peer)`. Every call returns, in order, the
-commands to carry out (send this message to that peer, serve a stored snapshot, store a
-received one) and the events (`events.py`: a step committed, a chunk re-queued, a held-out
-score in), which the shell (`server.py`) records in the metrics and the log. A peer is refused
-by raising `Refused`, which carries the ERROR code the shell sends before it closes the
-connection, and the events that led to it. Store effects go through the `RunStore` it is
-handed: the fitness log append (fsync'd) happens here, before any STEP is returned, so a step
-is durable before any worker hears of it. Snapshot bytes are read, decoded and written by the
-shell, off its loop.
+timer, the trust rules (`trust.py`: machine groups, digest quorum, waivers, convictions) and
+the snapshot, validation and sample wants, and keeps one `Peer` record per connected worker.
+Each incoming message goes to `receive(peer, msg)`; time passing goes to `expire()`, a lost
+connection to `peer_left(peer)`. Every call returns, in order, the commands to carry out (send
+this message to that peer, serve a stored snapshot, store a received one) and the events
+(`events.py`: a step committed, a chunk re-queued, a held-out score in), which the shell
+(`server.py`) records in the metrics and the log (`record.py`). A peer is refused by raising
+`Refused`, which carries the ERROR code the shell sends before it closes the connection, and
+the events that led to it. Store effects go through the `RunStore` it is handed: the fitness
+log append (fsync'd) happens here, before any STEP is returned, so a step is durable before any
+worker hears of it. Snapshot bytes are read, decoded and written by the shell, off its loop.
 
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
@@ -19,8 +19,8 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   operator gave (--data-dir, --data-digest), else the one two groups agree on (until then
   every worker is admitted and none can settle it alone); WELCOME carries the run id,
   config, open step S, snapshot step.
-- Digests (quorum): a step's replica digest is agreed when two groups report it (`_group`:
-  two addresses while workers at two are connected, else two connections);
+- Digests (quorum): a step's replica digest is agreed when two groups report it (trust.py:
+  two machines while workers of two are connected, else two connections);
   only agreed digests are stored. A report that differs from the agreed digest is that
   worker's divergence (DIVERGED), never the run's. With one worker in the run, its report
   is agreed by the snapshot it uploads, whose digest the coordinator recomputes.
@@ -32,11 +32,11 @@ Rules, in the order of SPEC §8 (each handler below names the one it implements)
   (else the worker is refused); the first valid result of a chunk settles it, except for
   checks (jobs.py): a share of each step's chunks drawn at random (--verify-fraction),
   every result from an address where a worker was outvoted, and chunks whose results
-  differ wait for an equal result from another group (an address while workers at two are
-  connected: `_group`); a group whose result loses a vote has its votes of the step dropped,
+  differ wait for an equal result from another group (a machine while workers of two are
+  connected); a group whose result loses a vote has its votes of the step dropped,
   and its workers are refused with DIVERGED at their next message (a replica may be what is
   wrong). A check is waived only when every connected group has voted on it or has
-  stalled (`_waive`: work unanswered or not done for STALL_S). When the last
+  stalled (trust.py: work unanswered or not done for STALL_S). When the last
   chunk is settled, the step is committed: log append + fsync, then STEP to everyone. An
   append that fails raises `Fatal`: the coordinator stops.
 - Snapshots and validation: each is a `Want` (a step) served by the first worker that asks
@@ -69,7 +69,6 @@ import math
 import random
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,8 +100,9 @@ from ..protocol import (
     Welcome,
     verify_mac,
 )
-from ..protocol.errors import ADDRESS_OUTVOTED
 from ..shared.fitness import chunk_loss_range, mean_score, member_tokens
+from ..shared.model import ARCHS
+from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
@@ -112,34 +112,28 @@ from .events import (
     ChunkChecked,
     ChunkTimed,
     Committed,
-    DataDigestAgreed,
-    DigestMismatch,
-    DigestsDisagree,
     Event,
     FileDegraded,
     Joined,
     Leased,
     Left,
     NoSnapshotSource,
-    Outvoted,
     Overprovisioned,
     Progress,
     Rejected,
     Requeued,
     ResultDropped,
     Sampled,
-    SharedIdentity,
     SnapshotDropped,
     SnapshotRejected,
     SnapshotStored,
-    Stalled,
-    Undecided,
     Validated,
     WorkerError,
     WorkerLog,
 )
-from .jobs import STALL_S, ChunkTimer, Clock, Outcome, StepJobs
+from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .store import RunStore, WriteFailure
+from .trust import Distrusted, Trust
 
 __all__ = [
     "CATCHUP_STEPS",
@@ -162,9 +156,6 @@ __all__ = [
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
 PROGRESS_S = 10.0  # a step open this long (since its first lease) logs its progress this often
-# Steps a digest tally is kept after the run moves past it: a worker that lags the others (a
-# CPU beside GPUs reports the steps it reaches late) still has its digests compared.
-DIGEST_WINDOW = 64
 
 
 class Fatal(Exception):
@@ -341,24 +332,14 @@ class RunCore:
                 )
             if store.data_digest is None:
                 store.set_data_digest(data_digest)
-        self.data_votes: dict[bytes, set[int]] = {}  # unsettled data digest -> workers
-        # step -> digest -> workers that reported it, for steps not yet agreed
-        self.tallies: dict[int, dict[int, set[int]]] = {}
-        self.disagreed: set[int] = set()  # steps in the tallies whose disagreement was reported
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
-        # Where a worker was outvoted: every result checked (kept in run.json across restarts)
-        self.suspect_hosts: set[str] = store.suspect_hosts
-        self.ready_hosts: Counter[str] = Counter()  # connected workers per machine
-        self.shared_said: set[str] = set()  # identities seen from two addresses (bounded:
-        # one entry per certificate identity, which the CA issues)
-        self.departed: dict[int, str] = {}  # the machine of each worker gone in this step
-        self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
         # to compare, so no checks; every other run's is a pure function of the replica.
-        self.exact = self.cfg.model.arch != "hf"
+        self.exact = ARCHS[self.cfg.model.arch].EXACT
         self.peers: dict[int, Peer] = {}
+        self.trust = Trust(store, self.peers, clock)  # groups, quorum, waivers, convictions
         self._ids = itertools.count(1)
         self.jobs = self._open_step(store.steps)
         self.snapshot = Want()  # a state worth keeping; asked of one worker at a time
@@ -392,7 +373,8 @@ class RunCore:
         return sum(1 for p in self.peers.values() if p.ready)
 
     def status(self) -> Status:
-        undecided = len(self._undecided(self._able()[0])) if self.jobs.checks else 0
+        trust, jobs = self.trust, self.jobs
+        undecided = len(trust.undecided(jobs, trust.able(jobs)[0])) if jobs.checks else 0
         return Status(self.step, self.ready_count(), self.weights_changed, undecided)
 
     def name(self, peer_id: int) -> str:
@@ -413,11 +395,7 @@ class RunCore:
         peer = self.peers.pop(peer_id, None)
         if peer is None:
             return []
-        if peer.ready:
-            self.ready_hosts[peer.host] -= 1
-            self.ready_hosts += Counter()  # drop the addresses left with none
-        if peer_id in self.jobs.workers():
-            self.departed[peer_id] = peer.host  # its votes of the step still count as its
+        self.trust.leave(peer, self.jobs)
         out: list[Output] = []
         if peer.ready or peer.replica_step is not None:
             namesakes = sum(1 for p in self.peers.values() if p.ready and p.name == peer.name)
@@ -425,13 +403,10 @@ class RunCore:
         self.snapshot.retry(peer_id)  # another worker is asked
         if self.sample.drop(peer_id) is not None:
             self.sample.step = self.step  # another worker writes it
-        for votes in self.tallies.values():
-            _forget(votes, peer_id)
-        _forget(self.data_votes, peer_id)  # a vote counts while its worker is connected
         requeued = self.jobs.release_worker(peer_id)
         if requeued:
             out.append(Requeued("disconnect", tuple(requeued), self.step))
-        waived = self._waive()  # it may have been the only worker that could check
+        waived = self.trust.waive(self.jobs, self.step)  # it may have been the only checker
         out += waived + self._push_jobs()
         return out + self._commit() if waived and self.jobs.complete else out
 
@@ -448,7 +423,7 @@ class RunCore:
         requeued = self.jobs.expire()
         if requeued:
             out.append(Requeued("deadline", tuple(requeued), self.step))
-        waived = self._waive()  # a checker may have stalled
+        waived = self.trust.waive(self.jobs, self.step)  # a checker may have stalled
         if requeued or waived:
             out += waived + self._push_jobs()
         return out + self._commit() if waived and self.jobs.complete else out
@@ -458,8 +433,7 @@ class RunCore:
         times = [self.jobs.next_deadline(), self._progress_due()]
         if self.jobs.checks:  # when a checker they wait for could next stall
             now = self.clock()
-            times.append(self.jobs.next_overdue())
-            times += [p.worked + STALL_S for p in self.peers.values() if p.ready]
+            times += [self.jobs.next_overdue(), *self.trust.stall_times()]
             times = [t for t in times if t is None or t > now]
         return min((t for t in times if t is not None), default=None)
 
@@ -477,7 +451,10 @@ class RunCore:
         peer = self.peers[peer_id]
         if peer.outvoted:
             raise self.refuse(peer, ErrorCode.DIVERGED, peer.outvoted)
-        out = handler(self, peer, msg)
+        try:
+            out = handler(self, peer, msg)
+        except Distrusted as exc:  # a report against what the run agreed (trust.py)
+            raise self.refuse(peer, exc.code, exc.message, *exc.events) from None
         return out + self.store_events()  # a digest agreed, a data digest set
 
     def store_events(self) -> list[Event]:
@@ -524,7 +501,7 @@ class RunCore:
                 ErrorCode.AUTH_FAILED,
                 "wrong token: give the coordinator's token (--token-file or EGGROLL_TOKEN)",
             )
-        out: list[Output] = list(self._check_data_digest(peer))
+        out: list[Output] = list(self.trust.check_data_digest(peer))
         snapshot = self.store.latest_snapshot
         welcome = Welcome(
             self.store.run_id,
@@ -535,86 +512,12 @@ class RunCore:
         )
         peer.ready = True
         peer.worked = self.clock()
-        out += self._shared_identity(peer)
-        self.ready_hosts[peer.host] += 1
+        out += self.trust.join(peer)
         peer.broadcast_from = self.step
         out.append(Joined(peer.name, peer.address, self.ready_count(), peer.machine))
         if self.ready_count() == self.cfg.chunks + 1:
             out.append(Overprovisioned(self.ready_count(), self.cfg.chunks, self.cfg.es.chunk_size))
         return [*out, Send(peer.id, welcome)]
-
-    def _shared_identity(self, peer: Peer) -> list[Event]:
-        """A certificate identity connected from two addresses at once: one certificate (or
-        common name) on several machines, which then count as one in the checks. Said once
-        an identity; a machine with two addresses is the case to tell from it."""
-        if not peer.machine or peer.machine in self.shared_said:
-            return []
-        hosts = {p.address_host for p in self.peers.values() if p.ready and p.host == peer.host}
-        if not hosts - {peer.address_host}:
-            return []
-        self.shared_said.add(peer.machine)
-        return [SharedIdentity(peer.machine, tuple(sorted(hosts)))]
-
-    def _check_data_digest(self, peer: Peer) -> list[Event]:
-        """The operator's digest, or the one two workers agree on, is the run's."""
-        run_digest, mine = self.store.data_digest, peer.data_digest
-        if run_digest is not None:
-            if run_digest != mine:
-                raise self.refuse(
-                    peer,
-                    ErrorCode.DATA_MISMATCH,
-                    f"worker data digest {mine.hex()[:16]} differs from the run's "
-                    f"{run_digest.hex()[:16]}: give the worker the run's data directory",
-                )
-            return []
-        voters = self.data_votes.setdefault(mine, set())
-        voters.add(peer.id)
-        if len({self._group(v) for v in voters}) < 2:
-            return []
-        self.store.set_data_digest(mine)
-        self.data_votes.clear()
-        return [DataDigestAgreed(mine, len(voters))]
-
-    # ------------------------------------------------------------------ digests
-
-    def _check_digest(self, peer: Peer, step: int, digest: int) -> list[Event]:
-        """Tally a report; DIVERGED when it differs from the step's agreed digest."""
-        agreed = self.store.digests.get(step)
-        if agreed is not None:
-            if agreed != digest:
-                raise self.refuse(
-                    peer,
-                    ErrorCode.DIVERGED,
-                    f"replica digest at step {step} differs from the run's agreed one: resync",
-                    DigestMismatch(peer.name, step),
-                )
-            return []
-        if step < self.step - DIGEST_WINDOW:
-            return []  # its tally is gone: a report this old is never agreed now
-        # One report per worker and step, so a peer cannot grow the tally without bound.
-        votes = self.tallies.setdefault(step, {})
-        _forget(votes, peer.id)
-        voters = votes.setdefault(digest, set())
-        voters.add(peer.id)
-        if len({self._group(v) for v in voters}) >= 2:
-            self._agree(step, digest)
-        elif len(votes) > 1 and step not in self.disagreed:  # once a step, late reports too
-            self.disagreed.add(step)
-            return [DigestsDisagree(step, len(votes))]
-        return []
-
-    def _agree(self, step: int, digest: int) -> None:
-        self.store.record_digest(step, digest)
-        del self.tallies[step]
-
-    def _provisional(self, peer: Peer, step: int) -> int | None:
-        """The digest `peer` reported for `step` if it is the run's only worker, else None."""
-        if self.ready_count() != 1:
-            return None
-        for digest, voters in self.tallies.get(step, {}).items():
-            if peer.id in voters:
-                return digest
-        return None
 
     # ------------------------------------------------------------------ jobs
 
@@ -626,7 +529,7 @@ class RunCore:
                 ErrorCode.DIVERGED,
                 f"replica is at step {step}, the run has committed {self.step}",
             )
-        out: list[Output] = list(self._check_digest(peer, step, msg.replica_digest))
+        out: list[Output] = list(self.trust.check_digest(peer, step, msg.replica_digest, self.step))
         peer.replica_step = step
         if step < self.step:
             if step >= peer.broadcast_from:
@@ -687,109 +590,6 @@ class RunCore:
                 out += self._lease_to(peer, pushed=True)
         return out
 
-    def _host(self, worker: int) -> str:
-        peer = self.peers.get(worker)
-        return peer.host if peer is not None else self.departed[worker]
-
-    def _group(self, worker: int) -> tuple[str, ...]:
-        """Whose vote a worker casts (on a chunk, a digest): its machine's (address, or
-        certificate with --machine-identity certificate) while workers of two are
-        connected (a machine's connections never confirm each other, nor one that comes
-        back), else each connection its own (a run on one machine). Worked out when the
-        votes are counted, so all of them count the same way."""
-        host = self._host(worker)
-        return (host,) if len(self.ready_hosts) > 1 else (host, str(worker))
-
-    def _waive(self) -> list[Output]:
-        """Settle on its one result a check that no connected worker could make: every
-        connected group has voted on it (the run's only machine), or is stalled. A checker
-        that is slow, even past its lease's deadline, is waited for (being slow says nothing
-        of whether another worker lies, and a liar could make honest leases expire early),
-        but not forever: a worker that has neither returned a result nor asked for a job at
-        the open step for STALL_S, and holds a lease unanswered past its overdue time (at
-        least STALL_S) or none while not waiting for one (hung while it heartbeats, or stuck
-        short of the open step), counts as gone until it works again. One machine's hung
-        GPU must not halt the others' run."""
-        if not self.jobs.checks:
-            return []
-        groups, stalled = self._able()
-        out: list[Output] = []
-        for chunk in self._undecided(groups):  # reported once a step
-            if chunk not in self.undecided_said:
-                self.undecided_said.add(chunk)
-                hosts = {self._host(w) for ws in self.jobs.votes[chunk].values() for w in ws}
-                out.append(Undecided(self.step, chunk, tuple(sorted(hosts))))
-        waived = [c for c in self.jobs.waivable() if groups <= self.jobs.voted(c)]
-        if not waived:
-            return out
-        now = self.clock()
-        for p in stalled:  # reported once a spell, where it held up a check
-            group = self._group(p.id)
-            if not p.stalled and any(group not in self.jobs.voted(c) for c in waived):
-                p.stalled = True
-                out.append(Stalled(p.name, p.address, self.step, round(now - p.worked)))
-        self.jobs.waive(waived)
-        return [*out, ChunkChecked("waived", self.step, tuple(waived))]
-
-    def _able(self) -> tuple[set[tuple[str, ...]], list[Peer]]:
-        """The groups a check waits for (`_waive`), and the connected workers that stalled."""
-        overdue, now = self.jobs.overdue(), self.clock()
-        groups, stalled = set(), []
-        for p in self.peers.values():
-            if not p.ready or p.outvoted:
-                continue
-            # Silent STALL_S, and then holding a lease past its overdue time, or none while
-            # not waiting for one. Silence alone is not enough: one chunk dropped (a reward
-            # that failed) must not make a worker that goes on working stalled.
-            if now >= p.worked + STALL_S and (  # the very sum `next_deadline` wakes at
-                p.id in overdue or (not p.waiting and not self.jobs.live[p.id])
-            ):
-                stalled.append(p)
-            else:
-                groups.add(self._group(p.id))
-        return groups, stalled
-
-    def _undecided(self, groups: set[tuple[str, ...]]) -> list[int]:
-        """Disputed chunks on which every group in `groups` has voted: only another machine
-        can decide them (with two machines in the run, a third)."""
-        votes = self.jobs.votes
-        return [c for c in self.jobs.checks if len(votes[c]) > 1 and groups <= self.jobs.voted(c)]
-
-    def _convict(self) -> list[Output]:
-        """Workers whose results lost a vote: dropped with their results of the step, their
-        address checked from now on, refused at their next message."""
-        out: list[Output] = []
-        while taken := self.jobs.take_outvoted():  # dropping votes may settle more chunks
-            for loser, chunk in taken:
-                # Its group goes: every connection of its machine, its votes (gone or not).
-                group = self._group(loser)
-                workers = self.jobs.workers() | set(self.peers)
-                for worker in sorted(w for w in workers if self._group(w) == group):
-                    requeued = self.jobs.drop_worker(worker)
-                    if requeued:
-                        out.append(Requeued("outvoted", tuple(requeued), self.step))
-                    host = self._host(worker)
-                    if host not in self.suspect_hosts:
-                        self.store.add_suspect_host(host)
-                        self.suspect_hosts = self.store.suspect_hosts  # bounded as stored
-                    peer = self.peers.get(worker)
-                    if peer is None:
-                        continue
-                    # The loser hears why; its machine's other workers resync too, told
-                    # apart (ADDRESS_OUTVOTED): they count no divergence of their own.
-                    first = not peer.outvoted
-                    if worker == loser:
-                        peer.outvoted = (
-                            f"fitness for chunk {chunk} of step {self.step} lost a vote to "
-                            "other workers': resync"
-                        )
-                    elif first:
-                        peer.outvoted = ADDRESS_OUTVOTED
-                    peer.waiting = False
-                    if first:
-                        out.append(Outvoted(peer.name, peer.address, self.step, chunk))
-        return out
-
     def _on_result(self, peer: Peer, msg: Result) -> list[Output]:
         out: list[Output] = []
         started = peer.job_started.pop(msg.chunk, None)
@@ -800,15 +600,16 @@ class RunCore:
             out.append(ChunkTimed(peer.name, seconds, tokens))
         if msg.step == self.step:
             try:
-                out += self._check_digest(peer, msg.step, msg.replica_digest)
-            except Refused as exc:
-                exc.events[:0] = out
-                exc.events.append(ResultDropped("diverged", peer.name, msg.step, msg.chunk, True))
-                raise
+                out += self.trust.check_digest(peer, msg.step, msg.replica_digest, self.step)
+            except Distrusted as exc:
+                refused = self.refuse(peer, exc.code, exc.message, *out, *exc.events)
+                refused.events.append(
+                    ResultDropped("diverged", peer.name, msg.step, msg.chunk, True)
+                )
+                raise refused from None
         outcome = self.jobs.complete_chunk(
             *(peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum),
-            # its machine, or its address (recorded while addresses stood for machines)
-            verify=not self.suspect_hosts.isdisjoint({peer.host, peer.address_host}),
+            verify=self.trust.suspect(peer),
         )
         if outcome not in (Outcome.STALE, Outcome.OUT_OF_RANGE, Outcome.BAD_SIZE):
             peer.worked, peer.stalled = self.clock(), False  # work for the open step
@@ -839,7 +640,8 @@ class RunCore:
             out.append(ChunkChecked("disputed", msg.step, (msg.chunk,)))
         elif outcome is not Outcome.VOTED:
             out.append(dropped)
-        out += self._convict() + self._waive() + self._push_jobs()
+        out += self.trust.convict(self.jobs, self.step) + self.trust.waive(self.jobs, self.step)
+        out += self._push_jobs()
         return out + self._commit() if self.jobs.complete else out
 
     def _commit(self) -> list[Output]:
@@ -865,11 +667,7 @@ class RunCore:
                 peer.job_started.clear()
                 out.append(Send(peer.id, message))
         self.jobs = self._open_step(self.step)
-        self.departed.clear()
-        self.undecided_said.clear()
-        for old in [s for s in self.tallies if s < self.step - DIGEST_WINDOW]:
-            del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
-        self.disagreed = {s for s in self.disagreed if s >= self.step - DIGEST_WINDOW}
+        self.trust.next_step(self.step)
         every = self.options.snapshot_every
         if every and self.step % every == 0:
             self.snapshot.step = self.step
@@ -901,19 +699,19 @@ class RunCore:
             loss_range=self.loss_range,
             verify=[c for c in range(self.cfg.chunks) if self._draw.random() < share],
             exact=self.exact,
-            group=self._group,
+            group=self.trust.group,
         )
 
     def _committed(self, step: int, jobs: StepJobs) -> Committed:
         # From the step's first lease: time spent waiting for workers is not step time.
         seconds = max(self.clock() - (jobs.first_lease or jobs.opened), 1e-9)
         cfg, score = self.cfg, mean_score(self.cfg, jobs.loss_sum)
-        reward_run = cfg.fitness.objective == "reward"
+        scores = {objective_of(cfg).SCORE: score}  # "loss_bits" or "reward"
         return Committed(
             step=step,
             seconds=seconds,
-            loss_bits=math.nan if reward_run else score,
-            reward=score if reward_run else None,
+            loss_bits=scores.get("loss_bits", math.nan),
+            reward=scores.get("reward"),
             member_tokens=member_tokens(cfg, cfg.es.population),
             changed=self.weights_changed or 0,
             workers=self.ready_count(),
@@ -959,7 +757,7 @@ class RunCore:
         step = self.snapshot.step
         if self.snapshot.asked is not None or step is None or peer.replica_step != step:
             return []
-        if self.store.digests.get(step) is None and self._provisional(peer, step) is None:
+        if self.store.digests.get(step) is None and self.trust.provisional(peer, step) is None:
             return []
         return self._ask(self.snapshot, peer, self._snapshot_request)
 
@@ -1010,8 +808,8 @@ class RunCore:
         if state is not None:
             step = state.step
             agreed = self.store.digests.get(step)
-            if agreed is None and peer is not None:
-                agreed = self._provisional(peer, step)  # the sole worker's, checked by its state
+            if agreed is None and peer is not None:  # the sole worker's, checked by its state
+                agreed = self.trust.provisional(peer, step)
             asked = self.snapshot.asked
             if (
                 state.config.digest() != self.cfg.digest()
@@ -1022,7 +820,7 @@ class RunCore:
             ):
                 reason = "config, step or digest does not match the run"
             elif step not in self.store.digests:
-                self._agree(step, agreed)
+                self.trust.agree(step, agreed)
         if not reason:
             return None
         self.snapshot.retry(peer_id)  # only now may another worker be asked
@@ -1102,14 +900,6 @@ class RunCore:
 
     def _on_error(self, peer: Peer, msg: Error) -> list[Output]:
         return [WorkerError(peer.name, int(msg.code), msg.message)]
-
-
-def _forget(votes: dict, peer_id: int) -> None:
-    """Take `peer_id` out of every voter set of `votes`, dropping the sets left empty."""
-    for key in [k for k, voters in votes.items() if peer_id in voters]:
-        votes[key].discard(peer_id)
-        if not votes[key]:
-            del votes[key]
 
 
 # Incoming message type -> handler. The connection's state machine (protocol/connection.py)

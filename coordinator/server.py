@@ -1,13 +1,13 @@
 """The coordinator server: the lifecycle and the sockets around the pure run core.
 
-Every rule of protocol/SPEC.md §8 lives in `run.py`. This file starts the listener, runs one
-read task per worker connection (bytes -> `Connection` -> `RunCore.receive` -> carry out what
-it returns), and shuts down in order: stop accepting, ask for a last snapshot, tell every
-worker, wait a bounded time, cancel the rest. What the core returns is carried out by one
-`Executor`, which the in-memory flow tests drive too: it writes messages, reads and writes
-snapshot files off the event loop, and records the core's events in the metrics and the log,
-and the run's curve (each committed step, held-out score and sample) in the save directory's
-history.log and the experiment tracker, if any.
+Every rule of protocol/SPEC.md §8 lives in `run.py` (the trust rules in `trust.py`). This file
+starts the listener, runs one read task per worker connection (bytes -> `Connection` ->
+`RunCore.receive` -> carry out what it returns), and shuts down in order: stop accepting, ask
+for a last snapshot, tell every worker, wait a bounded time, cancel the rest. What the core
+returns is carried out by one `Executor`, which the in-memory flow tests drive too: it writes
+messages, reads and writes snapshot files off the event loop, and records the core's events
+(`record.py`: the metrics and the log, and the run's curve, each committed step, held-out score
+and sample, in the save directory's history.log and the experiment tracker, if any).
 All run state is touched from the event loop only, so no locks are needed.
 
 Every peer is bounded: a cap on connections (in all and per address), a deadline for the
@@ -44,15 +44,15 @@ from ..protocol import (
 from ..protocol.errors import RUN_COMPLETE
 from ..protocol.messages import SNAPSHOT_CHUNK_BYTES
 from ..protocol.security import IDENTITY_PREFIXES, certificate_identity, is_loopback
-from ..shared.logs import LISTENING, PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
+from ..shared.logs import LISTENING
 from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
-from ..shared.save_dir import DIGESTS_LOG, HISTORY_LOG, RUN_FILE
-from ..shared.tracking import CurveSink, Tracker
+from ..shared.tracking import Tracker
 from . import events
-from .jobs import Clock, Outcome
+from .jobs import Clock
 from .link import Link
 from .metrics import Metrics
+from .record import record
 from .run import (
     Fatal,
     Output,
@@ -65,7 +65,7 @@ from .run import (
 )
 from .store import RunStore, SnapshotWriteError
 
-__all__ = ["Coordinator", "Executor", "Listener", "Options", "record"]
+__all__ = ["Coordinator", "Executor", "Listener", "Options"]
 
 log = structlog.get_logger("eggroll.coordinator")
 
@@ -94,253 +94,6 @@ class Options:
     write_timeout_s: float = 30.0  # a peer must read what it is sent within this
     max_connections: int = 256
     max_connections_per_address: int = 32
-
-
-def record(
-    metrics: Metrics,
-    event: events.Event,
-    net: tuple[int, int] = (0, 0),
-    curve: CurveSink | None = None,
-) -> None:
-    """Measure and log one event of the run core. `net`: the bytes received and sent since
-    the last commit, for a `Committed` step's line. Log event names and fields are a
-    contract (shared/logs.py). `curve` gets the step, validation and sample lines as records
-    too (history.log and the tracker)."""
-    match event:
-        case events.Committed():
-            metrics.committed(event.seconds, event.loss_bits, event.member_tokens, event.reward)
-            score = (
-                {"loss_bits": round(event.loss_bits, 4)}
-                if event.reward is None
-                else {"reward": round(event.reward, 4)}
-            )
-            _log(
-                curve,
-                STEP,
-                step=event.step + 1,  # steps committed, this one included
-                member_tokens=event.member_tokens,
-                **score,
-                step_s=round(event.seconds, 3),
-                changed=event.changed,
-                member_tok_s=round(event.member_tokens / event.seconds),
-                workers=event.workers,
-                net_in=net[0],
-                net_out=net[1],
-                requeued=event.requeued,
-            )
-        case events.Leased():
-            metrics.chunks_leased.inc()
-        case events.ChunkTimed():
-            metrics.worker_chunk(event.worker, event.seconds, event.member_tokens)
-        case events.ChunkAccepted():
-            metrics.chunks_completed.inc()
-        case events.ChunkChecked():
-            metrics.chunk_checks.labels(event.result).inc(len(event.chunks))
-            if event.result == "disputed":
-                log.warning(
-                    "results differ",
-                    step=event.step,
-                    chunk=event.chunks[0],
-                    hint="further workers score the chunk; the result with the most votes wins",
-                )
-            elif event.result == "waived":
-                log.info("checks waived", step=event.step, chunks=event.chunks)
-        case events.Outvoted():
-            metrics.workers_outvoted.inc()
-            log.error(
-                "worker outvoted",
-                worker=event.worker,
-                peer=event.address,
-                step=event.step,
-                chunk=event.chunk,
-                hint="its fitness differs from other workers' for the same chunk (a fault or "
-                "a lie): its results of the step are dropped, it resyncs, and every result "
-                "from its machine (its address, or its certificate) is checked from now on",
-            )
-        case events.Undecided():
-            log.error(
-                "results differ and no connected machine can decide",
-                step=event.step,
-                chunk=event.chunk,
-                machines=",".join(event.hosts),
-                hint="the step waits until a worker on another machine scores the chunk: "
-                "start one (a CPU worker on this host will do); then compare the two "
-                "machines' installs and hardware",
-            )
-        case events.Stalled():
-            metrics.workers_stalled.inc()
-            log.warning(
-                "worker stalled",
-                worker=event.worker,
-                peer=event.address,
-                step=event.step,
-                seconds=event.seconds,
-                hint="it holds a chunk long past its deadline, or has returned no result in "
-                "that time: checks no longer wait for it until it returns one (a hung GPU? "
-                "restart that worker)",
-            )
-        case events.ResultDropped():
-            metrics.results_dropped.labels(event.reason).inc()
-            if not event.refused:
-                level = log.error if event.reason == Outcome.MISMATCH.value else log.info
-                level(
-                    "result dropped",
-                    reason=event.reason,
-                    worker=event.worker,
-                    step=event.step,
-                    chunk=event.chunk,
-                )
-        case events.Requeued():
-            metrics.chunks_requeued.labels(event.reason).inc(len(event.chunks))
-            log.info("chunks requeued", reason=event.reason, chunks=event.chunks, step=event.step)
-        case events.Progress():
-            log.info(
-                PROGRESS,
-                step=event.step,
-                chunks_done=event.chunks_done,
-                chunks=event.chunks,
-                seconds=event.seconds,
-            )
-        case events.CatchupServed():
-            metrics.catchup_steps.inc(event.steps)
-        case events.Joined():
-            machine = {"machine": event.machine} if event.machine else {}
-            log.info(
-                "worker joined",
-                worker=event.worker,
-                peer=event.address,
-                workers=event.workers,
-                **machine,
-            )
-        case events.SharedIdentity():
-            log.warning(
-                "one certificate from several addresses",
-                machine=event.machine,
-                addresses=",".join(event.addresses),
-                hint="machines that share a certificate (or its common name) count as one "
-                "in the checks: give each machine its own (ignore this for one machine with "
-                "several addresses)",
-            )
-        case events.Overprovisioned():
-            log.warning(
-                "more workers than chunks",
-                workers=event.workers,
-                chunks=event.chunks,
-                hint=f"a step has {event.chunks} chunks: the workers beyond them wait, or "
-                "score check and backup copies; a run with es.population of at least "
-                f"workers x {event.chunk_size} keeps every worker busy",
-            )
-        case events.Left():
-            log.info("worker left", worker=event.worker, workers=event.workers)
-            if not event.namesakes:  # a reconnected worker's new session keeps its series
-                metrics.worker_left(event.worker)
-        case events.Rejected():
-            metrics.protocol_errors.labels(event.code.name).inc()
-            log.warning(
-                "rejecting worker", worker=event.worker, code=event.code.name, reason=event.reason
-            )
-        case events.DataDigestAgreed():
-            log.info("data digest agreed", digest=event.digest.hex()[:16], workers=event.workers)
-        case events.DigestMismatch():
-            metrics.digest_mismatches.inc()
-        case events.DigestsDisagree():
-            metrics.digest_mismatches.inc()
-            log.warning(
-                "digests disagree",
-                step=event.step,
-                digests=event.digests,
-                hint="no two workers agree on the replica: a backend or version differs",
-            )
-        case events.NoSnapshotSource():
-            log.info(
-                "no worker at the current step for a final snapshot yet",
-                step=event.step,
-                hint="one is asked when it reaches the step, within 10 s",
-            )
-        case events.SnapshotRejected():
-            log.warning("snapshot rejected", worker=event.worker, reason=event.reason)
-        case events.SnapshotDropped():
-            metrics.save_dir_write_failures.labels("snapshot").inc()
-            log.warning(
-                "snapshot dropped",
-                step=event.step,
-                path=event.path,
-                error=event.error,
-                free_bytes=event.free_bytes,
-                hint="the run goes on (the fitness log holds every step); the next snapshot "
-                "step tries again",
-            )
-        case events.FileDegraded():
-            name = os.path.basename(event.path)
-            metrics.save_dir_write_failures.labels(_DEGRADED_FILES.get(name, "other")).inc()
-            log.warning(
-                "save directory write failed",
-                path=event.path,
-                error=event.error,
-                free_bytes=event.free_bytes,
-                hint=_DEGRADED_HINTS.get(name, "the run goes on"),
-            )
-        case events.SnapshotStored():
-            metrics.snapshot_stored()
-            log.info(
-                "snapshot stored",
-                step=event.step,
-                worker=event.worker,
-                bytes=event.bytes,
-                digest=event.digest,
-            )
-        case events.Validated(scores=v):
-            metrics.validated(v)
-            streams = v.stream_tokens > 0  # 0: the model carries no state along a stream
-            _log(
-                curve,
-                VALIDATION,
-                step=v.step,
-                **held_out_fields(
-                    v.bits_per_token,
-                    v.bits_per_byte,
-                    v.stream_bits_per_token if streams else None,
-                    v.stream_bits_per_byte,
-                ),
-                tokens=v.tokens,
-                worker=event.worker,
-                **({"held_out_reward": round(v.reward, 4)} if v.reward_prompts else {}),
-            )
-        case events.Sampled():
-            metrics.sampled(event.step, event.worker, event.prompt, event.text)
-            _log(
-                curve,
-                SAMPLE,
-                step=event.step,
-                worker=event.worker,
-                prompt=event.prompt,
-                text=event.text,
-            )
-        case events.WorkerLog():
-            log.info("worker log", worker=event.worker, level=event.level, text=event.text)
-        case events.WorkerError():
-            log.warning("worker error", worker=event.worker, code=event.code, text=event.text)
-        case _:  # a new event must be recorded here, or it would vanish silently
-            raise TypeError(f"no record for the event {event!r}")
-
-
-def _log(curve: CurveSink | None, event: str, **fields: Any) -> None:
-    """An info line of the log that is a point of the curve too."""
-    log.info(event, **fields)
-    if curve is not None:
-        curve({"event": event, **fields})
-
-
-# A degraded file of the save directory -> its metric label, and what its loss costs.
-_DEGRADED_FILES = {DIGESTS_LOG: "digests", RUN_FILE: "run", HISTORY_LOG: "history"}
-_DEGRADED_HINTS = {
-    DIGESTS_LOG: "the run goes on: agreed digests stay in memory, later lines are tried "
-    "again, and workers agree a missing one again after a restart",
-    RUN_FILE: "the run goes on with the data digest in memory; run.json is written again "
-    "at each commit (until then a restart agrees the data digest again)",
-    HISTORY_LOG: "the run goes on: records of the curve (eggroll-inspect's history and plot) "
-    "are dropped until a write succeeds",
-}
 
 
 class Executor:
@@ -595,7 +348,7 @@ class Coordinator:
                 hint="joiners get an older snapshot (or none) and replay the fitness log; "
                 "the file is left for you to look at",
             )
-        kept = [h for h in self.core.suspect_hosts if h.startswith(IDENTITY_PREFIXES)]
+        kept = [h for h in self.core.trust.suspect_hosts if h.startswith(IDENTITY_PREFIXES)]
         if kept and not self.opt.machine_by_certificate:
             log.warning(
                 "suspect certificates not applied",

@@ -18,7 +18,7 @@ import pytest
 import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
-from eggroll_dist.coordinator import run as run_module
+from eggroll_dist.coordinator import trust as trust_module
 from eggroll_dist.coordinator.events import (
     ChunkAccepted,
     Joined,
@@ -886,14 +886,14 @@ def test_a_digest_needs_two_reporters_and_a_lone_false_report_changes_nothing(
     assert "dead" not in lie.value.message  # and the agreed digest is not revealed
 
 
-@pytest.mark.parametrize("window", [run_module.DIGEST_WINDOW, 4])
+@pytest.mark.parametrize("window", [trust_module.DIGEST_WINDOW, 4])
 def test_a_lagging_workers_digest_is_agreed_within_the_window(
     store: RunStore, dataset: Dataset, monkeypatch: pytest.MonkeyPatch, window: int
 ) -> None:
     """A worker that reports step 3 when the run is at 12 (a CPU worker beside faster ones)
     agrees it with the report the fast worker made then; past the window the tally is gone,
     and the tallies kept span the window."""
-    monkeypatch.setattr(run_module, "DIGEST_WINDOW", window)
+    monkeypatch.setattr(trust_module, "DIGEST_WINDOW", window)
     net = Network(store, dataset)
     net.join("fast")
     net.train(12)
@@ -902,7 +902,7 @@ def test_a_lagging_workers_digest_is_agreed_within_the_window(
     core.peers[slow].ready = True
     core.receive(slow, JobRequest(3, digest_at(store.path, 3), 0))
     assert store.digests.get(3) == (digest_at(store.path, 3) if window > 9 else None)
-    assert min(core.tallies) == max(0, 12 - window)
+    assert min(core.trust.tallies) == max(0, 12 - window)
 
 
 def test_a_late_disagreement_is_reported_once_a_step(store: RunStore, dataset: Dataset) -> None:
@@ -1115,7 +1115,7 @@ def test_a_worker_that_asks_for_work_is_not_stalled_however_long_it_waited(
     assert store4.steps == 1 and checks(net)["waived"] == 0 and not net.latest(Stalled)
     net.join("c", host="10.0.0.3")
     net.train(1)
-    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert net.core.trust.suspect_hosts == {"10.0.0.9"}
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
 
 
@@ -1167,7 +1167,7 @@ def test_a_liars_fast_results_do_not_make_an_honest_checker_stalled(
     net.join("c", host="10.0.0.3")
     net.train(2)
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
-    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert net.core.trust.suspect_hosts == {"10.0.0.9"}
 
 
 def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
@@ -1189,10 +1189,10 @@ def test_a_lying_worker_is_outvoted_and_cannot_steer_the_run(
     assert fitness_log(store4) == plain_run(tmp_path, dataset, 3)
     outvoted = net.latest(Outvoted)
     assert outvoted is not None and outvoted.worker == "liar" and outvoted.step == 0
-    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert net.core.trust.suspect_hosts == {"10.0.0.9"}
     # Kept in run.json: a restarted coordinator checks every result from there too.
     assert json.loads((store4.path / "run.json").read_text())["suspect_hosts"] == ["10.0.0.9"]
-    assert RunCore(store4).suspect_hosts == {"10.0.0.9"}
+    assert RunCore(store4).trust.suspect_hosts == {"10.0.0.9"}
 
 
 def test_a_dispute_no_connected_machine_can_decide_is_reported_until_one_joins(
@@ -1241,7 +1241,7 @@ def test_a_machine_cannot_confirm_its_own_result_by_coming_back(
     a.finish_held()
     b.finish_held()
     net.train(2)
-    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert net.core.trust.suspect_hosts == {"10.0.0.9"}
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
     assert again.alive or ("again", ErrorCode.DIVERGED) in net.refused
 
@@ -1267,7 +1267,7 @@ def test_a_machine_that_came_first_still_votes_once(
         liar.finish_held()
     net.train(2)
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
-    assert net.core.suspect_hosts == {"10.0.0.9"}
+    assert net.core.trust.suspect_hosts == {"10.0.0.9"}
 
 
 def test_an_outvoted_machines_other_connections_lose_their_votes_too(
@@ -1326,7 +1326,7 @@ def test_machines_behind_one_nat_are_apart_by_their_certificates(
     net.advance(1.0)
     assert not liar.alive and a.alive
     assert fitness_log(store4) == plain_run(tmp_path, dataset, store4.steps)
-    assert net.core.suspect_hosts == {"cn:liar"}
+    assert net.core.trust.suspect_hosts == {"cn:liar"}
     assert {e.worker for e in net.events if isinstance(e, Outvoted)} == {"liar"}
     joined = {e.worker: e.machine for e in net.events if isinstance(e, Joined)}
     assert joined == {"liar": "cn:liar", "a": "cn:a", "c": "cn:c"}
@@ -1377,7 +1377,7 @@ def test_every_result_from_an_outvoted_address_is_checked(
     an address recorded before certificates stood for machines still counts): none
     settles a chunk alone."""
     net = Network(store4, dataset)
-    net.core.suspect_hosts.add(suspect)
+    net.core.trust.suspect_hosts.add(suspect)
     net.join("suspect", host="10.0.0.9", machine=machine)
     net.join("a", host="10.0.0.1", machine=machine and "cn:a")
     net.run()
@@ -1519,9 +1519,9 @@ def test_digest_and_data_votes_stay_bounded_by_the_workers_connected(
     odd = net.join("odd", data_digest=b"\x42" * 32)
     net.run()
     core = net.core
-    assert core.data_votes == {b"\x42" * 32: {odd.peer}}
+    assert core.trust.data_votes == {b"\x42" * 32: {odd.peer}}
     for digest in range(1000):  # a report per request, each different
         core.receive(odd.peer, JobRequest(0, digest, 0))
-    assert core.tallies == {0: {999: {odd.peer}}}  # one report per worker and step
+    assert core.trust.tallies == {0: {999: {odd.peer}}}  # one report per worker and step
     odd.close("gone")
-    assert core.tallies == {0: {}} and core.data_votes == {}
+    assert core.trust.tallies == {0: {}} and core.trust.data_votes == {}

@@ -17,7 +17,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "shared", "coordinator", "worker")
 IO_MODULES = {"asyncio", "socket"}
-PURE = ("coordinator/run.py", "coordinator/events.py", "coordinator/jobs.py", "worker/session.py")
+PURE = (
+    "coordinator/run.py",
+    "coordinator/events.py",
+    "coordinator/jobs.py",
+    "coordinator/trust.py",
+    "worker/session.py",
+)
 
 
 def imports(path: Path, root: Path = ROOT) -> Iterator[tuple[str, int, int]]:
