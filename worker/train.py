@@ -101,6 +101,27 @@ SNAPSHOTS_KEPT = 3  # the newest snapshots of a save directory kept, as the coor
 STOP_HINT = "after the chunk under way; the steps committed are kept (again: at once)"
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """What eggroll-train and eggroll-tune ask of a run beyond its config, data and backend."""
+
+    steps: int  # in all: a run in save_dir continues up to this many
+    save_dir: Path | None = None
+    summary_json: Path | None = None
+    max_minutes: float | None = None  # then the step under way finishes and validates
+    sample_every: int = 100  # 0: never
+    snapshot_every: int = 100  # with save_dir; 0: only at the end
+    tensorboard: Path | None = None
+    wandb_project: str | None = None
+    reward_timeout: float = 120.0
+    preset: str | None = None  # the preset named, for the start line and the summary
+    config_path: str | None = None
+
+    @property
+    def max_seconds(self) -> float | None:
+        return None if self.max_minutes is None else self.max_minutes * 60
+
+
 @dataclass
 class TrainResult:
     state: ReplicaState
@@ -191,27 +212,8 @@ def train(
     start = time.perf_counter()
     for done in range(steps):
         step = backend.step
-        t0 = said = time.perf_counter()
-        fitness = np.empty(cfg.pairs, dtype=np.int8)
-        loss_sum = 0
-        size, group = cfg.es.chunk_size, max(1, backend.parallel_chunks)
-        for lo in range(0, cfg.chunks, group):
-            chunks = [(c * size, size) for c in range(lo, min(lo + group, cfg.chunks))]
-            results = objective.evaluate_chunks(backend, step, chunks)
-            for (first, _), res in zip(chunks, results, strict=True):
-                fitness[first // 2 : (first + size) // 2] = res.fitness
-                loss_sum += res.loss_sum
-            result.stopped = stop()
-            if result.stopped:
-                break
-            if time.perf_counter() - said >= PROGRESS_S:  # a long step is not a silent one
-                said = time.perf_counter()
-                log.info(
-                    "evaluating",
-                    step=step + 1,
-                    chunks_done=f"{lo + len(chunks)}/{cfg.chunks}",
-                    seconds=round(said - t0),
-                )
+        t0 = time.perf_counter()
+        fitness, loss_sum = _evaluate_step(cfg, backend, objective, step, stop, result)
         if result.stopped:
             break  # nothing of this step was written: the run is at its last commit
         packed = pack_ternary(fitness)
@@ -254,6 +256,41 @@ def train(
     result.state = backend.state
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _evaluate_step(
+    cfg: RunConfig,
+    backend: Backend,
+    objective: Objective,
+    step: int,
+    stop: Callable[[], str],
+    result: TrainResult,
+) -> tuple[np.ndarray, int]:
+    """Every chunk of `step`, as many at once as the backend gains by: the step's fitness
+    and loss sum. A stop asked meanwhile is set in `result.stopped` after the chunks under
+    way, and the step is left unfinished."""
+    t0 = said = time.perf_counter()
+    fitness = np.empty(cfg.pairs, dtype=np.int8)
+    loss_sum = 0
+    size, group = cfg.es.chunk_size, max(1, backend.parallel_chunks)
+    for lo in range(0, cfg.chunks, group):
+        chunks = [(c * size, size) for c in range(lo, min(lo + group, cfg.chunks))]
+        results = objective.evaluate_chunks(backend, step, chunks)
+        for (first, _), res in zip(chunks, results, strict=True):
+            fitness[first // 2 : (first + size) // 2] = res.fitness
+            loss_sum += res.loss_sum
+        result.stopped = stop()
+        if result.stopped:
+            break
+        if time.perf_counter() - said >= PROGRESS_S:  # a long step is not a silent one
+            said = time.perf_counter()
+            log.info(
+                "evaluating",
+                step=step + 1,
+                chunks_done=f"{lo + len(chunks)}/{cfg.chunks}",
+                seconds=round(said - t0),
+            )
+    return fitness, loss_sum
 
 
 def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
@@ -371,42 +408,28 @@ def main(
         short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
         if short is not None:
             raise click.ClickException(f"data in {data_dir}: {short}")
-    run_training(
-        cfg,
-        base,
-        dataset,
-        factory,
+    options = TrainOptions(
         steps or cfg.steps,
         save_dir,
         summary_json,
         max_minutes,
         sample_every,
-        (tensorboard, wandb_project),
+        snapshot_every,
+        tensorboard,
+        wandb_project,
         reward_timeout,
         preset_name,
         config_path,
-        snapshot_every,
     )
+    run_training(cfg, base, dataset, factory, options)
 
 
 def run_training(
-    cfg: RunConfig,
-    base: Path,
-    dataset: Dataset,
-    factory: BackendFactory,
-    steps: int,
-    save_dir: Path | None,
-    summary_json: Path | None,
-    max_minutes: float | None,
-    sample_every: int,
-    tracking: tuple[Path | None, str | None],
-    reward_timeout: float,
-    preset_name: str | None = None,
-    config_path: str | None = None,
-    snapshot_every: int = 100,
+    cfg: RunConfig, base: Path, dataset: Dataset, factory: BackendFactory, options: TrainOptions
 ) -> None:
     """The run of a command (eggroll-train, eggroll-tune) in this process, up to `steps` in
     all; every failure is one line (click.ClickException)."""
+    save_dir = options.save_dir
     layout = None if save_dir is None else Layout(save_dir)
     resume = layout is not None and layout.run_file.exists()
     if layout is not None and not resume and layout.root.exists() and any(layout.root.iterdir()):
@@ -416,23 +439,7 @@ def run_training(
         )
     created = layout is not None and not layout.root.exists()
     try:
-        max_seconds = max_minutes * 60 if max_minutes is not None else None
-        _run(
-            cfg,
-            preset_name,
-            config_path,
-            dataset,
-            factory,
-            steps,
-            layout,
-            summary_json,
-            max_seconds,
-            sample_every,
-            tracking,
-            base,
-            reward_timeout,
-            snapshot_every,
-        )
+        _run(cfg, base, dataset, factory, layout, options)
     except (SaveDirError, GoalError, RewardError, ModelDirError) as exc:
         raise click.ClickException(str(exc)) from None
     except TrackingError as exc:  # before the run wrote anything
@@ -442,7 +449,7 @@ def run_training(
         # command run again once there is room continues from them to the digest of an
         # undisturbed run. A new run that failed before its first step is cleared instead,
         # so that nothing half-made is mistaken for a run.
-        error = cannot_write(exc, save_dir or summary_json or ".")
+        error = cannot_write(exc, save_dir or options.summary_json or ".")
         if layout is not None and not resume:
             committed = _committed(layout)
             if committed:
@@ -459,51 +466,30 @@ def run_training(
 
 def _run(
     cfg: RunConfig,
-    preset_name: str | None,
-    config_path: str | None,
+    base: Path,
     dataset: Dataset,
     factory: BackendFactory,
-    steps: int,
     layout: Layout | None,
-    summary_json: Path | None,
-    max_seconds: float | None,
-    sample_every: int,
-    tracking: tuple[Path | None, str | None] = (None, None),
-    base: Path | None = None,
-    reward_timeout: float = 120.0,
-    snapshot_every: int = 100,
+    options: TrainOptions,
 ) -> None:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
     a save directory that cannot be continued SaveDirError, tracking that cannot start
-    (`tracking`: --tensorboard, --wandb-project) TrackingError before anything is written,
-    a goal that fails GoalError or RewardError."""
+    TrackingError before anything is written, a goal that fails GoalError or RewardError."""
     fitness_log = None
-    base = base or Path(".")
     state = initial_state(cfg, base)
     resume = layout is not None and layout.run_file.exists()
     run = new_run(cfg, dataset.digest)  # eggroll-sample checks the data digest
     if layout is not None and resume:
         fitness_log, state, run = _resume(layout, cfg, dataset.digest)
-    meta = dataset.meta
-    baselines = (meta.baselines, meta.baselines_per_byte)
-    run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
     # The model and the goal first: a prompt too long or a reward that does not import
     # stops the command before it writes anything.
     backend = factory.build(dataset, state)
-    objective = make_objective(cfg, dataset, base, reward_timeout, backend.codec)
+    objective = make_objective(cfg, dataset, base, options.reward_timeout, backend.codec)
     try:
-        tracker = open_tracker(
-            *tracking,
-            start_step=state.step,
-            run_id=run_id,
-            name=None if layout is None else layout.root.name,
-            config={"run_id": run_id, **cfg.to_dict()},
-            baselines=baselines,
-        )
+        curve = _open_curve(cfg, dataset, layout, options, state.step, run)
     except BaseException:
         objective.close()
         raise
-    curve = _Curve(None if layout is None else HistoryLog(layout.history), tracker)
     try:
         if layout is not None and not resume:
             layout.snapshots.mkdir(parents=True, exist_ok=True)
@@ -512,31 +498,14 @@ def _run(
             with naming(layout.fitness_log):
                 fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
         if layout is not None:
-            curve(baselines_record(*baselines))  # for eggroll-inspect --plot
-        m = cfg.model
-        model = (
-            {"model": m.path, "targets": len(m.matrices), "rank": m.rank}
-            if m.path  # a model directory's (shared/hf.py)
-            else {
-                "preset": preset_name or ("tiny" if not config_path else None),
-                "layers": m.n_layer,
-                "width": m.d_model,
-            }
-        )
-        log.info(
-            "start",
-            **model,
-            population=cfg.es.population,
-            chunks=cfg.chunks,
-            seq_len=cfg.es.seq_len,
-            steps=steps,
-            threads=factory.threads,
-            config_digest=cfg.digest().hex()[:16],
-        )
-        samples = TrainingSamples(sample_every, dataset.valid, dataset.decoding)
+            meta = dataset.meta  # for eggroll-inspect --plot
+            curve(baselines_record(meta.baselines, meta.baselines_per_byte))
+        _log_start(cfg, options, factory)
+        samples = TrainingSamples(options.sample_every, dataset.valid, dataset.decoding)
 
         def committed(backend: Backend) -> None:
-            if layout is not None and snapshot_every and backend.step % snapshot_every == 0:
+            every = options.snapshot_every
+            if layout is not None and every and backend.step % every == 0:
                 _keep_snapshot(layout, backend.state)
 
         # The first SIGINT or SIGTERM stops after the chunk under way, a second one at once
@@ -545,10 +514,10 @@ def _run(
             result = train(
                 cfg,
                 backend,
-                max(0, steps - state.step),
+                max(0, options.steps - state.step),
                 fitness_log,
                 samples,
-                max_seconds,
+                options.max_seconds,
                 curve,
                 objective,
                 stop,
@@ -557,6 +526,63 @@ def _run(
     finally:
         curve.close()
         objective.close()
+    _finish(cfg, dataset, layout, options, result)
+
+
+def _open_curve(
+    cfg: RunConfig,
+    dataset: Dataset,
+    layout: Layout | None,
+    options: TrainOptions,
+    step: int,
+    run: dict[str, Any],
+) -> _Curve:
+    """history.log and the tracker (TrackingError when it cannot start)."""
+    run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
+    meta = dataset.meta
+    tracker = open_tracker(
+        options.tensorboard,
+        options.wandb_project,
+        start_step=step,
+        run_id=run_id,
+        name=None if layout is None else layout.root.name,
+        config={"run_id": run_id, **cfg.to_dict()},
+        baselines=(meta.baselines, meta.baselines_per_byte),
+    )
+    return _Curve(None if layout is None else HistoryLog(layout.history), tracker)
+
+
+def _log_start(cfg: RunConfig, options: TrainOptions, factory: BackendFactory) -> None:
+    m = cfg.model
+    model = (
+        {"model": m.path, "targets": len(m.matrices), "rank": m.rank}
+        if m.path  # a model directory's (shared/hf.py)
+        else {
+            "preset": options.preset or ("tiny" if not options.config_path else None),
+            "layers": m.n_layer,
+            "width": m.d_model,
+        }
+    )
+    log.info(
+        "start",
+        **model,
+        population=cfg.es.population,
+        chunks=cfg.chunks,
+        seq_len=cfg.es.seq_len,
+        steps=options.steps,
+        threads=factory.threads,
+        config_digest=cfg.digest().hex()[:16],
+    )
+
+
+def _finish(
+    cfg: RunConfig,
+    dataset: Dataset,
+    layout: Layout | None,
+    options: TrainOptions,
+    result: TrainResult,
+) -> None:
+    """The last snapshot, the summary and the closing line (or the line of a stop)."""
     if layout is not None and not layout.snapshot(result.state.step).exists():
         _keep_snapshot(layout, result.state)
     if result.stopped:
@@ -568,12 +594,13 @@ def _run(
         )
         echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
         return
-    summary = _summary(cfg, preset_name, result, meta)
+    meta = dataset.meta
+    summary = _summary(cfg, options.preset, result, meta)
     blob = (json.dumps(summary, indent=2) + "\n").encode()
     if layout is not None:  # for eggroll-inspect
         write_atomic(layout.summary, blob)
-    if summary_json is not None:
-        write_atomic(summary_json, blob)
+    if options.summary_json is not None:
+        write_atomic(options.summary_json, blob)
     echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "

@@ -38,7 +38,7 @@ from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError, pin
 from ..shared.tracking import TrackingError, check_available
 from .backend import BackendUnavailable, get_backend
-from .train import run_training
+from .train import TrainOptions, run_training
 
 PERPLEXITY = "perplexity"
 
@@ -325,16 +325,14 @@ def main(
         raise click.ClickException(str(exc)) from None
     except TrackingError as exc:
         raise OneLineError(str(exc)) from None
-    run_training(
-        cfg,
-        base,
-        dataset,
-        factory,
+    options = TrainOptions(
         steps,
         save_dir,
         summary_json,
         max_minutes,
-        0,
-        (tensorboard, wandb_project),
-        reward_timeout,
+        sample_every=0,
+        tensorboard=tensorboard,
+        wandb_project=wandb_project,
+        reward_timeout=reward_timeout,
     )
+    run_training(cfg, base, dataset, factory, options)
