@@ -534,3 +534,32 @@ def test_hostile_prompts_files_say_one_line(words_data: Path, tmp_path: Path) ->
         (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n' * 7 + line + "\n")
         with pytest.raises(GoalError, match=message):
             load_prompts(cfg, tmp_path, dataset)
+
+
+async def test_a_worker_without_goal_dir_starts_no_run_with_goal_files(
+    words_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's replica checks the goal files as it starts: with no --goal-dir it reads
+    none, not even those of its current folder, where the run's pinned copy lies."""
+    from helpers import numpy_factory
+
+    from eggroll_dist.worker.replica import Replica
+
+    (tmp_path / "score.py").write_text("def score(text):\n    return 0.0\n")
+    cfg = pin(
+        RunConfig(
+            es=ESConfig(population=8, chunk_size=4, seq_len=16),
+            fitness=FitnessConfig(objective="reward", reward="score.py:score", prompts="data"),
+        ),
+        tmp_path,
+    )
+    monkeypatch.chdir(tmp_path)
+    dataset = load_data_dir(words_data)
+    replica = Replica(dataset, numpy_factory(1), threaded=False)
+    with pytest.raises(GoalError, match="start this worker with --goal-dir"):
+        await replica.start(cfg, b"r" * 16)
+    assert replica.backend is None
+    with_dir = Replica(dataset, numpy_factory(1), threaded=False, goal_dir=tmp_path)
+    await with_dir.start(cfg, b"r" * 16)
+    assert with_dir.step == 0
+    with_dir.drop()

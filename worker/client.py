@@ -98,9 +98,9 @@ class WorkerClient:
         factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
         where = f"{host}:{port}"
-        self.identity = flow.Identity.of(self.name, token, factory, dataset, where, goal_dir)
+        self.identity = flow.Identity.of(self.name, token, factory, dataset, where)
         self.replica = Replica(
-            dataset, factory, goal_dir=goal_dir or Path("."), reward_timeout_s=reward_timeout_s
+            dataset, factory, goal_dir=goal_dir, reward_timeout_s=reward_timeout_s
         )
         self.max_retry_s = max_retry_s
         self.heartbeat_s = heartbeat_s

@@ -101,7 +101,7 @@ class Replica:
         factory: BackendFactory,
         *,
         threaded: bool = True,
-        goal_dir: Path = Path("."),
+        goal_dir: Path | None = None,
         reward_timeout_s: float = 120.0,
         watch_s: float = WATCH_S,
         hung_s: float = HUNG_S,
@@ -109,7 +109,9 @@ class Replica:
         self.dataset = dataset
         self.factory = factory
         self.threaded = threaded
-        self.goal_dir = goal_dir  # where a reward run's files are (shared/goal.py)
+        # The worker's --goal-dir, the only place it reads a run's goal files from (None:
+        # it reads none, shared/pinned.py); a run with none reads from the current folder.
+        self.goal_dir = goal_dir
         self.reward_timeout_s = reward_timeout_s
         self.objective: Objective = NextToken()
         self.backend: Backend | None = None
@@ -167,13 +169,14 @@ class Replica:
         goal file is missing or not the run's."""
         # The same goal everywhere (reward, prompts, start, model), under --goal-dir only.
         await self._call(check_files, config, self.goal_dir)
-        state = await self._call(initial_state, config, self.goal_dir)
+        base = self.goal_dir or Path(".")
+        state = await self._call(initial_state, config, base)
         backend = await self._call(self.factory.build, self.dataset, state)
         objective = await self._call(  # off the event loop: heartbeats go on meanwhile
             make_objective,
             config,
             self.dataset,
-            self.goal_dir,
+            base,
             self.reward_timeout_s,
             backend.codec,
         )

@@ -39,7 +39,6 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -289,7 +288,6 @@ class Identity:
     vocab_size: int
     train_tokens: int
     coordinator: str = "the coordinator"  # host:port, for messages
-    goal_dir: Path | None = None  # where a reward run's files are (None: no --goal-dir)
     # None, or why its backend does not evaluate a run's model (`BackendFactory.serves`)
     serves: Callable[[RunConfig], str | None] = lambda cfg: None
 
@@ -308,9 +306,8 @@ class Identity:
         factory: BackendFactory,
         data: Dataset,
         where: str,
-        goal_dir: Path | None = None,
     ) -> Identity:
-        """A worker's identity from its name, token, backend, data and goal files."""
+        """A worker's identity from its name, token, backend and data."""
         return cls(
             name=name,
             token=token.encode("utf-8") if isinstance(token, str) else bytes(token),
@@ -320,7 +317,6 @@ class Identity:
             vocab_size=data.meta.vocab_size,
             train_tokens=len(data.train),
             coordinator=where,
-            goal_dir=goal_dir,
             serves=factory.serves,
         )
 
