@@ -222,6 +222,10 @@ _SECTIONS = {
 }
 
 
+# A step's packed fitness (population / 10 bytes) stays within a 16 MiB protocol frame.
+MAX_POPULATION = 1 << 27
+
+
 def _names(registry: dict[str, Any]) -> str:
     """'a', 'b' or 'c': a registry's keys for an error line."""
     names = [repr(n) for n in registry]
@@ -251,6 +255,11 @@ def validate(cfg: RunConfig) -> None:
     _check(
         es.population >= 2 and es.population % 2 == 0,
         f"es.population={es.population} must be even and >= 2 (members come in ± pairs)",
+    )
+    _check(
+        es.population <= MAX_POPULATION,
+        f"es.population={es.population:,} is above {MAX_POPULATION:,}: a step's fitness "
+        "(5 pairs a byte) must fit one message to the workers",
     )
     _check(
         es.chunk_size >= 2 and es.chunk_size % 2 == 0,

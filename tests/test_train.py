@@ -209,3 +209,17 @@ def test_long_steps_log_progress_and_every_step_an_eta(
         train(SMALL, backend, 1)
     progress = [e["chunks_done"] for e in events if e["event"] == "evaluating"]
     assert progress == [f"{c}/{SMALL.chunks}" for c in range(2, SMALL.chunks + 1, 2)]
+
+
+def test_a_population_too_large_is_one_line_and_leaves_no_save_dir(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """A population whose step could never reach the workers is refused as the config is
+    read: one line, no traceback, and nothing in --save-dir to refuse the corrected run."""
+    huge = tmp_path / "huge.toml"
+    huge.write_text(TRAIN_RUN.replace("population = 32", "population = 4000000000000"))
+    save = tmp_path / "run"
+    done = _cli("--data-dir", data_dir, "--config", huge, "--save-dir", save, "--steps", "1")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "es.population=4,000,000,000,000 is above 134,217,728" in done.stderr
+    assert not save.exists()
