@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,14 +28,15 @@ from ..shared.cli import (
     run_config,
     tracking_options,
 )
-from ..shared.config import ConfigError
+from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, DataMeta, load_data_dir
 from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError
 from ..shared.save_dir import Layout, baselines_record
 from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
+from .core_types import RunOptions
 from .metrics import Metrics
-from .run import Fatal, RunOptions
+from .run import Fatal
 from .server import Coordinator, Listener, Options
 from .store import RunStore, StoreError
 
@@ -95,6 +97,100 @@ def _run(
         asyncio.run(serve())
     else:
         uvloop.run(serve())
+
+
+def _security(
+    token_file: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_client_ca: Path | None,
+    machine_identity: str,
+) -> tuple[bytes, ssl.SSLContext | None]:
+    """The token and the TLS context; flags that do not go together are a usage error."""
+    token = load_token(token_file)
+    tls = None
+    if tls_cert is not None or tls_key is not None:
+        if tls_cert is None or tls_key is None:
+            raise click.UsageError("--tls-cert and --tls-key go together")
+        tls = server_tls_context(tls_cert, tls_key, tls_client_ca)
+    if machine_identity == "certificate" and (tls is None or tls_client_ca is None):
+        raise click.UsageError(
+            "--machine-identity certificate needs mutual TLS: --tls-cert, --tls-key and "
+            "--tls-client-ca"
+        )
+    return token, tls
+
+
+def _given_config(
+    save_dir: Path, preset_name: str | None, config_path: str | None, init_from: Path | None
+) -> tuple[RunConfig | None, Path | None]:
+    """The config and goal folder given for a new run; (None, None) to resume one."""
+    try:
+        given, base = None, None
+        if preset_name or config_path or init_from or not Layout(save_dir).run_file.exists():
+            # a new run without flags: the default preset
+            given, base = run_config(preset_name, config_path, init_from)
+    except (ConfigError, GoalError) as exc:
+        raise click.ClickException(str(exc)) from None
+    return given, base
+
+
+def _serve_metrics(metrics_port: int, metrics_host: str) -> Metrics:
+    """The run's metrics, served over HTTP unless --metrics-port is 0."""
+    metrics = Metrics()
+    if metrics_port:  # before the save directory, which a failure here must leave alone
+        try:
+            metrics.serve(metrics_port, metrics_host)
+        except OSError as exc:
+            raise click.ClickException(
+                f"cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror}): pass "
+                "another --metrics-port, or 0 to turn metrics off"
+            ) from None
+    return metrics
+
+
+def _tracking(
+    save_dir: Path, meta: DataMeta | None, tensorboard: Path | None, wandb_project: str | None
+) -> Callable[[RunStore], Tracker | None]:
+    """What starts the run's tracking once its save directory is open."""
+    baselines = None if meta is None else (meta.baselines, meta.baselines_per_byte)
+
+    def start_tracking(store: RunStore) -> Tracker | None:
+        if baselines is not None:
+            store.record_history(baselines_record(*baselines))  # for eggroll-inspect --plot
+        return open_tracker(
+            tensorboard,
+            wandb_project,
+            start_step=store.steps,
+            run_id=store.run_id.hex(),
+            name=save_dir.name,
+            config={"run_id": store.run_id.hex(), **store.config.to_dict()},
+            baselines=baselines,
+        )
+
+    return start_tracking
+
+
+def _serve(
+    open_store: Callable[[], RunStore],
+    options: Options,
+    metrics: Metrics,
+    start_tracking: Callable[[RunStore], Tracker | None],
+) -> None:
+    """`_run`, its failures told in one line each."""
+    host, port = options.host, options.port
+    try:
+        _run(open_store, options, metrics, start_tracking)
+    except (Fatal, StoreError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except TrackingError as exc:
+        raise OneLineError(str(exc)) from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise click.ClickException(
+                f"port {port} on {host} is in use: stop the other process or pass --port"
+            ) from None
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 @command()
@@ -306,27 +402,11 @@ def main(
     configure_logging(log_format)
     try:
         check_available(tensorboard is not None, wandb_project is not None)
-        token = load_token(token_file)
-        tls = None
-        if tls_cert is not None or tls_key is not None:
-            if tls_cert is None or tls_key is None:
-                raise click.UsageError("--tls-cert and --tls-key go together")
-            tls = server_tls_context(tls_cert, tls_key, tls_client_ca)
-        if machine_identity == "certificate" and (tls is None or tls_client_ca is None):
-            raise click.UsageError(
-                "--machine-identity certificate needs mutual TLS: --tls-cert, --tls-key and "
-                "--tls-client-ca"
-            )
+        token, tls = _security(token_file, tls_cert, tls_key, tls_client_ca, machine_identity)
         digest, meta = _data(data_dir, data_digest)
     except (TokenError, OSError, ValueError, DataError, TrackingError) as exc:
         raise OneLineError(str(exc)) from None
-    try:
-        given, base = None, None
-        if preset_name or config_path or init_from or not Layout(save_dir).run_file.exists():
-            # a new run without flags: the default preset
-            given, base = run_config(preset_name, config_path, init_from)
-    except (ConfigError, GoalError) as exc:
-        raise click.ClickException(str(exc)) from None
+    given, base = _given_config(save_dir, preset_name, config_path, init_from)
     options = Options(
         host=host,
         port=port,
@@ -347,40 +427,7 @@ def main(
         write_timeout_s=write_timeout_s,
         keep_snapshots=keep_snapshots,
     )
-    metrics = Metrics()
-    if metrics_port:  # before the save directory, which a failure here must leave alone
-        try:
-            metrics.serve(metrics_port, metrics_host)
-        except OSError as exc:
-            raise click.ClickException(
-                f"cannot serve metrics on {metrics_host}:{metrics_port} ({exc.strerror}): pass "
-                "another --metrics-port, or 0 to turn metrics off"
-            ) from None
-    baselines = None if meta is None else (meta.baselines, meta.baselines_per_byte)
-
-    def start_tracking(store: RunStore) -> Tracker | None:
-        if baselines is not None:
-            store.record_history(baselines_record(*baselines))  # for eggroll-inspect --plot
-        return open_tracker(
-            tensorboard,
-            wandb_project,
-            start_step=store.steps,
-            run_id=store.run_id.hex(),
-            name=save_dir.name,
-            config={"run_id": store.run_id.hex(), **store.config.to_dict()},
-            baselines=baselines,
-        )
-
-    try:
-        _run(lambda: RunStore.open(save_dir, given, base), options, metrics, start_tracking)
-    except (Fatal, StoreError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except TrackingError as exc:
-        raise OneLineError(str(exc)) from None
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise click.ClickException(
-                f"port {port} on {host} is in use: stop the other process or pass --port"
-            ) from None
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    metrics = _serve_metrics(metrics_port, metrics_host)
+    start_tracking = _tracking(save_dir, meta, tensorboard, wandb_project)
+    _serve(lambda: RunStore.open(save_dir, given, base), options, metrics, start_tracking)
     sys.exit(0)

@@ -61,11 +61,27 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # Declared in groups, in the order /metrics lists them.
+        self._declare_build(r)
+        self._declare_steps(r)
+        self._declare_validation(r)
+        self._declare_chunks(r)
+        self._declare_traffic(r)
+        self._declare_replica(r)
+        self._declare_per_worker(r)
+        self._unknown_until_measured()
+        self._label_values()
+
+    def _declare_build(self, r: CollectorRegistry) -> None:
+        """The coordinator's version, the run served, the process."""
         self.build_info = Info("eggroll_build", "Version of the coordinator.", registry=r)
         self.build_info.info({"version": _package_version(), "python": platform.python_version()})
         self.run_info = Info("eggroll_run", "The run served.", registry=r)
         ProcessCollector(registry=r)  # start time, CPU, memory: restarts and leaks show
         PlatformCollector(registry=r)
+
+    def _declare_steps(self, r: CollectorRegistry) -> None:
+        """Steps committed and the training score."""
         self.step = Gauge("eggroll_step", "The open step (= steps committed).", registry=r)
         self.steps_committed = Counter(
             "eggroll_steps_committed_total",
@@ -88,6 +104,9 @@ class Metrics:
             "Mean reward per completion of the last step's population (reward runs).",
             registry=r,
         )
+
+    def _declare_validation(self, r: CollectorRegistry) -> None:
+        """Held-out scores and samples."""
         self.valid_reward = Gauge(
             "eggroll_valid_reward",
             "Mean reward of the unperturbed model on the held-out prompts (reward runs).",
@@ -121,6 +140,9 @@ class Metrics:
         self.valid_step = Gauge(
             "eggroll_valid_step", "Step at which the held-out bits were measured.", registry=r
         )
+
+    def _declare_chunks(self, r: CollectorRegistry) -> None:
+        """Work done, chunks leased, their checks."""
         self.member_tokens = Counter(
             "eggroll_member_tokens_total", "Tokens scored by population members.", registry=r
         )
@@ -159,6 +181,9 @@ class Metrics:
             "differ, and every machine has voted): the step waits for another machine.",
             registry=r,
         )
+
+    def _declare_traffic(self, r: CollectorRegistry) -> None:
+        """Protocol errors, bytes, catch-up and snapshot transfers, writes."""
         self.protocol_errors = Counter(
             "eggroll_protocol_errors_total",
             "Protocol errors, received or sent.",
@@ -189,6 +214,9 @@ class Metrics:
             ["file"],
             registry=r,
         )
+
+    def _declare_replica(self, r: CollectorRegistry) -> None:
+        """The replica agreed on, and when it was last committed and stored."""
         self.digest_mismatches = Counter(
             "eggroll_replica_digest_mismatches_total",
             "Replica digests that differed from the agreed one.",
@@ -205,6 +233,9 @@ class Metrics:
             "Unix time of the last stored snapshot.",
             registry=r,
         )
+
+    def _declare_per_worker(self, r: CollectorRegistry) -> None:
+        """Each connected worker's speed (labels removed when it leaves)."""
         self.worker_tokens_per_second = Gauge(
             "eggroll_worker_member_tokens_per_second",
             "Member-tokens per second of a worker's last chunk.",
@@ -223,7 +254,9 @@ class Metrics:
             ["worker"],
             registry=r,
         )
-        # Unknown until measured: NaN, not a misleading 0.
+
+    def _unknown_until_measured(self) -> None:
+        """Unknown until measured: NaN, not a misleading 0."""
         for gauge in (
             self.train_loss,
             self.train_reward,
@@ -238,7 +271,9 @@ class Metrics:
             self.weights_changed,
         ):
             gauge.set(float("nan"))
-        # Label values that exist from the start, so the first event shows in rate().
+
+    def _label_values(self) -> None:
+        """Label values that exist from the start, so the first event shows in rate()."""
         for reason in ("disconnect", "deadline", "outvoted"):
             self.chunks_requeued.labels(reason)
         for reason in DROP_REASONS:

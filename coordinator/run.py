@@ -5,13 +5,14 @@ timer, the trust rules (`trust.py`: machine groups, digest quorum, waivers, conv
 the snapshot, validation and sample wants, and keeps one `Peer` record per connected worker.
 Each incoming message goes to `receive(peer, msg)`; time passing goes to `expire()`, a lost
 connection to `peer_left(peer)`. Every call returns, in order, the commands to carry out (send
-this message to that peer, serve a stored snapshot, store a received one) and the events
-(`events.py`: a step committed, a chunk re-queued, a held-out score in), which the shell
-(`server.py`) records in the metrics and the log (`record.py`). A peer is refused by raising
-`Refused`, which carries the ERROR code the shell sends before it closes the connection, and
-the events that led to it. Store effects go through the `RunStore` it is handed: the fitness
-log append (fsync'd) happens here, before any STEP is returned, so a step is durable before any
-worker hears of it. Snapshot bytes are read, decoded and written by the shell, off its loop.
+this message to that peer, serve a stored snapshot, store a received one; these, `Peer`,
+`Want`, `RunOptions` and `Status` are in `core_types.py`) and the events (`events.py`: a step
+committed, a chunk re-queued, a held-out score in), which the shell (`server.py`) records in
+the metrics and the log (`record.py`). A peer is refused by raising `Refused`, which carries
+the ERROR code the shell sends before it closes the connection, and the events that led to it.
+Store effects go through the `RunStore` it is handed: the fitness log append (fsync'd) happens
+here, before any STEP is returned, so a step is durable before any worker hears of it. Snapshot
+bytes are read, decoded and written by the shell, off its loop.
 
 Rules, in the order of SPEC §8 (each handler below names the one it implements):
 
@@ -70,7 +71,6 @@ import random
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..protocol import (
     MAX_CHUNKS_PER_REQUEST,
@@ -106,6 +106,7 @@ from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
+from .core_types import Output, Peer, RunOptions, Send, ServeSnapshot, Status, StoreSnapshot, Want
 from .events import (
     CatchupServed,
     ChunkAccepted,
@@ -135,63 +136,17 @@ from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .store import RunStore, WriteFailure
 from .trust import Distrusted, Trust
 
-__all__ = [
-    "CATCHUP_STEPS",
-    "WAIT_MS",
-    "Command",
-    "Event",
-    "Fatal",
-    "Output",
-    "Peer",
-    "Refused",
-    "RunCore",
-    "RunOptions",
-    "Send",
-    "ServeSnapshot",
-    "Status",
-    "StoreSnapshot",
-    "Want",
-]
+__all__ = ["CATCHUP_STEPS", "WAIT_MS", "Fatal", "Refused", "RunCore"]
 
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
 PROGRESS_S = 10.0  # a step open this long (since its first lease) logs its progress this often
+_DEFAULT_OPTIONS = RunOptions()  # frozen: one instance serves every default
 
 
 class Fatal(Exception):
     """The run cannot go on safely (a failed fitness-log append): stop the coordinator.
     str() is one line that says what happened and what to do."""
-
-
-# --- commands (what the shell carries out) ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    peer: int
-    msg: Message
-
-
-@dataclass(frozen=True)
-class ServeSnapshot:
-    """Stream the stored snapshot `step` to `peer` as SNAPSHOT_CHUNKs."""
-
-    peer: int
-    step: int
-
-
-@dataclass(frozen=True)
-class StoreSnapshot:
-    """A snapshot arrived whole from `peer`: decode it, then `snapshot_decoded`."""
-
-    peer: int
-    blob: bytes
-
-
-Command = Send | ServeSnapshot | StoreSnapshot
-
-
-Output = Command | Event
 
 
 class Refused(Exception):
@@ -205,117 +160,9 @@ class Refused(Exception):
         self.events: list[Event] = events if events is not None else []
 
 
-# --- the core's state ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What the operator decides about a run's course (`eggroll-coordinator` flags)."""
-
-    token: bytes = b""  # the AUTH secret; none: protected mode, loopback peers only
-    data_digest: bytes | None = None  # from the operator (--data-dir, --data-digest)
-    max_steps: int | None = None
-    snapshot_every: int = 100  # 0: only the final snapshot
-    sample_every: int = 0  # 0: no samples
-    chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
-    verify_fraction: float = 0.0  # share of each step's chunks a second worker checks
-
-
-@dataclass(frozen=True)
-class Status:
-    """What the run's gauges show, read by the shell at scrape time."""
-
-    step: int  # the open step = steps committed
-    workers: int  # past the handshake
-    weights_changed: int | None  # reported with the open step's agreed replica
-    undecided: int = 0  # disputed chunks no connected machine can decide
-
-
-@dataclass(eq=False)
-class Peer:
-    """What the run knows of one connected worker."""
-
-    id: int
-    address: str
-    name: str = "?"
-    nonce: bytes = b""
-    data_digest: bytes = b""
-    ready: bool = False  # WELCOME sent
-    replica_step: int | None = None  # from its last JOB_REQUEST
-    broadcast_from: int = 0  # every STEP from this step on has been sent to this worker
-    waiting: bool = False  # told to WAIT; gets a JOB pushed when one frees up
-    snapshot: bytearray | None = None  # a snapshot being received from this worker
-    snapshot_total: int = 0  # its size, fixed by the first chunk
-    # chunk -> lease time and the chunks leased with it (scored together in one pass)
-    job_started: dict[int, tuple[float, int]] = field(default_factory=dict)
-    outvoted: str = ""  # why it is refused at its next message (its result lost a vote)
-    # Its WELCOME, last RESULT or last JOB_REQUEST at the open step: when it last did or
-    # asked for work (a hung worker does neither)
-    worked: float = 0.0
-    stalled: bool = False  # reported as stalled (`Stalled`), until its next RESULT
-
-    # What stands for its machine in the checks: its certificate's identity (mutual TLS
-    # with --machine-identity certificate), else its address without the port
-    machine: str = ""
-
-    @property
-    def host(self) -> str:
-        return self.machine or self.address_host
-
-    @property
-    def address_host(self) -> str:
-        return self.address.rsplit(":", 1)[0]
-
-
-@dataclass
-class Want:
-    """One request/reply pair the core starts (SNAPSHOT_REQUEST, VALIDATE, SAMPLE): the step
-    whose answer is wanted, and the (peer, step) asked for it. Only the peer asked, for the
-    step asked, answers it."""
-
-    step: int | None = None  # wanted, nobody asked yet
-    asked: tuple[int, int] | None = None  # (peer, step) asked, the answer not yet in
-
-    def at(self, peer: Peer) -> bool:
-        """Whether `peer`'s replica is at the wanted step."""
-        return self.step is not None and peer.replica_step == self.step
-
-    def ask(self, peer: Peer) -> int:
-        """`peer` is asked for the wanted step, which is no longer wanted; returns it."""
-        assert self.step is not None
-        step, self.step = self.step, None
-        self.asked = (peer.id, step)
-        return step
-
-    def answered(self, peer_id: int, step: int) -> bool:
-        """Whether this is the answer asked for; it is awaited no more."""
-        if self.asked != (peer_id, step):
-            return False
-        self.asked = None
-        return True
-
-    def drop(self, peer_id: int) -> int | None:
-        """`peer_id` will not answer (it left, or its answer failed): the step it was asked
-        for, awaited no more; None when it was not asked."""
-        if self.asked is None or self.asked[0] != peer_id:
-            return None
-        step, self.asked = self.asked[1], None
-        return step
-
-    def retry(self, peer_id: int) -> None:
-        """`peer_id` will not answer: want its step again, unless a later one is wanted."""
-        step = self.drop(peer_id)
-        if step is not None and self.step is None:
-            self.step = step
-
-    def pending(self, step: int) -> bool:
-        """Whether an answer for `step` is still wanted or awaited."""
-        return self.step == step or (self.asked is not None and self.asked[1] == step)
-
-
 class RunCore:
     def __init__(
-        self, store: RunStore, options: RunOptions = RunOptions(), clock: Clock = time.monotonic
+        self, store: RunStore, options: RunOptions = _DEFAULT_OPTIONS, clock: Clock = time.monotonic
     ) -> None:
         self.store = store
         self.cfg = store.config

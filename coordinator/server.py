@@ -49,20 +49,12 @@ from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
 from ..shared.tracking import Tracker
 from . import events
+from .core_types import Output, RunOptions, Send, ServeSnapshot, StoreSnapshot
 from .jobs import Clock
 from .link import Link
 from .metrics import Metrics
 from .record import record
-from .run import (
-    Fatal,
-    Output,
-    Refused,
-    RunCore,
-    RunOptions,
-    Send,
-    ServeSnapshot,
-    StoreSnapshot,
-)
+from .run import Fatal, Refused, RunCore
 from .store import RunStore, SnapshotWriteError
 
 __all__ = ["Coordinator", "Executor", "Listener", "Options"]

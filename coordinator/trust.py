@@ -55,7 +55,7 @@ Group = tuple[str, ...]  # whose vote a worker casts: (machine,) or (machine, co
 
 
 class Member(Protocol):
-    """What the rules read and mark of a connected worker (run.py's `Peer`)."""
+    """What the rules read and mark of a connected worker (core_types.py's `Peer`)."""
 
     id: int
     name: str

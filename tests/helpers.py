@@ -21,9 +21,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from eggroll_dist.coordinator.core_types import Output, RunOptions
+from eggroll_dist.coordinator.events import Event
 from eggroll_dist.coordinator.link import Link
 from eggroll_dist.coordinator.metrics import Metrics
-from eggroll_dist.coordinator.run import Event, Output, Refused, RunCore, RunOptions
+from eggroll_dist.coordinator.run import Refused, RunCore
 from eggroll_dist.coordinator.server import Executor as CoordinatorExecutor
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import (

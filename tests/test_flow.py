@@ -19,6 +19,7 @@ import structlog
 from helpers import Network, Worker, digest_at, sends, sync_replica
 
 from eggroll_dist.coordinator import trust as trust_module
+from eggroll_dist.coordinator.core_types import Want
 from eggroll_dist.coordinator.events import (
     ChunkAccepted,
     Joined,
@@ -35,7 +36,6 @@ from eggroll_dist.coordinator.run import (
     Refused,
     RunCore,
     Sampled,
-    Want,
 )
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import (
