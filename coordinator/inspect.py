@@ -11,6 +11,7 @@ import click
 
 from ..shared.cli import OneLineError, cannot_write, command
 from ..shared.config import PRESETS, RunConfig
+from ..shared.fitness_log import intact_steps
 from ..shared.logs import echo
 from ..shared.replica import CheckpointError, load_checkpoint
 from ..shared.save_dir import SaveDir, SaveDirError
@@ -25,11 +26,12 @@ def preset_of(config: RunConfig) -> str | None:
     return next((name for name, cfg in PRESETS.items() if cfg.digest() == digest), None)
 
 
-def history(save_dir: Path) -> dict[str, Any]:
+def history(save_dir: Path, steps: int | None = None) -> dict[str, Any]:
     """Train loss, held-out bits and step times: the last of each in the curve the save dir
     records (coordinator/curve.py), or summary.json's where it is as new (eggroll-train's
-    are unrounded). None where it records none (a run from before history.log whose
-    coordinator logged them to its stderr only)."""
+    are unrounded), up to step `steps` (a log cut short no longer holds the later ones).
+    None where it records none (a run from before history.log whose coordinator logged
+    them to its stderr only)."""
     found: dict[str, Any] = {
         "source": None,
         "train_loss_bits": None,
@@ -44,6 +46,9 @@ def history(save_dir: Path) -> dict[str, Any]:
     }
     try:
         curve = read_curve(save_dir)
+        if steps is not None:
+            curve.steps = [r for r in curve.steps if r["step"] <= steps]
+            curve.validations = [r for r in curve.validations if r["step"] <= steps]
         times = [float(r["step_s"]) for r in curve.steps if r.get("step_s") is not None]
         if curve.steps:
             found.update(
@@ -59,7 +64,8 @@ def history(save_dir: Path) -> dict[str, Any]:
                 valid_step=last["step"],
             )
         summary = curve.summary
-        if summary is not None and (summary.get("steps") or 0) >= curve.last_step:
+        done = (summary or {}).get("steps") or 0
+        if summary is not None and curve.last_step <= done and (steps is None or done <= steps):
             times = times or [float(t) for t in summary.get("step_seconds", [])]
             if summary.get("train_loss_bits") is not None:
                 found.update(train_loss_bits=summary["train_loss_bits"])
@@ -88,8 +94,9 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
     try:
         log = run_dir.fitness_log(torn_ok=True)  # verifies every CRC
         steps, torn = log.steps, log.torn_bytes
-    except SaveDirError as exc:
+    except SaveDirError as exc:  # a corrupt record: the steps before it still stand
         log_ok, log_error = False, str(exc)
+        steps = intact_steps(run_dir.layout.fitness_log) or 0
     try:
         agreed = run_dir.digests()
     except SaveDirError as exc:
@@ -114,13 +121,13 @@ def inspect_run(save_dir: Path, last: int = 5) -> dict[str, Any]:
         "step": steps,
         "pairs_per_step": config.pairs,
         "replica_digest": digests.get(steps),  # the state after every committed step
-        "digests": {str(s): digests[s] for s in sorted(digests) if s > steps - last},
+        "digests": {str(s): digests[s] for s in sorted(digests) if steps - last < s <= steps},
         "snapshots": snapshots,
         "log_ok": log_ok,
         "log_error": log_error,
         # A crash mid-append (or an append under way): not a step; cut at the next start.
         "torn_tail_bytes": torn,
-        "history": history(save_dir),
+        "history": history(save_dir, steps),
     }
 
 
@@ -206,7 +213,8 @@ def main(save_dir: Path, as_json: bool, last: int, plot: Path | None) -> None:
                 f"; its tail is torn ({info['torn_tail_bytes']} bytes of an unfinished "
                 "append, not a step: cut when the run starts again)"
             )
-        click.echo(f"steps committed: {info['step']}  fitness log: {state}")
+        intact = " (the records before the corrupt one)" if not info["log_ok"] else ""
+        click.echo(f"steps committed: {info['step']}{intact}  fitness log: {state}")
         click.echo(f"replica digest after step {info['step']}: {info['replica_digest'] or '?'}")
         for step, digest in info["digests"].items():
             click.echo(f"  state at step {step:>8}: {digest}")

@@ -206,15 +206,15 @@ class RunCore:
 
     @property
     def done(self) -> bool:
-        """--max-steps reached, its final snapshot stored and its sample (when one is due at
-        the final step) written: time to stop."""
+        """--max-steps reached, its final snapshot stored, its held-out score and its sample
+        (when one is due at the final step) in: time to stop."""
         if not self.finished or (
             self.step
             and self.store.latest_snapshot != self.step
             and self.snapshot_failed != self.step  # dropped: waiting would not bring it
         ):
             return False
-        return not self.sample.pending(self.step)
+        return not self.sample.pending(self.step) and not self.validation.pending(self.step)
 
     def ready_count(self) -> int:
         return sum(1 for p in self.peers.values() if p.ready)
@@ -530,10 +530,17 @@ class RunCore:
         return out
 
     def _finish(self) -> None:
-        """--max-steps reached: stop leasing and want the final snapshot."""
+        """--max-steps reached: stop leasing and want the final snapshot, and the final
+        held-out score where the run scores any (the curve ends at the run's last step)."""
         self.finished = True
         if self.step and self.store.latest_snapshot != self.step:
             self.snapshot.step = self.step
+        if (
+            self.step
+            and self.cfg.validation.every_steps
+            and self.step % self.cfg.validation.every_steps
+        ):
+            self.validation.step = self.step
 
     def _open_step(self, step: int) -> StepJobs:
         share = self.options.verify_fraction if self.exact else 0.0

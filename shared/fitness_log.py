@@ -36,7 +36,12 @@ RECORD_HEAD = struct.Struct(">QI")
 
 
 class FitnessLogError(ValueError):
-    """A fitness log that is corrupt or belongs to another run."""
+    """A fitness log that is corrupt or belongs to another run; `intact`: for a corrupt
+    record, how many records before it verify (the steps the log still holds)."""
+
+    def __init__(self, message: str, intact: int | None = None) -> None:
+        super().__init__(message)
+        self.intact = intact
 
 
 def packed_size(pairs: int) -> int:
@@ -102,7 +107,7 @@ class FitnessLog:
                         offset = HEADER_SIZE + (first + k) * log.record_size
                         record = block[at : at + log.record_size]
                         if not (last and _has_zero_sector(record, offset)):
-                            raise FitnessLogError(log._corrupt(first + k)) from None
+                            raise FitnessLogError(log._corrupt(first + k), first + k) from None
                         whole, torn = whole - 1, torn + log.record_size
         if torn and not repair and torn_ok:
             log.steps, log.torn_bytes = whole, torn
@@ -174,3 +179,14 @@ def _has_zero_sector(record: bytes, offset: int) -> bool:
     file is all zero: what a write that reached the disk by halves leaves."""
     cuts = [0, *range(SECTOR - offset % SECTOR, len(record), SECTOR), len(record)]
     return any(not any(record[a:b]) for a, b in itertools.pairwise(cuts) if b > a)
+
+
+def intact_steps(path: str | Path) -> int | None:
+    """How many records from the start of the fitness log at `path` verify: its steps, or
+    for a log broken by a corrupt record those before it (None: no step can be read)."""
+    try:
+        return FitnessLog.open(path, repair=False, torn_ok=True).steps
+    except FitnessLogError as exc:
+        return exc.intact
+    except OSError:
+        return None

@@ -115,3 +115,66 @@ def test_a_hand_started_coordinator_keeps_loss_held_out_bits_and_step_times(
     assert h["steps_timed"] == 4 and h["step_s_last"] == steps[-1]["step_s"]
     line = _inspect(save_dir).splitlines()[1]
     assert "unknown" not in line and "(from history.log)" in line
+
+
+def test_a_corrupt_fitness_log_shows_the_steps_before_it_and_no_later_curve(
+    spawn: Callable[..., Any], words_data: Path, tmp_path: Path
+) -> None:
+    """A record corrupt in the middle: the steps before it are what the run holds, so the
+    digests shown (within --last) and the curve stop there, before and after the
+    `truncate` the error suggests."""
+    config, save_dir = tmp_path / "tiny.toml", tmp_path / "run"
+    config.write_text(TINY_RUN.replace("every_steps = 0", "every_steps = 2"))
+    coord, port = start_coordinator(spawn, save_dir, config, "--max-steps", "8")
+    for name in ("a", "b"):  # two reporters agree each step's digest
+        start_worker(spawn, port, words_data, name)
+    assert coord.wait(60) == 0
+    path = save_dir / "fitness.log"
+    log = FitnessLog.open(path)
+    at = path.stat().st_size - 3 * log.record_size  # record 5 of 8
+    data = bytearray(path.read_bytes())
+    data[at + 2 : at + 6] = b"\xff\xff\xff\xff"
+    path.write_bytes(bytes(data))
+
+    done = subprocess.run(
+        [command("eggroll-inspect"), str(save_dir), "--last", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert "steps committed: 5 (the records before the corrupt one)" in lines[2], lines
+    assert "record 5 is corrupt" in lines[2] and "truncate -s" in lines[2]
+    shown = [ln for ln in lines if ln.strip().startswith("state at step")]
+    assert [int(ln.split()[3].rstrip(":")) for ln in shown] == [4, 5], lines
+    info = json.loads(
+        subprocess.run(
+            [command("eggroll-inspect"), str(save_dir), "--json"], capture_output=True, text=True
+        ).stdout
+    )
+    assert info["step"] == 5 and info["history"]["valid_step"] == 4
+
+    keep = int(lines[2].split("truncate -s ")[1].split()[0])
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    info = json.loads(_inspect(save_dir, "--json"))
+    assert (
+        info["log_ok"] and info["step"] == 5 and list(info["digests"]) == ["1", "2", "3", "4", "5"]
+    )
+    assert info["history"]["valid_step"] == 4 and info["history"]["steps_timed"] == 5
+
+
+def test_a_coordinator_run_scores_its_last_step_whatever_the_interval(
+    spawn: Callable[..., Any], words_data: Path, tmp_path: Path
+) -> None:
+    """--max-steps 3 with a validation every 2 steps: the curve still ends with a held-out
+    score of step 3, for history.log, --plot and the trackers."""
+    config, save_dir = tmp_path / "tiny.toml", tmp_path / "run"
+    config.write_text(TINY_RUN.replace("every_steps = 0", "every_steps = 2"))
+    coord, port = start_coordinator(spawn, save_dir, config, "--max-steps", "3")
+    start_worker(spawn, port, words_data)
+    assert coord.wait(60) == 0
+    valid = [e["step"] for e in coord.events if e.get("event") == "validation"]
+    assert valid == [2, 3]
+    assert json.loads(_inspect(save_dir, "--json"))["history"]["valid_step"] == 3
