@@ -305,7 +305,7 @@ def analytic(bench: Bench) -> list[tuple[str, int]]:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", nargs="?", type=Path)
     p.add_argument("--tiny", choices=["gpt2", "llama"])
@@ -321,6 +321,110 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory children")
     p.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
+    return p
+
+
+def model_under_test(
+    p: argparse.ArgumentParser, args: argparse.Namespace, tmp: Path
+) -> tuple[Path, str]:
+    """(model directory, its name in the report): a tiny random model built in `tmp`, or
+    MODEL_DIR."""
+    if args.tiny:
+        if args.hidden < 64 or args.hidden % 64:
+            p.error("--hidden must be a multiple of 64 (heads of 64)")
+        model_dir = tiny_model(args.tiny, args.hidden, args.layers, tmp)
+        return model_dir, f"tiny {args.tiny} (width {args.hidden}, {args.layers} layers, random)"
+    if args.model_dir is None:
+        p.error("give MODEL_DIR or --tiny")
+    return args.model_dir, args.model_dir.name
+
+
+def print_setup(bench: Bench, name: str) -> None:
+    args = bench.args
+    params = sum(w.numel() for w in bench.model.parameters())
+    targets = sum(t.shape[0] * t.shape[1] for t in bench.targets)
+    threads = f", {bench.torch.get_num_threads()} threads" if args.device == "cpu" else ""
+    print(
+        f"{name}: {params / 1e6:.2f}M parameters, {len(bench.targets)} targets "
+        f"({targets / 1e6:.2f}M weights), population {args.population}, rank {args.rank}, "
+        f"{args.prompts} prompts (width {bench.width}) x {args.tokens} new tokens = "
+        f"{bench.rows} rows, {bench.rows * args.tokens} member-tokens a run; {args.device} "
+        f"{args.dtype}{threads}"
+    )
+
+
+def time_variants(bench: Bench) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
+    """(wall seconds, CPU seconds) of each variant per round, and the factors' best time:
+    a warm-up of each, then rounds that run the three one after the other."""
+    args = bench.args
+    for variant in VARIANTS:  # warm-up
+        bench.run(variant, args.tokens)
+    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            w, c = timed(lambda v=variant: bench.run(v, args.tokens))
+            wall[variant].append(w)
+            cpu[variant].append(c)
+    factors = min(timed(bench.factors)[0] for _ in range(args.repeats))
+    return wall, cpu, factors
+
+
+def print_speed(
+    args: argparse.Namespace,
+    tokens: int,
+    wall: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    factors: float,
+) -> None:
+    on_cpu = args.device == "cpu"
+    print(
+        f"\nspeed: best of {args.repeats} interleaved rounds; member-tok/s and / generate "
+        "from the best wall times"
+        + ("; by CPU: the same ratio from this process's CPU seconds" if on_cpu else "")
+    )
+    print(
+        f"{'':12s} {'best s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ generate':>11s}"
+        + (f" {'CPU s':>8s} {'by CPU':>7s}" if on_cpu else "")
+    )
+    best = {v: min(s) for v, s in wall.items()}
+    best_cpu = {v: min(s) for v, s in cpu.items()}
+    for variant in VARIANTS:
+        line = (
+            f"{variant:12s} {best[variant]:8.3f} {statistics.median(wall[variant]):9.3f} "
+            f"{tokens / best[variant]:13.0f} {best['generate'] / best[variant]:11.2f}"
+        )
+        if on_cpu:
+            ratio = best_cpu["generate"] / best_cpu[variant]
+            line += f" {best_cpu[variant]:8.3f} {ratio:7.2f}"
+        print(line)
+    print(
+        f"population / unperturbed: {best['unperturbed'] / best['population']:.2f}; "
+        f"the population's factors alone: {factors:.3f} s of its {best['population']:.3f} s"
+    )
+
+
+def print_memory(args: argparse.Namespace, model_dir: Path) -> None:
+    how = (
+        "max_memory_allocated over the run"
+        if args.device.startswith("cuda")
+        else "peak resident size over the run"
+    )
+    print(f"\npeak memory: one child process per variant, {how} minus before it")
+    print(f"{'':12s} {'MiB':>8s} {'/ generate':>11s} {'setup MiB':>10s}")
+    mem = {v: measure_memory(args, model_dir, v) for v in VARIANTS}
+    for variant in VARIANTS:
+        m = mem[variant]
+        ratio = m["extra"] / max(mem["generate"]["extra"], 1)
+        print(f"{variant:12s} {m['extra'] / MiB:8.1f} {ratio:11.2f} {m['setup'] / MiB:10.1f}")
+    print(
+        "(setup: what building PopulationLM and its initial state added to the loaded "
+        "model, before any run)"
+    )
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     if args.threads:
         torch, _ = require_hf()
@@ -329,85 +433,13 @@ def main() -> None:
         memory_child(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        if args.tiny:
-            if args.hidden < 64 or args.hidden % 64:
-                p.error("--hidden must be a multiple of 64 (heads of 64)")
-            model_dir = tiny_model(args.tiny, args.hidden, args.layers, Path(tmp))
-            name = f"tiny {args.tiny} (width {args.hidden}, {args.layers} layers, random)"
-        elif args.model_dir is None:
-            p.error("give MODEL_DIR or --tiny")
-        else:
-            model_dir, name = args.model_dir, args.model_dir.name
+        model_dir, name = model_under_test(p, args, Path(tmp))
         bench = Bench(args, model_dir, population=True)
-        torch = bench.torch
-        tokens = bench.rows * args.tokens
-        params = sum(w.numel() for w in bench.model.parameters())
-        targets = sum(t.shape[0] * t.shape[1] for t in bench.targets)
-        threads = f", {torch.get_num_threads()} threads" if args.device == "cpu" else ""
-        print(
-            f"{name}: {params / 1e6:.2f}M parameters, {len(bench.targets)} targets "
-            f"({targets / 1e6:.2f}M weights), population {args.population}, rank {args.rank}, "
-            f"{args.prompts} prompts (width {bench.width}) x {args.tokens} new tokens = "
-            f"{bench.rows} rows, {tokens} member-tokens a run; {args.device} {args.dtype}"
-            f"{threads}"
-        )
-        for variant in VARIANTS:  # warm-up
-            bench.run(variant, args.tokens)
-        wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for _ in range(args.repeats):
-            for variant in VARIANTS:
-                w, c = timed(lambda v=variant: bench.run(v, args.tokens))
-                wall[variant].append(w)
-                cpu[variant].append(c)
-        factors = min(timed(bench.factors)[0] for _ in range(args.repeats))
-
-        on_cpu = args.device == "cpu"
-        print(
-            f"\nspeed: best of {args.repeats} interleaved rounds; member-tok/s and / generate "
-            "from the best wall times"
-            + ("; by CPU: the same ratio from this process's CPU seconds" if on_cpu else "")
-        )
-        print(
-            f"{'':12s} {'best s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ generate':>11s}"
-            + (f" {'CPU s':>8s} {'by CPU':>7s}" if on_cpu else "")
-        )
-        best = {v: min(s) for v, s in wall.items()}
-        best_cpu = {v: min(s) for v, s in cpu.items()}
-        for variant in VARIANTS:
-            line = (
-                f"{variant:12s} {best[variant]:8.3f} {statistics.median(wall[variant]):9.3f} "
-                f"{tokens / best[variant]:13.0f} {best['generate'] / best[variant]:11.2f}"
-            )
-            if on_cpu:
-                ratio = best_cpu["generate"] / best_cpu[variant]
-                line += f" {best_cpu[variant]:8.3f} {ratio:7.2f}"
-            print(line)
-        print(
-            f"population / unperturbed: {best['unperturbed'] / best['population']:.2f}; "
-            f"the population's factors alone: {factors:.3f} s of its {best['population']:.3f} s"
-        )
-
+        print_setup(bench, name)
+        wall, cpu, factors = time_variants(bench)
+        print_speed(args, bench.rows * args.tokens, wall, cpu, factors)
         if not args.no_memory:
-            how = (
-                "max_memory_allocated over the run"
-                if args.device.startswith("cuda")
-                else "peak resident size over the run"
-            )
-            print(f"\npeak memory: one child process per variant, {how} minus before it")
-            print(f"{'':12s} {'MiB':>8s} {'/ generate':>11s} {'setup MiB':>10s}")
-            mem = {v: measure_memory(args, model_dir, v) for v in VARIANTS}
-            for variant in VARIANTS:
-                m = mem[variant]
-                ratio = m["extra"] / max(mem["generate"]["extra"], 1)
-                print(
-                    f"{variant:12s} {m['extra'] / MiB:8.1f} {ratio:11.2f} {m['setup'] / MiB:10.1f}"
-                )
-            print(
-                "(setup: what building PopulationLM and its initial state added to the loaded "
-                "model, before any run)"
-            )
-
+            print_memory(args, model_dir)
         print(f"\nanalytic sizes ({args.dtype})")
         for what, size in analytic(bench):
             print(f"{size / MiB:10.2f} MiB  {what}")

@@ -120,105 +120,141 @@ def screenshot(url: str, out: Path, window: str) -> None:
     print(f"wrote {out} ({out.stat().st_size // 1024} KiB) from {url}")
 
 
-def demo(args: argparse.Namespace, tmp: Path) -> None:
-    procs: list[subprocess.Popen] = []
+class Processes:
+    """The demo's background processes, each logging to a file in `tmp`; all stopped by
+    `stop`, newest first."""
 
-    def start(cmd: list[str], log_name: str) -> subprocess.Popen:
-        with open(tmp / log_name, "w") as log:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], log_name: str) -> subprocess.Popen:
+        with open(self.tmp / log_name, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
+        self.procs.append(proc)
         return proc
 
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def demo_data(args: argparse.Namespace, tmp: Path) -> Path:
+    """--data-dir, or the built-in corpus prepared in `tmp`."""
+    data = args.data_dir or tmp / "data"
+    if not (data / "meta.json").exists():
+        subprocess.run(
+            [console_script("eggroll-data"), "prepare", "--builtin", "--out", str(data)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=600,
+        )
+    return data
+
+
+def start_coordinator(procs: Processes, config: Path, metrics_port: int) -> int:
+    """Start the coordinator on a free loopback port; the port, once it listens."""
+    tmp = procs.tmp
+    coord = procs.start(
+        [
+            console_script("eggroll-coordinator"),
+            "--save-dir",
+            str(tmp / "run"),
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            str(metrics_port),
+            "--log-format",
+            "json",
+        ],
+        "coordinator.log",
+    )
+    wait(
+        lambda: coord.poll() is None and listening_port(tmp / "coordinator.log"),
+        60,
+        "coordinator",
+    )
+    port = listening_port(tmp / "coordinator.log")
+    assert port is not None  # what wait() waited for
+    return port
+
+
+def start_prometheus(procs: Processes, metrics_port: int, prom_port: int) -> str:
+    """Start Prometheus scraping the coordinator every 2 s; its URL, once it is ready."""
+    tmp = procs.tmp
+    text = (PROMETHEUS_DIR / "prometheus.yml").read_text()
+    text = text.replace("localhost:12346", f"127.0.0.1:{metrics_port}")
+    text = re.sub(r"scrape_interval: \S+", "scrape_interval: 2s", text)
+    text = re.sub(r"scrape_timeout: \S+", "scrape_timeout: 2s", text)
+    (tmp / "prometheus.yml").write_text(text)
+    procs.start(
+        [
+            shutil.which("prometheus") or "prometheus",
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+            f"--web.console.templates={PROMETHEUS_DIR / 'consoles'}",
+            f"--web.console.libraries={PROMETHEUS_DIR / 'console_libraries'}",
+        ],
+        "prometheus.log",
+    )
+    prom_url = f"http://127.0.0.1:{prom_port}"
+    wait(lambda: http_ok(prom_url + "/-/ready"), 60, "ready Prometheus")
+    return prom_url
+
+
+def train(procs: Processes, args: argparse.Namespace, port: int, data: Path, prom_url: str) -> None:
+    """Run workers against the coordinator for --seconds."""
+
+    def worker(name: str) -> subprocess.Popen:
+        cmd = [console_script("eggroll-worker"), f"127.0.0.1:{port}", "--data-dir", str(data)]
+        return procs.start([*cmd, "--name", name, "--log-format", "json"], f"{name}.log")
+
+    first = worker("worker-1")
+    for i in range(1, args.workers):
+        worker(f"worker-{i + 1}")
+    print(f"training for {args.seconds:.0f} s (Prometheus at {prom_url}) ...")
+    # The run itself: the graphs need this much history. With churn, a worker joins a
+    # third of the way in and the first one is killed (its chunk is re-queued) at two
+    # thirds, so the worker and re-queue graphs have something to show.
+    third = args.seconds / 3
+    time.sleep(third)
+    if args.churn:
+        worker(f"worker-{args.workers + 1}")
+    time.sleep(third)
+    if args.churn:
+        first.kill()
+    time.sleep(third)
+
+
+def demo(args: argparse.Namespace, tmp: Path) -> None:
+    procs = Processes(tmp)
     try:
-        data = args.data_dir or tmp / "data"
-        if not (data / "meta.json").exists():
-            subprocess.run(
-                [console_script("eggroll-data"), "prepare", "--builtin", "--out", str(data)],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                timeout=600,
-            )
+        data = demo_data(args, tmp)
         config = tmp / "demo.toml"
         config.write_text(DEMO_CONFIG)
         metrics_port, prom_port = free_port(), free_port()
-        coord = start(
-            [
-                console_script("eggroll-coordinator"),
-                "--save-dir",
-                str(tmp / "run"),
-                "--config",
-                str(config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--metrics-port",
-                str(metrics_port),
-                "--log-format",
-                "json",
-            ],
-            "coordinator.log",
-        )
-        wait(
-            lambda: coord.poll() is None and listening_port(tmp / "coordinator.log"),
-            60,
-            "coordinator",
-        )
-        port = listening_port(tmp / "coordinator.log")
-
-        text = (PROMETHEUS_DIR / "prometheus.yml").read_text()
-        text = text.replace("localhost:12346", f"127.0.0.1:{metrics_port}")
-        text = re.sub(r"scrape_interval: \S+", "scrape_interval: 2s", text)
-        text = re.sub(r"scrape_timeout: \S+", "scrape_timeout: 2s", text)
-        (tmp / "prometheus.yml").write_text(text)
-        start(
-            [
-                shutil.which("prometheus") or "prometheus",
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{prom_port}",
-                f"--web.console.templates={PROMETHEUS_DIR / 'consoles'}",
-                f"--web.console.libraries={PROMETHEUS_DIR / 'console_libraries'}",
-            ],
-            "prometheus.log",
-        )
-        prom_url = f"http://127.0.0.1:{prom_port}"
-        wait(lambda: http_ok(prom_url + "/-/ready"), 60, "ready Prometheus")
-
-        def worker(name: str) -> subprocess.Popen:
-            cmd = [console_script("eggroll-worker"), f"127.0.0.1:{port}", "--data-dir", str(data)]
-            return start([*cmd, "--name", name, "--log-format", "json"], f"{name}.log")
-
-        first = worker("worker-1")
-        for i in range(1, args.workers):
-            worker(f"worker-{i + 1}")
-        print(f"training for {args.seconds:.0f} s (Prometheus at {prom_url}) ...")
-        # The run itself: the graphs need this much history. With churn, a worker joins a
-        # third of the way in and the first one is killed (its chunk is re-queued) at two
-        # thirds, so the worker and re-queue graphs have something to show.
-        third = args.seconds / 3
-        time.sleep(third)
-        if args.churn:
-            worker(f"worker-{args.workers + 1}")
-        time.sleep(third)
-        if args.churn:
-            first.kill()
-        time.sleep(third)
+        port = start_coordinator(procs, config, metrics_port)
+        prom_url = start_prometheus(procs, metrics_port, prom_port)
+        train(procs, args, port, data, prom_url)
         screenshot(
             f"{prom_url}/consoles/eggroll.html?range={args.range}&refresh=off",
             args.out,
             args.window,
         )
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        procs.stop()
 
 
 def main() -> None:

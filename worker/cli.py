@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 from pathlib import Path
 
 import click
@@ -92,8 +93,6 @@ async def _serve(client: WorkerClient) -> None:
     type=click.IntRange(1, 65535),
     default=DEFAULT_PORT,
     show_default=True,
-    envvar="EGGROLL_PORT",
-    show_envvar=True,
     help="Coordinator port; a port in HOST:PORT wins.",
 )
 @click.option(
@@ -101,8 +100,6 @@ async def _serve(client: WorkerClient) -> None:
     type=click.Path(path_type=Path),
     default=Path("data"),
     show_default=True,
-    envvar="EGGROLL_DATA_DIR",
-    show_envvar=True,
     help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
 )
 @click.option(
@@ -110,48 +107,36 @@ async def _serve(client: WorkerClient) -> None:
     type=click.Choice(["auto", "numpy", "cupy", "torch"]),
     default="auto",
     show_default=True,
-    envvar="EGGROLL_BACKEND",
-    show_envvar=True,
     help="Compute backend; auto is cupy when CuPy sees a CUDA GPU, else numpy, and torch "
     "(PyTorch, the hf extra) for a Hugging Face model.",
 )
 @click.option(
     "--name",
     default=None,
-    envvar="EGGROLL_NAME",
-    show_envvar=True,
     help="Name in the coordinator's logs and metrics [default: HOSTNAME-PID].",
 )
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    envvar="EGGROLL_TOKEN_FILE",
-    show_envvar=True,
     help="File holding the coordinator's token (mode 600; or the EGGROLL_TOKEN variable).",
 )
 @click.option(
     "--tls-ca",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
-    envvar="EGGROLL_TLS_CA",
-    show_envvar=True,
     help="Connect with TLS, trusting this CA for the coordinator's certificate.",
 )
 @click.option(
     "--tls-cert",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
-    envvar="EGGROLL_TLS_CERT",
-    show_envvar=True,
     help="This worker's certificate, for a coordinator that requires one (with --tls-key).",
 )
 @click.option(
     "--tls-key",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
-    envvar="EGGROLL_TLS_KEY",
-    show_envvar=True,
     help="The private key of --tls-cert (PEM).",
 )
 @log_format_option
@@ -159,8 +144,6 @@ async def _serve(client: WorkerClient) -> None:
     "--batch-members",
     type=click.IntRange(min=2),
     default=None,
-    envvar="EGGROLL_BATCH_MEMBERS",
-    show_envvar=True,
     help="Members per forward pass; lower it if memory runs short. Default: the backend's "
     "own (1024 numpy, 32768 cupy, 64 torch, which takes at most 64).",
 )
@@ -169,16 +152,12 @@ async def _serve(client: WorkerClient) -> None:
     type=click.FloatRange(min=0.1),
     default=30.0,
     show_default=True,
-    envvar="EGGROLL_MAX_RETRY_S",
-    show_envvar=True,
     help="Longest wait between reconnect attempts, in seconds.",
 )
 @click.option(
     "--goal-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    envvar="EGGROLL_GOAL_DIR",
-    show_envvar=True,
     help="Folder of a run's goal files (reward, prompts, --init-from checkpoint, a Hugging "
     "Face model directory), as the run config names them relative to its own folder.",
 )
@@ -211,21 +190,8 @@ def main(
         host, port = parse_address(coordinator, port)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="HOST[:PORT]") from None
-    name = default_worker_name() if name is None else name
-    if len(name.encode("utf-8")) > MAX_WORKER_NAME_BYTES:
-        raise click.BadParameter(
-            f"{len(name.encode('utf-8'))} bytes of UTF-8; the limit is {MAX_WORKER_NAME_BYTES}",
-            param_hint="--name",
-        )
-    try:
-        token = load_token(token_file)
-        tls = None
-        if tls_ca is not None:
-            tls = client_tls_context(tls_ca, tls_cert, tls_key)
-        elif tls_cert is not None or tls_key is not None:
-            raise TokenError("--tls-cert and --tls-key need --tls-ca (the coordinator's CA)")
-    except (TokenError, OSError, ValueError) as exc:
-        raise OneLineError(str(exc)) from None
+    name = _check_name(default_worker_name() if name is None else name)
+    token, tls = _credentials(token_file, tls_ca, tls_cert, tls_key)
     try:
         factory = get_backend(backend, batch_members, threads, goal_dir)
         dataset = load_data_dir(data_dir)
@@ -256,6 +222,37 @@ def main(
         data_sha256=dataset.digest.hex()[:16],
         vocab=dataset.meta.vocab_size,
     )
+    _run(client)
+
+
+def _check_name(name: str) -> str:
+    """The worker's name, if the protocol can carry it."""
+    if len(name.encode("utf-8")) > MAX_WORKER_NAME_BYTES:
+        raise click.BadParameter(
+            f"{len(name.encode('utf-8'))} bytes of UTF-8; the limit is {MAX_WORKER_NAME_BYTES}",
+            param_hint="--name",
+        )
+    return name
+
+
+def _credentials(
+    token_file: Path | None, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None
+) -> tuple[bytes, ssl.SSLContext | None]:
+    """The run's token and the TLS context to connect with (None: plain TCP)."""
+    try:
+        token = load_token(token_file)
+        tls = None
+        if tls_ca is not None:
+            tls = client_tls_context(tls_ca, tls_cert, tls_key)
+        elif tls_cert is not None or tls_key is not None:
+            raise TokenError("--tls-cert and --tls-key need --tls-ca (the coordinator's CA)")
+    except (TokenError, OSError, ValueError) as exc:
+        raise OneLineError(str(exc)) from None
+    return token, tls
+
+
+def _run(client: WorkerClient) -> None:
+    """Serve until the run ends or a stop; a fatal refusal exits with its own status."""
     try:
         asyncio.run(_serve(client))
     except WorkerFatal as exc:

@@ -28,7 +28,8 @@ from ..shared.data import (
     read_tokens,
 )
 from ..shared.logs import echo, os_error_text
-from ..shared.model import build_generator
+from ..shared.model import Generator, build_generator
+from ..shared.replica import ReplicaState
 from ..shared.sample import (
     NEW_TOKENS,
     PROMPT_TOKENS,
@@ -170,79 +171,107 @@ def main(
     """Generate text from the model in SOURCE (a save directory, a checkpoint file or an
     export directory)."""
     try:
-        settings = SampleSettings(
-            temperature=parse_milli(temperature, "--temperature"),
-            min_p=parse_milli(min_p, "--min-p"),
-            top_k=top_k,
-            presence_penalty=parse_milli(presence_penalty, "--presence-penalty"),
-            frequency_penalty=parse_milli(frequency_penalty, "--frequency-penalty"),
-        )
-        if prompt is not None and prompt_file is not None:
-            raise SampleError("give --prompt or --prompt-file, not both")
-        found = load_source(
-            source,
-            step,
-            on_replay=replay_progress(lambda text: echo(text, err=True)),
-            warn=lambda text: echo(f"warning: {text}", err=True),
-        )
-        state, origin = found.state, found.origin
-        if state.config.model.arch == "hf":
-            raise SampleError(
-                f"{source} is a Hugging Face model's run: write it out with `eggroll-export "
-                f"{source} --out DIR` and generate with transformers"
-            )
-        vocab = load_vocabulary(data_dir, state.config.model.vocab_size, found.data_digest)
-        if prompt is not None:
-            prompt_ids = encode(prompt.encode("utf-8", errors="surrogateescape"), vocab.pieces)
-        elif prompt_file is not None:
-            prompt_ids = encode(_read_prompt_file(prompt_file), vocab.pieces)
-        else:
-            valid = read_tokens(vocab.valid_path, vocab.vocab_size)
-            # From the document's start: no longer than the model's context.
-            length = min(prompt_tokens, state.config.es.seq_len)
-            prompt_ids = held_out_prompt(valid, held_out, length)
-        model = build_generator(state.config, state.params)
-        kept = fit_prompt(prompt_ids, model.context, model.vocab_size)
+        settings = _parse_settings(temperature, min_p, top_k, presence_penalty, frequency_penalty)
+        loaded = _load(source, data_dir, step, prompt, prompt_file, held_out, prompt_tokens)
     except (SourceError, DataError, SampleError, VocabError) as exc:
         raise click.ClickException(str(exc)) from None
+    _announce(loaded, settings, seed, tokens)
+    _write_samples(loaded, settings, seed, tokens, count, as_json)
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """What the samples come from: the replica, its vocabulary and model, the prompt."""
+
+    state: ReplicaState
+    origin: str
+    vocab: Vocabulary
+    model: Generator
+    prompt_ids: list[int]
+    kept: list[int]  # the prompt tokens the model conditions on (the last `context`)
+
+
+def _parse_settings(
+    temperature: str, min_p: str, top_k: int, presence_penalty: str, frequency_penalty: str
+) -> SampleSettings:
+    return SampleSettings(
+        temperature=parse_milli(temperature, "--temperature"),
+        min_p=parse_milli(min_p, "--min-p"),
+        top_k=top_k,
+        presence_penalty=parse_milli(presence_penalty, "--presence-penalty"),
+        frequency_penalty=parse_milli(frequency_penalty, "--frequency-penalty"),
+    )
+
+
+def _load(
+    source: Path,
+    data_dir: Path,
+    step: int | None,
+    prompt: str | None,
+    prompt_file: Path | None,
+    held_out: int,
+    prompt_tokens: int,
+) -> _Loaded:
+    if prompt is not None and prompt_file is not None:
+        raise SampleError("give --prompt or --prompt-file, not both")
+    found = load_source(
+        source,
+        step,
+        on_replay=replay_progress(lambda text: echo(text, err=True)),
+        warn=lambda text: echo(f"warning: {text}", err=True),
+    )
+    state = found.state
+    if state.config.model.arch == "hf":
+        raise SampleError(
+            f"{source} is a Hugging Face model's run: write it out with `eggroll-export "
+            f"{source} --out DIR` and generate with transformers"
+        )
+    vocab = load_vocabulary(data_dir, state.config.model.vocab_size, found.data_digest)
+    if prompt is not None:
+        prompt_ids = encode(prompt.encode("utf-8", errors="surrogateescape"), vocab.pieces)
+    elif prompt_file is not None:
+        prompt_ids = encode(_read_prompt_file(prompt_file), vocab.pieces)
+    else:
+        valid = read_tokens(vocab.valid_path, vocab.vocab_size)
+        # From the document's start: no longer than the model's context.
+        length = min(prompt_tokens, state.config.es.seq_len)
+        prompt_ids = held_out_prompt(valid, held_out, length)
+    model = build_generator(state.config, state.params)
+    kept = fit_prompt(prompt_ids, model.context, model.vocab_size)
+    return _Loaded(state, found.origin, vocab, model, prompt_ids, kept)
+
+
+def _announce(loaded: _Loaded, settings: SampleSettings, seed: int, tokens: int) -> None:
+    """The line on stderr that says what the samples come from."""
+    kept, prompt_ids, state = loaded.kept, loaded.prompt_ids, loaded.state
     note = ""
     if len(kept) < len(prompt_ids):
         note = f"; prompt cut to its last {len(kept)} of {len(prompt_ids)} tokens (the context)"
     echo(
-        f"step {state.step} ({origin}), replica {state.digest_hex()}; {settings.describe()}, "
-        f"seed {seed}, {tokens} tokens{note}",
+        f"step {state.step} ({loaded.origin}), replica {state.digest_hex()}; "
+        f"{settings.describe()}, seed {seed}, {tokens} tokens{note}",
         err=True,
     )
+
+
+def _write_samples(
+    loaded: _Loaded, settings: SampleSettings, seed: int, tokens: int, count: int, as_json: bool
+) -> None:
+    kept, pieces = loaded.kept, loaded.vocab.pieces
     dim, plain = _terminal_styles()
-    prompt_text = escape_text(decode(kept, vocab.pieces))
+    prompt_text = escape_text(decode(kept, pieces))
     try:
         for k in range(count):
             if as_json:
-                out = list(generate(model, kept, tokens, settings, seed, k))
-                record = {
-                    "step": state.step,
-                    "replica_digest": state.digest_hex(),
-                    "sample": k,
-                    "seed": seed,
-                    "settings": {
-                        "temperature": milli_text(settings.temperature),
-                        "min_p": milli_text(settings.min_p),
-                        "top_k": settings.top_k,
-                        "presence_penalty": milli_text(settings.presence_penalty),
-                        "frequency_penalty": milli_text(settings.frequency_penalty),
-                    },
-                    "prompt_tokens": kept,
-                    "tokens": out,
-                    "prompt": decode(kept, vocab.pieces),
-                    "text": decode(out, vocab.pieces),
-                }
+                out = list(generate(loaded.model, kept, tokens, settings, seed, k))
+                record = _json_record(loaded, settings, seed, k, out)
                 click.echo(json.dumps(record, ensure_ascii=True))
                 continue
             if count > 1:
                 click.echo(f"=== sample {k + 1} of {count} ===")
             click.echo(f"{dim}{prompt_text}{plain}", nl=False)
-            text = Detokenizer(vocab.pieces)
-            for tok in generate(model, kept, tokens, settings, seed, k):
+            text = Detokenizer(pieces)
+            for tok in generate(loaded.model, kept, tokens, settings, seed, k):
                 click.echo(escape_text(text.feed(tok)), nl=False)
                 sys.stdout.flush()
             click.echo(escape_text(text.flush()))
@@ -254,6 +283,30 @@ def main(
         if isinstance(exc, BrokenPipeError):  # the reader has all it wanted (`| head`)
             sys.exit(1)
         raise click.ClickException(f"cannot write stdout: {os_error_text(exc)}") from None
+
+
+def _json_record(
+    loaded: _Loaded, settings: SampleSettings, seed: int, sample: int, out: list[int]
+) -> dict[str, object]:
+    """One sample as the JSON object `--json` writes."""
+    pieces = loaded.vocab.pieces
+    return {
+        "step": loaded.state.step,
+        "replica_digest": loaded.state.digest_hex(),
+        "sample": sample,
+        "seed": seed,
+        "settings": {
+            "temperature": milli_text(settings.temperature),
+            "min_p": milli_text(settings.min_p),
+            "top_k": settings.top_k,
+            "presence_penalty": milli_text(settings.presence_penalty),
+            "frequency_penalty": milli_text(settings.frequency_penalty),
+        },
+        "prompt_tokens": loaded.kept,
+        "tokens": out,
+        "prompt": decode(loaded.kept, pieces),
+        "text": decode(out, pieces),
+    }
 
 
 def _silence_stdout() -> None:

@@ -11,6 +11,7 @@ with `--backend torch`, whose replicas reach the same digests.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -43,57 +44,62 @@ from .train import TrainOptions, run_training
 PERPLEXITY = "perplexity"
 
 
-def tune_config(
-    model_dir: Path,
-    reward: str,
-    prompts: Path | None,
-    population: int,
-    chunk_size: int | None,
-    rank: int,
-    sigma: float,
-    lr: float,
-    targets: tuple[str, ...],
-    seed: int,
-    seq_len: int,
-    prompts_per_step: int,
-    completion_tokens: int,
-    temperature: float,
-    valid_tokens: int,
-    validate_every: int,
-) -> RunConfig:
+@dataclass(frozen=True)
+class TuneSettings:
+    """The flags of eggroll-tune that make its run config."""
+
+    model_dir: Path
+    reward: str  # FILE.py:FUNCTION, builtin:NAME, or PERPLEXITY
+    prompts: Path | None
+    population: int
+    chunk_size: int | None  # None: the whole population
+    rank: int
+    sigma: float
+    lr: float
+    targets: tuple[str, ...]
+    seed: int
+    seq_len: int
+    prompts_per_step: int
+    completion_tokens: int
+    temperature: float
+    valid_tokens: int
+    validate_every: int
+
+
+def tune_config(t: TuneSettings) -> RunConfig:
     """The run config of the flags (not yet pinned); ConfigError with one line. How many
     steps to train is not part of it (as eggroll-train's --steps): the same command with
     more steps continues the run in its save directory."""
-    perplexity = reward == PERPLEXITY
-    if not perplexity and prompts is None:
+    perplexity = t.reward == PERPLEXITY
+    if not perplexity and t.prompts is None:
         raise ConfigError("--reward FILE.py:FUNCTION needs --prompts FILE (one prompt a line)")
-    if perplexity and prompts is not None:
+    if perplexity and t.prompts is not None:
         raise ConfigError("--reward perplexity scores the data (--data-dir): drop --prompts")
     fitness = (
         FitnessConfig()
         if perplexity
         else FitnessConfig(
             objective="reward",
-            reward=reward,
-            prompts=str(prompts),
-            prompts_per_step=prompts_per_step,
-            completion_tokens=completion_tokens,
-            temperature=round(temperature * 1000),
+            reward=t.reward,
+            prompts=str(t.prompts),
+            prompts_per_step=t.prompts_per_step,
+            completion_tokens=t.completion_tokens,
+            temperature=round(t.temperature * 1000),
         )
     )
     return RunConfig(
-        model=ModelConfig(arch="hf", path=str(model_dir), targets=targets, rank=rank),
+        model=ModelConfig(arch="hf", path=str(t.model_dir), targets=t.targets, rank=t.rank),
         es=ESConfig(
-            population=population,
-            chunk_size=chunk_size or population,
-            seq_len=seq_len,
-            sigma=sigma,
-            run_seed=seed,
+            population=t.population,
+            chunk_size=t.chunk_size or t.population,
+            seq_len=t.seq_len,
+            sigma=t.sigma,
+            run_seed=t.seed,
         ),
         fitness=fitness,
-        update=UpdateConfig(lr=lr),
-        data=DataConfig(data_seed=seed),
-        validation=ValidationConfig(every_steps=validate_every, max_tokens=valid_tokens),
+        update=UpdateConfig(lr=t.lr),
+        data=DataConfig(data_seed=t.seed),
+        validation=ValidationConfig(every_steps=t.validate_every, max_tokens=t.valid_tokens),
     )
 
 
@@ -288,33 +294,28 @@ def main(
 ) -> None:
     """Fine-tune the Hugging Face causal LM in MODEL_DIR with EGGROLL, in one process."""
     configure_logging(log_format)
+    settings = TuneSettings(
+        model_dir=model_dir,
+        reward=reward,
+        prompts=prompts,
+        population=population,
+        chunk_size=chunk_size,
+        rank=rank,
+        sigma=sigma,
+        lr=lr,
+        targets=targets,
+        seed=seed,
+        seq_len=seq_len,
+        prompts_per_step=prompts_per_step,
+        completion_tokens=completion_tokens,
+        temperature=temperature,
+        valid_tokens=valid_tokens,
+        validate_every=validate_every,
+    )
     try:
-        cfg = tune_config(
-            model_dir,
-            reward,
-            prompts,
-            population,
-            chunk_size,
-            rank,
-            sigma,
-            lr,
-            targets,
-            seed,
-            seq_len,
-            prompts_per_step,
-            completion_tokens,
-            temperature,
-            valid_tokens,
-            validate_every,
-        )
+        cfg = tune_config(settings)
         if print_config:
-            if model_dir.is_absolute() or ".." in model_dir.parts:
-                click.echo(
-                    f"note: workers look for {model_dir} under their --goal-dir, so a run for "
-                    "them names MODEL_DIR relative to this folder",
-                    err=True,
-                )
-            click.echo(config_toml(cfg, steps), nl=False)
+            _print_config(cfg, model_dir, steps)
             return
         check_available(tensorboard is not None, wandb_project is not None)
         base = Path.cwd()
@@ -336,3 +337,15 @@ def main(
         reward_timeout=reward_timeout,
     )
     run_training(cfg, base, dataset, factory, options)
+
+
+def _print_config(cfg: RunConfig, model_dir: Path, steps: int) -> None:
+    """`--print-config`: the run as TOML on stdout, and a note where workers would not find
+    the model."""
+    if model_dir.is_absolute() or ".." in model_dir.parts:
+        click.echo(
+            f"note: workers look for {model_dir} under their --goal-dir, so a run for "
+            "them names MODEL_DIR relative to this folder",
+            err=True,
+        )
+    click.echo(config_toml(cfg, steps), nl=False)
