@@ -124,11 +124,11 @@ class FrameDecoder:
                 # Fail fast on a wrong magic prefix instead of waiting for 16 bytes.
                 prefix = bytes(buf[pos : pos + min(available, len(MAGIC))])
                 if not MAGIC.startswith(prefix):
-                    raise RemoteProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {prefix!r}")
+                    raise RemoteProtocolError(ErrorCode.BAD_MAGIC, _bad_magic(prefix))
                 return None
             magic, version, msg_type, flags, length, crc = HEADER.unpack_from(buf, pos)
             if magic != MAGIC:
-                raise RemoteProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {magic!r}")
+                raise RemoteProtocolError(ErrorCode.BAD_MAGIC, _bad_magic(magic))
             if version != PROTOCOL_VERSION:
                 raise RemoteProtocolError(
                     ErrorCode.BAD_VERSION,
@@ -168,3 +168,18 @@ class FrameDecoder:
             self._pos = 0
         else:
             self._pos = end
+
+
+# A TLS record of the handshake: content type 22, then major version 3.
+TLS_HANDSHAKE = b"\x16\x03"
+
+
+def _bad_magic(prefix: bytes) -> str:
+    """Why the first bytes are no frame, naming the usual cause: a peer speaking TLS to a
+    side that does not (one of the two started without its TLS flags)."""
+    if prefix.startswith(TLS_HANDSHAKE):
+        return (
+            f"bad magic {prefix!r}: the peer speaks TLS and this side plain TCP (give both "
+            "sides their TLS flags, or neither)"
+        )
+    return f"bad magic {prefix!r}"

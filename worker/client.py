@@ -25,7 +25,7 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.data import Dataset
 from . import session as flow
 from .backend import Backend, BackendFactory, get_backend
-from .link import Link, LinkOptions, Outcome, describe
+from .link import PLAIN_REPLIES, Link, LinkOptions, Outcome, describe
 from .replica import Replica
 from .session import COMPUTES_DIFFERENTLY, WorkerFatal
 
@@ -168,6 +168,13 @@ class WorkerClient:
                 f"({exc.verify_message}): check --tls-ca and the host name"
             ) from None
         except (OSError, TimeoutError) as exc:
+            if isinstance(exc, ssl.SSLError) and (exc.reason or "") in PLAIN_REPLIES:
+                # Its answer to our handshake was no TLS record: it serves plain TCP.
+                raise WorkerFatal(
+                    f"TLS: {self.host}:{self.port} answered without TLS: it serves plain TCP "
+                    "(drop --tls-ca from this worker, or start the coordinator with "
+                    "--tls-cert/--tls-key)"
+                ) from None
             self._count_resolve_failure(exc)
             # A coordinator that refuses a certificate accepts TCP: refusals must come in a
             # row, not across restarts of a coordinator that was down in between.

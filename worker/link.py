@@ -50,7 +50,11 @@ __all__ = ["Executor", "Link", "LinkOptions", "Outcome", "ReplicaCalls", "descri
 log = structlog.get_logger("eggroll.worker")
 
 READ_BYTES = 1 << 16
-TLS_REFUSALS = 3  # TLS connections closed before any frame, in a row, before giving up
+TLS_REFUSALS = 3  # closes before any frame in a row (a TLS refusal, or a TLS coordinator)
+# OpenSSL's reasons, in the handshake, when the peer's answer is no TLS record (a
+# plain-TCP coordinator): worker/client.py gives up on them.
+PLAIN_REPLIES = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG")
+TLS_RECORDS = b"\x14\x15\x16\x17"  # TLS record types: change cipher, alert, handshake, data
 CLOSE_TIMEOUT_S = 2.0
 
 
@@ -284,7 +288,7 @@ class Link:
             while True:
                 data = await self.reader.read(READ_BYTES)
                 if not data:
-                    self.inbox.put_nowait(self._closed())
+                    self.inbox.put_nowait(self._closed(silent_plain=True))
                     return
                 if not self.bytes_read and not MAGIC.startswith(data[: len(MAGIC)]):
                     self.inbox.put_nowait(self._not_a_coordinator(data))
@@ -333,6 +337,11 @@ class Link:
         """The peer's first bytes are no frame: it is some other service (a web server, the
         coordinator's metrics endpoint); retrying will not change that."""
         where = self.options.identity.coordinator
+        if first[:1] in TLS_RECORDS and first[1:2] == b"\x03":
+            return WorkerFatal(
+                f"{where} answered in TLS: the coordinator serves TLS (started with "
+                "--tls-cert): give this worker --tls-ca with the CA that signed it"
+            )
         if first.startswith(b"HTTP/"):
             what = "answered in HTTP: it is a web server (the metrics endpoint?)"
         else:
@@ -343,11 +352,21 @@ class Link:
         )
 
     def _closed(
-        self, otherwise: str = "the coordinator closed the connection"
+        self, otherwise: str = "the coordinator closed the connection", silent_plain: bool = False
     ) -> Ended | WorkerFatal:
         """Why the coordinator closed (or reset) the connection: `otherwise`, except that
-        over TLS a close before any frame is how it refuses this worker's certificate:
-        after a few in a row, give up."""
+        over TLS a close before any frame is how it refuses this worker's certificate, and
+        without TLS a clean close before any byte (`silent_plain`) is how a TLS coordinator
+        ends a handshake that never began: after a few in a row, give up."""
+        if not self.options.tls and silent_plain and not self.bytes_read:
+            self.tls_refused = True  # counted as the TLS refusals are
+            if self.options.tls_refusals + 1 >= TLS_REFUSALS:
+                return WorkerFatal(
+                    f"{self.options.identity.coordinator} closed {TLS_REFUSALS} connections in "
+                    "a row before saying anything: it may serve TLS (started with --tls-cert); "
+                    "then give this worker --tls-ca with the CA that signed it"
+                )
+            return Ended(otherwise)
         if not self.options.tls or self.conn.messages_received:
             return Ended(otherwise)
         self.tls_refused = True

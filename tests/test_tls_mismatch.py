@@ -1,0 +1,63 @@
+"""One side with TLS, the other without: the worker leaves in one line naming the missing
+flag instead of reconnecting for ever, and a plain coordinator says a peer spoke TLS."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from helpers import TINY_RUN, start_coordinator, start_worker
+
+
+def test_a_plain_worker_at_a_tls_coordinator_is_told_to_give_tls_ca(
+    spawn: Callable[..., Any], words_data: Path, tmp_path: Path, tls_certs: dict
+) -> None:
+    ca = tls_certs["ca"]
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_RUN)
+    tls = ("--tls-cert", ca["srv.pem"], "--tls-key", ca["srv.key"])
+    _, port = start_coordinator(spawn, tmp_path / "run", config, *tls)
+    worker = start_worker(spawn, port, words_data)
+    assert worker.wait(90) == 2, "\n".join(worker.lines[-10:])
+    last = worker.lines[-1]
+    assert "it may serve TLS" in last and "--tls-ca" in last, last
+
+
+def test_a_tls_worker_at_a_plain_coordinator_is_told_it_serves_plain_tcp(
+    spawn: Callable[..., Any], words_data: Path, tmp_path: Path, tls_certs: dict
+) -> None:
+    ca = tls_certs["ca"]
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_RUN)
+    coord, port = start_coordinator(spawn, tmp_path / "run", config)
+    worker = start_worker(spawn, port, words_data, "w", "--tls-ca", str(ca["ca.pem"]))
+    assert worker.wait(90) == 2, "\n".join(worker.lines[-10:])
+    assert "answered without TLS: it serves plain TCP" in worker.lines[-1], worker.lines[-1]
+    said = coord.wait_for(lambda e: e.get("event") == "protocol error", 30, "protocol error")
+    assert "the peer speaks TLS and this side plain TCP" in said["error"], said
+
+
+class _AlertReader:
+    """The read side of a TLS server that answered a plain HELLO with a TLS alert record."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    async def read(self, n: int) -> bytes:
+        if self.sent:
+            return b""
+        self.sent = True
+        return b"\x15\x03\x03\x00\x02\x02\x46"  # alert, TLS 1.2: fatal, protocol_version
+
+
+async def test_a_tls_alert_in_answer_to_hello_names_the_missing_tls_ca() -> None:
+    from eggroll_dist.worker.link import Link, LinkOptions
+    from eggroll_dist.worker.session import Identity, WorkerFatal
+
+    identity = Identity("w", b"t" * 32, "numpy", "cpu", b"\0" * 32, 256, 1000, "c:1")
+    link = Link(LinkOptions(identity), None, _AlertReader(), None)  # type: ignore[arg-type]
+    await link._read_loop()
+    (item,) = [link.inbox.get_nowait() for _ in range(link.inbox.qsize())]
+    assert isinstance(item, WorkerFatal) and "c:1 answered in TLS" in str(item)
+    assert "--tls-ca" in str(item)
