@@ -186,6 +186,40 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
 
+# Pinned digests, and what their change means to a user who edited a file.
+_PINNED_WHAT = {
+    "fitness.reward_sha256": "the reward file's bytes changed",
+    "fitness.prompts_sha256": "the prompts file's bytes changed",
+    "model.init_digest": "model.init_from holds another replica",
+    "model.files": "the model directory's files changed",
+}
+
+
+def config_difference(old: RunConfig, new: RunConfig, most: int = 3) -> str:
+    """The settings two configs disagree on, for a line that refuses one of them: 'model.
+    d_model 64 -> 128; fitness.reward_sha256 (the reward file's bytes changed)'."""
+    a, b = old.to_dict(), new.to_dict()
+    found = []
+    for section in sorted(set(a) | set(b)):
+        left, right = a.get(section), b.get(section)
+        if not isinstance(left, dict) or not isinstance(right, dict):
+            if left != right:
+                found.append(f"{section} {left!r} -> {right!r}")
+            continue
+        for key in sorted(set(left) | set(right)):
+            x, y = left.get(key), right.get(key)
+            if x == y:
+                continue
+            name = f"{section}.{key}"
+            found.append(
+                f"{name} ({_PINNED_WHAT[name]})"
+                if name in _PINNED_WHAT
+                else f"{name} {x!r} -> {y!r}"
+            )
+    more = f"; and {len(found) - most} more" if len(found) > most else ""
+    return "; ".join(found[:most]) + more
+
+
 # Settings added after configs were first written: at their default they are left out of
 # the canonical bytes, so that a config written before they existed keeps its digest (and
 # its checkpoints stay loadable). Every later setting is appended here.

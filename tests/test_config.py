@@ -117,3 +117,26 @@ def test_canonical_bytes_from_a_peer_are_bounded() -> None:
         from_canonical_bytes(b"[" * 60000)
     with pytest.raises(ConfigError, match="the limit is"):
         from_canonical_bytes(b" " * (MAX_CANONICAL_BYTES + 1))
+
+
+def test_config_difference_names_the_settings_and_what_a_changed_pin_means() -> None:
+    from eggroll_dist.shared.config import config_difference
+
+    base = preset("tiny")
+    wider = base.replace(model=dataclasses.replace(base.model, d_model=32))
+    assert config_difference(base, wider) == "model.d_model 64 -> 32"
+    reward = base.replace(
+        fitness=dataclasses.replace(
+            base.fitness,
+            objective="reward",
+            reward="r.py:f",
+            prompts="data",
+            reward_sha256="a" * 64,
+        )
+    )
+    fixed = reward.replace(fitness=dataclasses.replace(reward.fitness, reward_sha256="b" * 64))
+    assert config_difference(reward, fixed) == (
+        "fitness.reward_sha256 (the reward file's bytes changed)"
+    )
+    many = wider.replace(steps=7, es=dataclasses.replace(wider.es, run_seed=5, seq_len=8))
+    assert config_difference(base, many).endswith("; and 1 more")
