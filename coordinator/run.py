@@ -75,29 +75,10 @@ from collections.abc import Callable
 from ..protocol import (
     MAX_CHUNKS_PER_REQUEST,
     PROTOCOL_VERSION,
-    Auth,
-    Challenge,
-    Error,
     ErrorCode,
-    FitnessRange,
-    FitnessRequest,
-    Heartbeat,
-    Hello,
-    Job,
-    JobRequest,
-    Log,
     Message,
     MsgType,
-    Result,
-    Sample,
-    SampleText,
-    SnapshotChunk,
-    SnapshotRequest,
-    Step,
-    Validate,
-    Validation,
-    Wait,
-    Welcome,
+    messages,
     verify_mac,
 )
 from ..shared.fitness import chunk_loss_range, mean_score, member_tokens
@@ -329,7 +310,7 @@ class RunCore:
 
     # ------------------------------------------------------------------ handshake
 
-    def _on_hello(self, peer: Peer, msg: Hello) -> list[Output]:
+    def _on_hello(self, peer: Peer, msg: messages.Hello) -> list[Output]:
         peer.name, peer.data_digest = msg.worker_name, msg.data_digest
         if msg.protocol_version != PROTOCOL_VERSION:
             raise self.refuse(
@@ -339,9 +320,9 @@ class RunCore:
                 f"{PROTOCOL_VERSION}, worker {msg.protocol_version}: upgrade the older one",
             )
         peer.nonce = secrets.token_bytes(32)
-        return [Send(peer.id, Challenge(peer.nonce))]
+        return [Send(peer.id, messages.Challenge(peer.nonce))]
 
-    def _on_auth(self, peer: Peer, msg: Auth) -> list[Output]:
+    def _on_auth(self, peer: Peer, msg: messages.Auth) -> list[Output]:
         if not verify_mac(self.options.token, peer.nonce, msg.mac):
             raise self.refuse(
                 peer,
@@ -350,7 +331,7 @@ class RunCore:
             )
         out: list[Output] = list(self.trust.check_data_digest(peer))
         snapshot = self.store.latest_snapshot
-        welcome = Welcome(
+        welcome = messages.Welcome(
             self.store.run_id,
             self.config_bytes,
             self.step,
@@ -368,7 +349,7 @@ class RunCore:
 
     # ------------------------------------------------------------------ jobs
 
-    def _on_job_request(self, peer: Peer, msg: JobRequest) -> list[Output]:
+    def _on_job_request(self, peer: Peer, msg: messages.JobRequest) -> list[Output]:
         step = msg.replica_step
         if step > self.step:
             raise self.refuse(
@@ -386,9 +367,9 @@ class RunCore:
         if self.store.digests.get(step) == msg.replica_digest or len(self.peers) == 1:
             self.weights_changed = msg.weights_changed  # from an agreed replica only
         out += self._ask_snapshot(peer)
-        out += self._ask(self.validation, peer, lambda p, s: Validate(s))
+        out += self._ask(self.validation, peer, lambda p, s: messages.Validate(s))
         if self.finished:
-            out.append(Send(peer.id, Wait(WAIT_MS)))
+            out.append(Send(peer.id, messages.Wait(WAIT_MS)))
             idle = True
         else:
             out += self._lease_to(peer, self._share(msg.max_chunks))
@@ -417,14 +398,16 @@ class RunCore:
             chunks.append(chunk)
         if not chunks:
             peer.waiting = True
-            return [] if pushed else [Send(peer.id, Wait(WAIT_MS))]
+            return [] if pushed else [Send(peer.id, messages.Wait(WAIT_MS))]
         peer.waiting = False
         out: list[Output] = []
         for i, chunk in enumerate(chunks):
             first, count = self.jobs.member_range(chunk)
             peer.job_started[chunk] = (self.clock(), len(chunks))
             out.append(Leased(peer.name, self.step, chunk))
-            out.append(Send(peer.id, Job(self.step, chunk, first, count, len(chunks) - 1 - i)))
+            out.append(
+                Send(peer.id, messages.Job(self.step, chunk, first, count, len(chunks) - 1 - i))
+            )
         return out
 
     def _push_jobs(self) -> list[Output]:
@@ -437,7 +420,7 @@ class RunCore:
                 out += self._lease_to(peer, pushed=True)
         return out
 
-    def _on_result(self, peer: Peer, msg: Result) -> list[Output]:
+    def _on_result(self, peer: Peer, msg: messages.Result) -> list[Output]:
         out: list[Output] = []
         started = peer.job_started.pop(msg.chunk, None)
         if started is not None and msg.step == self.step:
@@ -506,7 +489,7 @@ class RunCore:
                 "fixed: it repairs the log's tail and resumes)"
             ) from None
         self.store.flush_run()  # run.json, if an earlier write of it failed
-        message = Step(step, self.cfg.pairs, packed)
+        message = messages.Step(step, self.cfg.pairs, packed)
         out: list[Output] = [self._committed(step, jobs)]  # reported before any STEP goes out
         for peer in self.peers.values():
             if peer.ready and not peer.outvoted:
@@ -572,14 +555,16 @@ class RunCore:
             requeued=sum(jobs.requeued.values()),
         )
 
-    def _on_fitness_request(self, peer: Peer, msg: FitnessRequest) -> list[Output]:
+    def _on_fitness_request(self, peer: Peer, msg: messages.FitnessRequest) -> list[Output]:
         return self._fitness_range(peer, msg.first_step, msg.max_steps)
 
     def _fitness_range(self, peer: Peer, first: int, max_steps: int) -> list[Output]:
-        limit = min(max_steps, CATCHUP_STEPS, FitnessRange.max_steps_per_frame(self.cfg.pairs))
+        limit = min(
+            max_steps, CATCHUP_STEPS, messages.FitnessRange.max_steps_per_frame(self.cfg.pairs)
+        )
         count = max(0, min(limit, self.step - first))
         packed = self.store.fitness_log.read(first, count) if count else []
-        reply = Send(peer.id, FitnessRange.from_steps(first, self.cfg.pairs, packed))
+        reply = Send(peer.id, messages.FitnessRange.from_steps(first, self.cfg.pairs, packed))
         return [CatchupServed(peer.name, first, count), reply] if count else [reply]
 
     # ------------------------------------------------------------------ wants
@@ -615,11 +600,11 @@ class RunCore:
             return []
         return self._ask(self.snapshot, peer, self._snapshot_request)
 
-    def _snapshot_request(self, peer: Peer, step: int) -> SnapshotRequest:
+    def _snapshot_request(self, peer: Peer, step: int) -> messages.SnapshotRequest:
         peer.snapshot, peer.snapshot_total = bytearray(), 0
-        return SnapshotRequest(step)
+        return messages.SnapshotRequest(step)
 
-    def _on_snapshot_request(self, peer: Peer, msg: SnapshotRequest) -> list[Output]:
+    def _on_snapshot_request(self, peer: Peer, msg: messages.SnapshotRequest) -> list[Output]:
         step = self.store.latest_snapshot
         if step is None:
             raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "the run has no snapshot yet")
@@ -631,7 +616,7 @@ class RunCore:
             self.peers[peer_id], ErrorCode.INTERNAL, f"snapshot {step} is no longer available"
         )
 
-    def _on_snapshot_chunk(self, peer: Peer, msg: SnapshotChunk) -> list[Output]:
+    def _on_snapshot_chunk(self, peer: Peer, msg: messages.SnapshotChunk) -> list[Output]:
         if peer.snapshot is None or msg.offset != len(peer.snapshot):
             raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "unexpected snapshot chunk")
         asked = self.snapshot.asked
@@ -701,7 +686,7 @@ class RunCore:
 
     # ------------------------------------------------------------------ validation
 
-    def _on_validation(self, peer: Peer, msg: Validation) -> list[Output]:
+    def _on_validation(self, peer: Peer, msg: messages.Validation) -> list[Output]:
         if not self.validation.answered(peer.id, msg.step):
             return []  # only the worker asked sets the run's held-out score
         return [Validated(peer.name, msg)]
@@ -718,9 +703,9 @@ class RunCore:
         # Another worker at (or just reaching) the step will be told to WAIT.
         return not any(s is not None and s >= step - 1 for s in others)
 
-    def _sample_request(self, peer: Peer, step: int) -> Sample:
+    def _sample_request(self, peer: Peer, step: int) -> messages.Sample:
         settings = SampleSettings()
-        return Sample(
+        return messages.Sample(
             step=step,
             seed=step,  # as eggroll-train: `eggroll-sample SAVE_DIR --step S --seed S`
             prompt_index=0,
@@ -733,7 +718,7 @@ class RunCore:
             frequency_penalty=settings.frequency_penalty,
         )
 
-    def _on_sample_text(self, peer: Peer, msg: SampleText) -> list[Output]:
+    def _on_sample_text(self, peer: Peer, msg: messages.SampleText) -> list[Output]:
         if msg.seed != msg.step or not self.sample.answered(peer.id, msg.step):
             return []  # only the worker asked writes the run's sample
         # Model bytes: decoded with replacement characters, then one line with every control
@@ -746,13 +731,13 @@ class RunCore:
 
     # ------------------------------------------------------------------ the rest
 
-    def _on_heartbeat(self, peer: Peer, msg: Heartbeat) -> list[Output]:
+    def _on_heartbeat(self, peer: Peer, msg: messages.Heartbeat) -> list[Output]:
         return []
 
-    def _on_log(self, peer: Peer, msg: Log) -> list[Output]:
+    def _on_log(self, peer: Peer, msg: messages.Log) -> list[Output]:
         return [WorkerLog(peer.name, int(msg.level), msg.text)]
 
-    def _on_error(self, peer: Peer, msg: Error) -> list[Output]:
+    def _on_error(self, peer: Peer, msg: messages.Error) -> list[Output]:
         return [WorkerError(peer.name, int(msg.code), msg.message)]
 
 

@@ -30,18 +30,12 @@ from eggroll_dist.coordinator.server import Executor as CoordinatorExecutor
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import (
     PROTOCOL_VERSION,
-    Auth,
-    Challenge,
     Connection,
-    Error,
     ErrorCode,
-    Hello,
-    Job,
     Message,
     Role,
-    Step,
-    Welcome,
     auth_mac,
+    messages,
     unpack_ternary,
 )
 from eggroll_dist.shared.config import load_config
@@ -218,16 +212,18 @@ class Peer:
     def until(self, kind: type) -> Message | None:
         """Messages until one of `kind` (returned), an ERROR (returned) or the end (None)."""
         while (msg := self.receive()) is not None:
-            if isinstance(msg, kind | Error):
+            if isinstance(msg, kind | messages.Error):
                 return msg
         return None
 
-    def join(self, token: str, data_digest: bytes, name: str = "intruder") -> Welcome | Error:
-        self.send(Hello(PROTOCOL_VERSION, name, "numpy", "cpu", data_digest))
-        challenge = self.until(Challenge)
-        assert isinstance(challenge, Challenge), challenge
-        self.send(Auth(auth_mac(token.encode(), challenge.nonce)))
-        welcome = self.until(Welcome)
+    def join(
+        self, token: str, data_digest: bytes, name: str = "intruder"
+    ) -> messages.Welcome | messages.Error:
+        self.send(messages.Hello(PROTOCOL_VERSION, name, "numpy", "cpu", data_digest))
+        challenge = self.until(messages.Challenge)
+        assert isinstance(challenge, messages.Challenge), challenge
+        self.send(messages.Auth(auth_mac(token.encode(), challenge.nonce)))
+        welcome = self.until(messages.Welcome)
         assert welcome is not None
         return welcome
 
@@ -321,7 +317,7 @@ class _Holding:
             job = next(
                 m
                 for m in reversed(w.got)
-                if isinstance(m, Job) and (m.step, m.first_member) == (step, first_member)
+                if isinstance(m, messages.Job) and (m.step, m.first_member) == (step, first_member)
             )
             w.held.append(job)
             while w.held:
@@ -344,7 +340,7 @@ class Worker:
         self.inbox: list[Message] = []
         self.sent: list[Message] = []  # everything this worker sent
         self.got: list[Message] = []  # everything it received
-        self.held: list[Job] = []  # the job evaluating "slowly"
+        self.held: list[messages.Job] = []  # the job evaluating "slowly"
         self.hold_jobs = False  # hold every job, whatever its step
         self.ended: str | None = None  # why the connection ended
         self.fatal: WorkerFatal | None = None
@@ -365,7 +361,7 @@ class Worker:
         """Bytes arrive: decoded at once (as the read loop does), handled later."""
         self.conn.receive_data(data)
         while (msg := self.conn.next_event()) is not None:
-            if isinstance(msg, Step):
+            if isinstance(msg, messages.Step):
                 self.session.step_frame_seen(msg.step)
             self.got.append(msg)
             self.inbox.append(msg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eggroll_dist.protocol import messages
 from eggroll_dist.protocol.connection import (
     TRANSITIONS,
     WELCOME_MAX_PAYLOAD_BYTES,
@@ -22,27 +23,9 @@ from eggroll_dist.protocol.errors import (
 from eggroll_dist.protocol.frames import HEADER, HEADER_SIZE, MAGIC, PROTOCOL_VERSION, encode_frame
 from eggroll_dist.protocol.messages import (
     LATEST_SNAPSHOT,
-    Auth,
-    Challenge,
-    Error,
-    FitnessRange,
-    FitnessRequest,
-    Heartbeat,
-    Hello,
-    Job,
-    JobRequest,
-    Log,
     LogLevel,
     Message,
     MsgType,
-    Result,
-    Sample,
-    SampleText,
-    SnapshotChunk,
-    SnapshotRequest,
-    Step,
-    Wait,
-    Welcome,
     encode_message,
     iter_snapshot_chunks,
 )
@@ -51,8 +34,8 @@ from eggroll_dist.protocol.ternary import pack_ternary
 
 TOKEN = b"shared-token"
 NONCE = bytes(range(32))
-HELLO = Hello(1, "w0", "numpy", "cpu", bytes(32))
-WELCOME = Welcome(bytes(16), b'{"pairs": 8}', 0, -1, 8)
+HELLO = messages.Hello(1, "w0", "numpy", "cpu", bytes(32))
+WELCOME = messages.Welcome(bytes(16), b'{"pairs": 8}', 0, -1, 8)
 
 
 def deliver(sender_bytes: bytes, receiver: Connection, bytewise: bool = False) -> Message:
@@ -76,12 +59,14 @@ def handshake(bytewise: bool = False) -> tuple[Connection, Connection]:
     assert deliver(worker.send(HELLO), coordinator, bytewise) == HELLO
     assert (worker.state, coordinator.state) == (State.HELLO_SENT, State.HELLO_RECEIVED)
 
-    challenge = deliver(coordinator.send(Challenge(NONCE)), worker, bytewise)
-    assert isinstance(challenge, Challenge)
+    challenge = deliver(coordinator.send(messages.Challenge(NONCE)), worker, bytewise)
+    assert isinstance(challenge, messages.Challenge)
     assert (worker.state, coordinator.state) == (State.CHALLENGED, State.CHALLENGE_SENT)
 
-    auth = deliver(worker.send(Auth(auth_mac(TOKEN, challenge.nonce))), coordinator, bytewise)
-    assert isinstance(auth, Auth) and verify_mac(TOKEN, NONCE, auth.mac)
+    auth = deliver(
+        worker.send(messages.Auth(auth_mac(TOKEN, challenge.nonce))), coordinator, bytewise
+    )
+    assert isinstance(auth, messages.Auth) and verify_mac(TOKEN, NONCE, auth.mac)
     assert (worker.state, coordinator.state) == (State.AUTH_SENT, State.AUTHENTICATED)
 
     assert deliver(coordinator.send(WELCOME), worker, bytewise) == WELCOME
@@ -93,47 +78,55 @@ def handshake(bytewise: bool = False) -> tuple[Connection, Connection]:
 def test_handshake_then_job_result_step(bytewise: bool) -> None:
     worker, coordinator = handshake(bytewise)
 
-    assert deliver(worker.send(JobRequest(0)), coordinator, bytewise) == JobRequest(0)
-    assert deliver(coordinator.send(Wait(100)), worker, bytewise) == Wait(100)
-    job = Job(step=0, chunk=1, first_member=8, member_count=8)
+    assert deliver(
+        worker.send(messages.JobRequest(0)), coordinator, bytewise
+    ) == messages.JobRequest(0)
+    assert deliver(coordinator.send(messages.Wait(100)), worker, bytewise) == messages.Wait(100)
+    job = messages.Job(step=0, chunk=1, first_member=8, member_count=8)
     assert deliver(coordinator.send(job), worker, bytewise) == job
 
     fitness = np.array([1, -1, 0, 1], dtype=np.int8)
-    result = Result.from_values(
+    result = messages.Result.from_values(
         step=0, chunk=1, loss_sum=-42, weights_changed=0, replica_digest=123, fitness=fitness
     )
     got = deliver(worker.send(result), coordinator, bytewise)
-    assert got == result and isinstance(got, Result)
+    assert got == result and isinstance(got, messages.Result)
     np.testing.assert_array_equal(got.fitness_values(), fitness)
 
-    step = Step.from_values(0, np.array([0, 1, 1, -1, 1, -1, 0, 1], dtype=np.int8))
+    step = messages.Step.from_values(0, np.array([0, 1, 1, -1, 1, -1, 0, 1], dtype=np.int8))
     assert deliver(coordinator.send(step), worker, bytewise) == step
-    assert deliver(worker.send(JobRequest(1)), coordinator, bytewise) == JobRequest(1)
+    assert deliver(
+        worker.send(messages.JobRequest(1)), coordinator, bytewise
+    ) == messages.JobRequest(1)
     assert worker.state is State.READY and coordinator.state is State.READY
 
 
 def test_catch_up_snapshot_log_and_heartbeat_traffic() -> None:
     worker, coordinator = handshake()
-    request = FitnessRequest(first_step=0, max_steps=10)
+    request = messages.FitnessRequest(first_step=0, max_steps=10)
     assert deliver(worker.send(request), coordinator) == request
-    span = FitnessRange.from_steps(0, 8, [pack_ternary([1] * 8), pack_ternary([-1] * 8)])
+    span = messages.FitnessRange.from_steps(0, 8, [pack_ternary([1] * 8), pack_ternary([-1] * 8)])
     assert deliver(coordinator.send(span), worker) == span
 
-    latest = SnapshotRequest(LATEST_SNAPSHOT)
+    latest = messages.SnapshotRequest(LATEST_SNAPSHOT)
     assert deliver(worker.send(latest), coordinator) == latest
     for chunk in iter_snapshot_chunks(2, b"state" * 100, chunk_bytes=128):
         assert deliver(coordinator.send(chunk), worker) == chunk
-    assert deliver(coordinator.send(SnapshotRequest(2)), worker) == SnapshotRequest(2)
-    piece = SnapshotChunk(2, 3, 0, b"abc")
+    assert deliver(
+        coordinator.send(messages.SnapshotRequest(2)), worker
+    ) == messages.SnapshotRequest(2)
+    piece = messages.SnapshotChunk(2, 3, 0, b"abc")
     assert deliver(worker.send(piece), coordinator) == piece
 
-    assert deliver(worker.send(Log(LogLevel.INFO, "hi")), coordinator) == Log(1, "hi")
-    sample = Sample(2, 9, 0, 32, 64, 600, 80, 0, 200, 0)
+    assert deliver(worker.send(messages.Log(LogLevel.INFO, "hi")), coordinator) == messages.Log(
+        1, "hi"
+    )
+    sample = messages.Sample(2, 9, 0, 32, 64, 600, 80, 0, 200, 0)
     assert deliver(coordinator.send(sample), worker) == sample
-    written = SampleText(2, 9, b"The ", b"eggs")
+    written = messages.SampleText(2, 9, b"The ", b"eggs")
     assert deliver(worker.send(written), coordinator) == written
-    assert deliver(worker.send(Heartbeat(5)), coordinator) == Heartbeat(5)
-    assert deliver(coordinator.send(Heartbeat(6)), worker) == Heartbeat(6)
+    assert deliver(worker.send(messages.Heartbeat(5)), coordinator) == messages.Heartbeat(5)
+    assert deliver(coordinator.send(messages.Heartbeat(6)), worker) == messages.Heartbeat(6)
 
 
 def test_heartbeat_is_illegal_until_the_handshake_is_done() -> None:
@@ -141,8 +134,8 @@ def test_heartbeat_is_illegal_until_the_handshake_is_done() -> None:
     worker, coordinator = Connection(Role.WORKER), Connection(Role.COORDINATOR)
     deliver(worker.send(HELLO), coordinator)
     with pytest.raises(LocalProtocolError):
-        worker.send(Heartbeat(1))
-    coordinator.receive_data(encode_message(Heartbeat(1)))
+        worker.send(messages.Heartbeat(1))
+    coordinator.receive_data(encode_message(messages.Heartbeat(1)))
     with pytest.raises(RemoteProtocolError) as info:
         coordinator.next_event()
     assert info.value.error_code == ErrorCode.ILLEGAL_STATE
@@ -164,16 +157,16 @@ def test_frames_are_refused_by_header_before_the_payload_is_buffered() -> None:
     assert info.value.error_code == ErrorCode.ILLEGAL_STATE
     # After the handshake the protocol maximum applies.
     worker, coordinator = handshake()
-    big = SnapshotChunk(2, 3 * 2**20, 0, bytes(2**20))
+    big = messages.SnapshotChunk(2, 3 * 2**20, 0, bytes(2**20))
     assert deliver(worker.send(big), coordinator) == big
 
 
 def test_welcome_is_bounded_on_the_worker_side() -> None:
     worker = Connection(Role.WORKER)
     worker.send(HELLO)
-    worker.receive_data(encode_message(Challenge(NONCE)))
+    worker.receive_data(encode_message(messages.Challenge(NONCE)))
     worker.next_event()
-    worker.send(Auth(bytes(32)))
+    worker.send(messages.Auth(bytes(32)))
     too_big = WELCOME_MAX_PAYLOAD_BYTES + 1
     worker.receive_data(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.WELCOME, 0, too_big, 0))
     with pytest.raises(RemoteProtocolError) as info:
@@ -183,7 +176,7 @@ def test_welcome_is_bounded_on_the_worker_side() -> None:
 
 def test_heartbeat_before_hello_is_illegal_on_receive() -> None:
     coordinator = Connection(Role.COORDINATOR)
-    coordinator.receive_data(encode_message(Heartbeat(0)))
+    coordinator.receive_data(encode_message(messages.Heartbeat(0)))
     with pytest.raises(RemoteProtocolError) as info:
         coordinator.next_event()
     assert info.value.error_code == ErrorCode.ILLEGAL_STATE
@@ -192,13 +185,13 @@ def test_heartbeat_before_hello_is_illegal_on_receive() -> None:
 @pytest.mark.parametrize(
     ("role", "message"),
     [
-        (Role.WORKER, JobRequest(0)),
-        (Role.WORKER, Auth(bytes(32))),
-        (Role.WORKER, Challenge(NONCE)),  # coordinator's message
-        (Role.COORDINATOR, Challenge(NONCE)),  # before HELLO arrived
-        (Role.COORDINATOR, Welcome(bytes(16), b"", 0, -1, 1)),
-        (Role.COORDINATOR, Job(0, 0, 0, 2)),
-        (Role.COORDINATOR, Hello(1, "", "", "", bytes(32))),
+        (Role.WORKER, messages.JobRequest(0)),
+        (Role.WORKER, messages.Auth(bytes(32))),
+        (Role.WORKER, messages.Challenge(NONCE)),  # coordinator's message
+        (Role.COORDINATOR, messages.Challenge(NONCE)),  # before HELLO arrived
+        (Role.COORDINATOR, messages.Welcome(bytes(16), b"", 0, -1, 1)),
+        (Role.COORDINATOR, messages.Job(0, 0, 0, 2)),
+        (Role.COORDINATOR, messages.Hello(1, "", "", "", bytes(32))),
     ],
 )
 def test_illegal_send_raises_local_error_and_keeps_state(role: Role, message: Message) -> None:
@@ -212,12 +205,26 @@ def test_illegal_send_raises_local_error_and_keeps_state(role: Role, message: Me
 
 def test_illegal_sends_in_ready() -> None:
     worker, coordinator = handshake()
-    sample = Sample(0, 0, 0, 1, 1, 0, 0, 0, 0, 0)
-    for message in (Job(0, 0, 0, 2), Step(0, 0, b""), Wait(1), HELLO, Challenge(NONCE), sample):
+    sample = messages.Sample(0, 0, 0, 1, 1, 0, 0, 0, 0, 0)
+    for message in (
+        messages.Job(0, 0, 0, 2),
+        messages.Step(0, 0, b""),
+        messages.Wait(1),
+        HELLO,
+        messages.Challenge(NONCE),
+        sample,
+    ):
         with pytest.raises(LocalProtocolError):
             worker.send(message)
-    text = SampleText(0, 0, b"", b"x")
-    for message in (JobRequest(0), Log(1, "x"), FitnessRequest(0, 1), HELLO, WELCOME, text):
+    text = messages.SampleText(0, 0, b"", b"x")
+    for message in (
+        messages.JobRequest(0),
+        messages.Log(1, "x"),
+        messages.FitnessRequest(0, 1),
+        HELLO,
+        WELCOME,
+        text,
+    ):
         with pytest.raises(LocalProtocolError):
             coordinator.send(message)
     assert worker.state is State.READY and coordinator.state is State.READY
@@ -226,12 +233,12 @@ def test_illegal_sends_in_ready() -> None:
 @pytest.mark.parametrize(
     ("role", "message"),
     [
-        (Role.COORDINATOR, JobRequest(0)),  # before the handshake
-        (Role.COORDINATOR, Auth(bytes(32))),  # AUTH before HELLO
-        (Role.COORDINATOR, Challenge(NONCE)),  # wrong direction
-        (Role.WORKER, Job(0, 0, 0, 2)),
-        (Role.WORKER, Welcome(bytes(16), b"", 0, -1, 1)),  # WELCOME before CHALLENGE
-        (Role.WORKER, Hello(1, "", "", "", bytes(32))),  # wrong direction
+        (Role.COORDINATOR, messages.JobRequest(0)),  # before the handshake
+        (Role.COORDINATOR, messages.Auth(bytes(32))),  # AUTH before HELLO
+        (Role.COORDINATOR, messages.Challenge(NONCE)),  # wrong direction
+        (Role.WORKER, messages.Job(0, 0, 0, 2)),
+        (Role.WORKER, messages.Welcome(bytes(16), b"", 0, -1, 1)),  # WELCOME before CHALLENGE
+        (Role.WORKER, messages.Hello(1, "", "", "", bytes(32))),  # wrong direction
     ],
 )
 def test_illegal_receive_raises_remote_error_and_closes(role: Role, message: Message) -> None:
@@ -250,14 +257,14 @@ def test_illegal_receive_raises_remote_error_and_closes(role: Role, message: Mes
 
 def test_illegal_receives_in_ready() -> None:
     cases = [
-        ("coordinator", Job(0, 0, 0, 2)),
+        ("coordinator", messages.Job(0, 0, 0, 2)),
         ("coordinator", WELCOME),
         ("coordinator", HELLO),
-        ("worker", JobRequest(0)),
-        ("worker", Log(1, "x")),
-        ("worker", SampleText(0, 0, b"", b"x")),
-        ("coordinator", Sample(0, 0, 0, 1, 1, 0, 0, 0, 0, 0)),
-        ("worker", Challenge(NONCE)),
+        ("worker", messages.JobRequest(0)),
+        ("worker", messages.Log(1, "x")),
+        ("worker", messages.SampleText(0, 0, b"", b"x")),
+        ("coordinator", messages.Sample(0, 0, 0, 1, 1, 0, 0, 0, 0, 0)),
+        ("worker", messages.Challenge(NONCE)),
     ]
     for side, message in cases:
         worker, coordinator = handshake()
@@ -292,13 +299,13 @@ def test_bad_input_to_connection(data: bytes, code: ErrorCode) -> None:
     reply = conn.error_frame(info.value)
     peer = Connection(Role.WORKER)
     error = deliver(reply, peer)
-    assert isinstance(error, Error) and error.code == code
+    assert isinstance(error, messages.Error) and error.code == code
     assert peer.state is State.CLOSED
 
 
 def test_oversize_frame_rejected_on_both_sides() -> None:
     worker, coordinator = Connection(Role.WORKER, 64), Connection(Role.COORDINATOR, 64)
-    big = Hello(1, "n" * 100, "", "", bytes(32))
+    big = messages.Hello(1, "n" * 100, "", "", bytes(32))
     with pytest.raises(LocalProtocolError) as info:
         worker.send(big)
     assert info.value.error_code == ErrorCode.FRAME_TOO_LARGE
@@ -314,22 +321,22 @@ def test_error_in_any_state_closes_both_sides(stage: int) -> None:
     worker, coordinator = Connection(Role.WORKER), Connection(Role.COORDINATOR)
     steps = [
         lambda: deliver(worker.send(HELLO), coordinator),
-        lambda: deliver(coordinator.send(Challenge(NONCE)), worker),
-        lambda: deliver(worker.send(Auth(auth_mac(TOKEN, NONCE))), coordinator),
+        lambda: deliver(coordinator.send(messages.Challenge(NONCE)), worker),
+        lambda: deliver(worker.send(messages.Auth(auth_mac(TOKEN, NONCE))), coordinator),
         lambda: deliver(coordinator.send(WELCOME), worker),
     ]
     for advance in steps[:stage]:
         advance()
-    error = Error(ErrorCode.SHUTTING_DOWN, "bye")
+    error = messages.Error(ErrorCode.SHUTTING_DOWN, "bye")
     sender, receiver = (coordinator, worker) if stage % 2 else (worker, coordinator)
     assert deliver(sender.send(error), receiver) == error
     assert sender.state is State.CLOSED and receiver.state is State.CLOSED
     # Nothing is legal after CLOSED, in either direction.
     with pytest.raises(LocalProtocolError):
-        sender.send(Heartbeat(0))
+        sender.send(messages.Heartbeat(0))
     with pytest.raises(LocalProtocolError):
         sender.send(error)
-    receiver.receive_data(encode_message(Heartbeat(0)))
+    receiver.receive_data(encode_message(messages.Heartbeat(0)))
     with pytest.raises(RemoteProtocolError) as info:
         receiver.next_event()
     assert info.value.error_code == ErrorCode.ILLEGAL_STATE
@@ -343,14 +350,14 @@ def test_send_error_always_allowed() -> None:
     peer = Connection(Role.COORDINATOR)
     peer.receive_data(first)
     event = peer.next_event()
-    assert event == Error(ErrorCode.DATA_MISMATCH, "digest differs")
-    assert Error.decode(second[HEADER_SIZE:]).message == "x" * 1024
+    assert event == messages.Error(ErrorCode.DATA_MISMATCH, "digest differs")
+    assert messages.Error.decode(second[HEADER_SIZE:]).message == "x" * 1024
     assert worker.error_frame(ProtocolError(999, "from the future"))
 
 
 def test_byte_counters() -> None:
     worker, coordinator = handshake()
-    frame = worker.send(JobRequest(3))
+    frame = worker.send(messages.JobRequest(3))
     deliver(frame, coordinator)
     assert worker.bytes_sent[MsgType.JOB_REQUEST] == len(frame) == HEADER_SIZE + 28
     assert coordinator.bytes_received[MsgType.JOB_REQUEST] == len(frame)

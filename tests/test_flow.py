@@ -40,26 +40,10 @@ from eggroll_dist.coordinator.run import (
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import (
     PROTOCOL_VERSION,
-    Error,
     ErrorCode,
-    FitnessRange,
-    FitnessRequest,
-    Heartbeat,
-    Hello,
-    Job,
-    JobRequest,
     Message,
-    Result,
-    Sample,
-    SampleText,
-    SnapshotChunk,
-    SnapshotRequest,
-    Step,
-    Validate,
-    Validation,
-    Wait,
-    Welcome,
     iter_snapshot_chunks,
+    messages,
     pack_ternary,
     unpack_ternary,
 )
@@ -135,7 +119,7 @@ def test_handshake_welcome_then_job_request(store: RunStore, dataset: Dataset) -
     net.run()
     assert kinds(w.sent) == ["HELLO", "AUTH", "JOB_REQUEST"]
     welcome = w.got[1]
-    assert isinstance(welcome, Welcome)
+    assert isinstance(welcome, messages.Welcome)
     assert (welcome.run_id, welcome.current_step, welcome.snapshot_step) == (store.run_id, 0, -1)
     assert store.data_digest is None  # one worker alone settles nothing (see below)
     assert kinds(w.got) == ["CHALLENGE", "WELCOME", "JOB"]
@@ -165,7 +149,9 @@ def test_bad_version_is_refused(store: RunStore, dataset: Dataset) -> None:
     core = Network(store, dataset).core
     peer = core.connect("mem:old")
     with pytest.raises(Refused) as refused:
-        core.receive(peer, Hello(PROTOCOL_VERSION + 1, "old", "numpy", "cpu", dataset.digest))
+        core.receive(
+            peer, messages.Hello(PROTOCOL_VERSION + 1, "old", "numpy", "cpu", dataset.digest)
+        )
     assert refused.value.code is ErrorCode.BAD_VERSION
 
 
@@ -193,7 +179,7 @@ def test_two_workers_train_and_every_replica_agrees(store: RunStore, dataset: Da
     assert a.replica.digest == b.replica.digest == want
     assert store.digests[3] == want
     # Both evaluated chunks; each RESULT went out with the replica's digest of its step.
-    assert all(any(isinstance(m, Result) for m in w.sent) for w in (a, b))
+    assert all(any(isinstance(m, messages.Result) for m in w.sent) for w in (a, b))
 
 
 @pytest.fixture
@@ -218,12 +204,12 @@ def test_a_worker_scores_several_chunks_per_request(store4: RunStore, dataset: D
 
     w.replica.evaluate = counting  # type: ignore[method-assign]
     net.train(2)
-    requests = [m for m in w.sent if isinstance(m, JobRequest)]
+    requests = [m for m in w.sent if isinstance(m, messages.JobRequest)]
     assert requests and all(r.max_chunks == 4 for r in requests)
-    jobs = [m for m in w.got if isinstance(m, Job)]
+    jobs = [m for m in w.got if isinstance(m, messages.Job)]
     assert [j.more for j in jobs[:4]] == [3, 2, 1, 0]
     assert calls[:2] == [4, 4]  # each step's four chunks in one backend call
-    results = [r.chunk for r in w.sent if isinstance(r, Result) and r.step == 0]
+    results = [r.chunk for r in w.sent if isinstance(r, messages.Result) and r.step == 0]
     assert sorted(results) == [0, 1, 2, 3]
     assert w.replica.digest == digest_at(store4.path, 2)
 
@@ -236,7 +222,7 @@ def test_a_step_is_shared_among_the_workers_at_it(store4: RunStore, dataset: Dat
     b = net.join("b", replica=sync_replica(dataset, threads=4))
     net.run()  # both through the handshake
     net.train(2)
-    jobs = [m for w in (a, b) for m in w.got if isinstance(m, Job) and m.step == 1]
+    jobs = [m for w in (a, b) for m in w.got if isinstance(m, messages.Job) and m.step == 1]
     assert jobs and max(j.more for j in jobs) == 1  # requests answered with two JOBs
     assert a.replica.digest == b.replica.digest == digest_at(store4.path, 2)
 
@@ -244,11 +230,11 @@ def test_a_step_is_shared_among_the_workers_at_it(store4: RunStore, dataset: Dat
 @pytest.mark.parametrize(
     "then",
     [
-        Step.from_values(0, np.zeros(CFG.pairs, dtype=np.int8)),  # a STEP among them
-        Wait(10),  # a WAIT among them
-        Job(0, 1, 8, 8, 0),  # not counting down (1 -> 0 skips nothing: 2 -> 0)
-        Job(0, 0, 0, 8, 1),  # a chunk twice
-        Job(1, 1, 8, 8, 1),  # another step
+        messages.Step.from_values(0, np.zeros(CFG.pairs, dtype=np.int8)),  # a STEP among them
+        messages.Wait(10),  # a WAIT among them
+        messages.Job(0, 1, 8, 8, 0),  # not counting down (1 -> 0 skips nothing: 2 -> 0)
+        messages.Job(0, 0, 0, 8, 1),  # a chunk twice
+        messages.Job(1, 1, 8, 8, 1),  # another step
     ],
     ids=["step", "wait", "count", "twice", "other-step"],
 )
@@ -262,7 +248,7 @@ def test_a_requests_jobs_must_come_together(
     net.run()
     s = w.session
     s.phase = Phase.REQUESTED  # as after its next JOB_REQUEST
-    assert s.receive(Job(0, 0, 0, 8, 2)) == [] and s.phase is Phase.REQUESTED
+    assert s.receive(messages.Job(0, 0, 0, 8, 2)) == [] and s.phase is Phase.REQUESTED
     assert s.advance() == []  # the request is still being answered: no second one
     with pytest.raises(PeerViolation):
         s.receive(then)
@@ -281,7 +267,7 @@ def test_a_worker_asking_again_gets_no_more_than_its_share(
     held = core.jobs.live[peer.id]
     assert held >= 2  # its share of 4 chunks between 2 workers (it asked first, alone)
     digest = ReplicaState.initial(store4.config).digest()
-    again = sends(core.receive(peer.id, JobRequest(0, digest, 0, 4)))
+    again = sends(core.receive(peer.id, messages.JobRequest(0, digest, 0, 4)))
     assert [type(o.msg).__name__ for o in again] == ["Wait"] and core.jobs.live[peer.id] == held
 
 
@@ -304,13 +290,16 @@ def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Data
         before = len(w.got)
         original(data)
         for msg in w.got[before:]:
-            if isinstance(msg, Step):
+            if isinstance(msg, messages.Step):
                 logged_at_step.append((msg.step, store.fitness_log.steps))
 
     w.deliver = deliver  # type: ignore[method-assign]
     net.train(2)
     assert logged_at_step == [(0, 1), (1, 2)]
-    assert store.fitness_log.read(0, 1)[0] == next(m for m in w.got if isinstance(m, Step)).fitness
+    assert (
+        store.fitness_log.read(0, 1)[0]
+        == next(m for m in w.got if isinstance(m, messages.Step)).fitness
+    )
 
 
 def test_wait_then_retry_and_a_job_pushed_during_the_wait(
@@ -319,14 +308,14 @@ def test_wait_then_retry_and_a_job_pushed_during_the_wait(
     net = Network(store, dataset)
     a, b, c = net.join("a"), net.join("b"), net.join("c")
     net.run()  # a and b lease the two chunks (and hold them); c is told to WAIT
-    assert isinstance(c.got[-1], Wait) and c.session.phase is Phase.WAITING
+    assert isinstance(c.got[-1], messages.Wait) and c.session.phase is Phase.WAITING
     # The WAIT runs out: c asks again and waits again (no chunk, no timing for backups).
     net.advance(WAIT_S)
     assert kinds(c.sent).count("JOB_REQUEST") == 2 and c.session.phase is Phase.WAITING
     # a leaves: its chunk is re-queued at once and pushed to c, unasked.
     (lost,) = a.held
     a.close("gone")
-    assert isinstance(c.inbox[-1], Job) and c.inbox[-1].chunk == lost.chunk
+    assert isinstance(c.inbox[-1], messages.Job) and c.inbox[-1].chunk == lost.chunk
     assert net.metrics.chunks_requeued.labels("disconnect")._value.get() == 1
     net.train(1)
     assert store.steps == 1
@@ -341,14 +330,14 @@ def test_stale_job_request_is_left_unanswered_or_answered_with_fitness(
     net.train(2)
     core, peer = net.core, w.peer
     # A JOB_REQUEST from step 1 after STEP 1 was sent to it: the STEP answers it.
-    assert core.receive(peer, JobRequest(1, digest_at(store.path, 1), 0)) == []
+    assert core.receive(peer, messages.JobRequest(1, digest_at(store.path, 1), 0)) == []
     # From before this connection's first STEP: the missing steps come as FITNESS_RANGE.
     late = net.join("late")
     net.run()
     late_peer = late.peer
     core.peers[late_peer].broadcast_from = 2
-    (reply,) = sends(core.receive(late_peer, JobRequest(0, digest_at(store.path, 0), 0)))
-    assert isinstance(reply.msg, FitnessRange) and reply.msg.first_step == 0
+    (reply,) = sends(core.receive(late_peer, messages.JobRequest(0, digest_at(store.path, 0), 0)))
+    assert isinstance(reply.msg, messages.FitnessRange) and reply.msg.first_step == 0
     assert reply.msg.step_count == 2
 
 
@@ -359,10 +348,10 @@ def test_a_replica_ahead_of_the_run_or_with_another_digest_diverged(
     w, _ = net.join("w"), net.join("v")  # two workers: step 1's digest is agreed
     net.train(1)
     with pytest.raises(Refused) as ahead:
-        net.receive(w.peer, JobRequest(5, 0, 0))
+        net.receive(w.peer, messages.JobRequest(5, 0, 0))
     assert ahead.value.code is ErrorCode.DIVERGED
     with pytest.raises(Refused) as other:
-        net.receive(w.peer, JobRequest(1, store.digests[1] ^ 1, 0))
+        net.receive(w.peer, messages.JobRequest(1, store.digests[1] ^ 1, 0))
     assert other.value.code is ErrorCode.DIVERGED
     assert net.metrics.digest_mismatches._value.get() == 1
 
@@ -396,8 +385,8 @@ def test_results_are_dropped_for_another_step_a_bad_chunk_or_a_duplicate(
     r = backend.evaluate_chunk(0, job.first_member, job.member_count)
     digest = backend.digest()
 
-    def result(step: int, chunk: int, fitness: np.ndarray) -> Result:
-        return Result.from_values(
+    def result(step: int, chunk: int, fitness: np.ndarray) -> messages.Result:
+        return messages.Result.from_values(
             step=step, chunk=chunk, loss_sum=r.loss_sum, weights_changed=0,
             replica_digest=digest, fitness=fitness,
         )  # fmt: skip
@@ -431,12 +420,12 @@ def test_a_step_overtaking_a_running_chunk_and_a_straggler_backup(
     # Chunk times are known now: a lease this old gets a backup copy on the next ask.
     net.advance(5.0)
     assert store.steps == 1  # fast's copy of chunk 0 won: step committed
-    assert slow.busy() and isinstance(slow.inbox[0], Step)
+    assert slow.busy() and isinstance(slow.inbox[0], messages.Step)
     slow.finish_held()  # the STEP was read meanwhile: the result is not sent
-    assert not any(isinstance(m, Result) for m in slow.sent)
+    assert not any(isinstance(m, messages.Result) for m in slow.sent)
     net.run()
     assert slow.replica.digest == fast.replica.digest == digest_at(store.path, 1)
-    assert isinstance(slow.sent[-1], JobRequest) and slow.sent[-1].replica_step == 1
+    assert isinstance(slow.sent[-1], messages.JobRequest) and slow.sent[-1].replica_step == 1
 
 
 def test_an_expired_lease_is_leased_again_and_the_first_result_wins(
@@ -467,9 +456,9 @@ def test_catch_up_in_batches(
     w = net.join("w")
     w.hold_jobs = True
     net.run()
-    requests = [m for m in w.sent if isinstance(m, FitnessRequest)]
+    requests = [m for m in w.sent if isinstance(m, messages.FitnessRequest)]
     assert [(r.first_step, r.max_steps) for r in requests] == [(0, 2), (2, 2), (4, 2)]
-    assert isinstance(w.sent[-1], JobRequest) and w.sent[-1].replica_step == 5
+    assert isinstance(w.sent[-1], messages.JobRequest) and w.sent[-1].replica_step == 5
     assert w.replica.digest == digest_at(store.path, 5)
 
 
@@ -520,7 +509,7 @@ def test_a_corrupt_snapshot_is_replaced_by_the_fitness_log(
     path.write_bytes(bytes(blob))
     late = net.join("late")
     net.run()
-    requests = [m for m in late.sent if isinstance(m, FitnessRequest)]
+    requests = [m for m in late.sent if isinstance(m, messages.FitnessRequest)]
     assert requests[0].first_step == 0  # the whole log, from the initial state
     assert late.replica.step == 2 and late.replica.digest == digest_at(store.path, 2)
 
@@ -534,7 +523,7 @@ def test_the_coordinator_keeps_only_a_snapshot_that_agrees(
     core = net.core
     core.snapshot.step = 1
     out = core._ask_snapshot(core.peers[w.peer])
-    assert out and isinstance(out[0].msg, SnapshotRequest)
+    assert out and isinstance(out[0].msg, messages.SnapshotRequest)
     good = encode_checkpoint(w.replica.backend.state)
     bad = bytearray(good)
     bad[-1] ^= 1  # CRC no longer matches
@@ -563,9 +552,9 @@ def test_unexpected_snapshot_chunks(store: RunStore, dataset: Dataset) -> None:
     net = Network(store, dataset)
     w = idle_worker(net)
     with pytest.raises(Refused) as refused:
-        net.core.receive(w.peer, SnapshotChunk(0, 10, 0, b"x"))  # nobody asked
+        net.core.receive(w.peer, messages.SnapshotChunk(0, 10, 0, b"x"))  # nobody asked
     assert refused.value.code is ErrorCode.ILLEGAL_STATE
-    assert w.session.receive(SnapshotChunk(0, 10, 0, b"x")) == []  # ignored by the worker
+    assert w.session.receive(messages.SnapshotChunk(0, 10, 0, b"x")) == []  # ignored by the worker
 
 
 # --- Validation and liveness ---------------------------------------------------------------
@@ -584,9 +573,9 @@ def test_validation_is_asked_of_one_worker_at_the_step(
             a, b = net.join("a"), net.join("b")
             net.train(2)
             net.run()
-        asked = [w for w in (a, b) if any(isinstance(m, Validate) for m in w.got)]
+        asked = [w for w in (a, b) if any(isinstance(m, messages.Validate) for m in w.got)]
         assert len(asked) == 1
-        (answer,) = [m for m in asked[0].sent if isinstance(m, Validation)]
+        (answer,) = [m for m in asked[0].sent if isinstance(m, messages.Validation)]
         assert answer.step == 2 and answer.tokens > 0
         # Both metrics, as the worker's backend computed them, over the same tokens.
         assert asked[0].replica.backend is not None
@@ -636,7 +625,7 @@ def test_a_model_without_streams_reports_windows_only(
             w = net.join("w")
             net.train(1)
             net.run()
-        (answer,) = [m for m in w.sent if isinstance(m, Validation)]
+        (answer,) = [m for m in w.sent if isinstance(m, messages.Validation)]
         assert (answer.tokens, answer.stream_tokens, answer.stream_text_bytes) == (64, 0, 0)
         assert answer.bits_per_byte is None and answer.stream_bits_per_byte is None
         metrics = net.metrics
@@ -663,15 +652,15 @@ def test_validate_for_a_step_the_replica_has_left_gets_no_answer(
     net.train(1)
     w = idle_worker(net)
     assert w.replica.step == 1
-    assert w.session.receive(Validate(0)) == []
-    assert w.session.receive(Validate(1)) == [RunValidation(1)]
+    assert w.session.receive(messages.Validate(0)) == []
+    assert w.session.receive(messages.Validate(1)) == [RunValidation(1)]
 
 
 # --- Samples while training ---------------------------------------------------------------
 
 
-def sample_texts(w: Worker) -> list[SampleText]:
-    return [m for m in w.sent if isinstance(m, SampleText)]
+def sample_texts(w: Worker) -> list[messages.SampleText]:
+    return [m for m in w.sent if isinstance(m, messages.SampleText)]
 
 
 def two_busy_workers(net: Network) -> list[Worker]:
@@ -702,11 +691,11 @@ def test_the_sample_is_asked_of_a_waiting_worker_not_the_busy_ones(
         net.train(1)  # step 1 wants a sample; its two chunks are held by the busy workers
         net.run()
         assert all(w.busy() for w in busy)
-        assert not any(isinstance(m, Sample) for w in busy for m in w.got)
+        assert not any(isinstance(m, messages.Sample) for w in busy for m in w.got)
         idle = net.join("idle")
         net.run()
     assert idle.session.phase is Phase.WAITING  # told to WAIT, and asked to write meanwhile
-    (asked,) = [m for m in idle.got if isinstance(m, Sample)]
+    (asked,) = [m for m in idle.got if isinstance(m, messages.Sample)]
     assert (asked.step, asked.seed, asked.prompt_index) == (1, 1, 0)
     assert (asked.prompt_tokens, asked.new_tokens) == (32, 64)
     assert (asked.temperature, asked.min_p, asked.presence_penalty) == (600, 80, 200)
@@ -730,7 +719,9 @@ def test_the_only_worker_is_asked_after_its_chunk(store: RunStore, dataset: Data
     (answer,) = sample_texts(w)
     assert answer.step == 2
     first = w.sent.index(answer)
-    assert any(isinstance(m, Result) and m.step == 2 for m in w.sent[:first])  # chunk first
+    assert any(
+        isinstance(m, messages.Result) and m.step == 2 for m in w.sent[:first]
+    )  # chunk first
     latest = net.latest(Sampled)
     assert latest is not None and latest.step == 2
     net.train(1)  # step 3: no sample due
@@ -763,7 +754,7 @@ def test_the_run_ends_after_the_final_steps_sample(store: RunStore, dataset: Dat
     assert core.done and latest is not None and latest.step == 2
     core.sample.asked = (w.peer, 2)  # as if its answer were still on its way
     assert not core.done
-    net.receive(w.peer, SampleText(2, 2, b"prompt", b"text"))
+    net.receive(w.peer, messages.SampleText(2, 2, b"prompt", b"text"))
     assert core.done
 
 
@@ -774,13 +765,13 @@ def test_only_the_asked_worker_for_the_asked_step_writes_the_sample(
     busy = two_busy_workers(net)
     net.train(1)
     net.run()
-    net.receive(busy[0].peer, SampleText(1, 1, b"forged", b"text"))  # not asked
+    net.receive(busy[0].peer, messages.SampleText(1, 1, b"forged", b"text"))  # not asked
     assert net.latest(Sampled) is None
     idle = net.join("idle")
     net.run()
     assert net.latest(Sampled) is not None
-    net.receive(idle.peer, SampleText(1, 1, b"again", b"text"))  # answered already
-    net.receive(idle.peer, SampleText(0, 0, b"old", b"text"))
+    net.receive(idle.peer, messages.SampleText(1, 1, b"again", b"text"))  # answered already
+    net.receive(idle.peer, messages.SampleText(0, 0, b"old", b"text"))
     latest = net.latest(Sampled)
     assert latest is not None and latest.prompt != "again"
 
@@ -793,7 +784,7 @@ def test_sample_text_is_logged_on_one_line_without_control_characters(
     net.train(1)
     net.run()
     assert net.core.sample.asked == (w.peer, 1)
-    net.receive(w.peer, SampleText(1, 1, b"a\nb", b"\x1b]0;title\x07\x9b2J\xff\r\n"))
+    net.receive(w.peer, messages.SampleText(1, 1, b"a\nb", b"\x1b]0;title\x07\x9b2J\xff\r\n"))
     latest = net.latest(Sampled)
     assert latest is not None and latest.prompt == f"a{NEWLINE_MARK}b"
     assert latest.text.isprintable() and NEWLINE_MARK in latest.text
@@ -808,8 +799,8 @@ def test_a_sample_for_a_step_the_replica_has_left_gets_no_answer(
     net.train(1)
     w = idle_worker(net)
     assert w.replica.step == 1
-    stale = Sample(0, 0, 0, 32, 64, 600, 80, 0, 200, 0)
-    current = Sample(1, 1, 0, 32, 64, 600, 80, 0, 200, 0)
+    stale = messages.Sample(0, 0, 0, 32, 64, 600, 80, 0, 200, 0)
+    current = messages.Sample(1, 1, 0, 32, 64, 600, 80, 0, 200, 0)
     assert w.session.receive(stale) == []
     assert w.session.receive(current) == [RunSample(current)]
 
@@ -819,7 +810,7 @@ def test_no_samples_unless_asked_for(store: RunStore, dataset: Dataset) -> None:
     a, b = net.join("a"), net.join("b")
     net.train(3)
     net.run()
-    assert not any(isinstance(m, Sample) for w in (a, b) for m in w.got)
+    assert not any(isinstance(m, messages.Sample) for w in (a, b) for m in w.got)
 
 
 def test_heartbeats_change_nothing_and_shutdown_is_not_permanent(
@@ -828,10 +819,10 @@ def test_heartbeats_change_nothing_and_shutdown_is_not_permanent(
     net = Network(store, dataset)
     w = net.join("w")
     net.run()
-    assert net.core.receive(w.peer, Heartbeat(0)) == []
-    assert w.session.receive(Heartbeat(0)) == []  # in any phase, even while evaluating
+    assert net.core.receive(w.peer, messages.Heartbeat(0)) == []
+    assert w.session.receive(messages.Heartbeat(0)) == []  # in any phase, even while evaluating
     with pytest.raises(Ended, match="shutting down") as ended:
-        w.session.receive(Error(ErrorCode.SHUTTING_DOWN, "bye"))
+        w.session.receive(messages.Error(ErrorCode.SHUTTING_DOWN, "bye"))
     assert not ended.value.drop_replica
 
 
@@ -874,14 +865,14 @@ def test_a_digest_needs_two_reporters_and_a_lone_false_report_changes_nothing(
     for peer in (liar, one, two):
         core.peers[peer].ready = True
     truth = digest_at(store.path, 0)
-    core.receive(liar, JobRequest(0, truth ^ 0xDEAD, 0))  # first, and alone: not agreed
+    core.receive(liar, messages.JobRequest(0, truth ^ 0xDEAD, 0))  # first, and alone: not agreed
     assert 0 not in store.digests
-    core.receive(one, JobRequest(0, truth, 0))
+    core.receive(one, messages.JobRequest(0, truth, 0))
     assert 0 not in store.digests  # one against one
-    core.receive(two, JobRequest(0, truth, 0))
+    core.receive(two, messages.JobRequest(0, truth, 0))
     assert store.digests[0] == truth  # two reporters agree
     with pytest.raises(Refused) as lie:
-        core.receive(liar, JobRequest(0, truth ^ 0xDEAD, 0))
+        core.receive(liar, messages.JobRequest(0, truth ^ 0xDEAD, 0))
     assert lie.value.code is ErrorCode.DIVERGED  # the minority is the liar's divergence
     assert "dead" not in lie.value.message  # and the agreed digest is not revealed
 
@@ -900,7 +891,7 @@ def test_a_lagging_workers_digest_is_agreed_within_the_window(
     core = net.core
     slow = core.connect("mem:slow")
     core.peers[slow].ready = True
-    core.receive(slow, JobRequest(3, digest_at(store.path, 3), 0))
+    core.receive(slow, messages.JobRequest(3, digest_at(store.path, 3), 0))
     assert store.digests.get(3) == (digest_at(store.path, 3) if window > 9 else None)
     assert min(core.trust.tallies) == max(0, 12 - window)
 
@@ -915,7 +906,7 @@ def test_a_late_disagreement_is_reported_once_a_step(store: RunStore, dataset: D
     net.core.peers[odd].ready = True
     with structlog.testing.capture_logs() as events:
         for step in (10, 5, 5):
-            net.receive(odd, JobRequest(step, digest_at(store.path, step) ^ 1, 0))
+            net.receive(odd, messages.JobRequest(step, digest_at(store.path, step) ^ 1, 0))
     assert [e["step"] for e in events if e["event"] == "digests disagree"] == [10, 5]
 
 
@@ -928,8 +919,8 @@ def test_rival_digests_without_a_majority_are_reported_not_agreed(
     for peer in (one, two):
         core.peers[peer].ready = True
     with structlog.testing.capture_logs() as events:
-        net.receive(one, JobRequest(0, 111, 0))
-        net.receive(two, JobRequest(0, 222, 0))
+        net.receive(one, messages.JobRequest(0, 111, 0))
+        net.receive(two, messages.JobRequest(0, 222, 0))
     assert 0 not in store.digests
     assert [e["event"] for e in events if e["log_level"] == "warning"] == ["digests disagree"]
     assert net.metrics.digest_mismatches._value.get() == 1
@@ -1130,7 +1121,7 @@ def test_a_worker_that_dropped_a_chunk_but_works_on_is_not_stalled(
     b.hold_jobs = True  # the chunk it leases is never answered
     net.run()  # both through the handshake, each holding chunks of step 0
     net.stop_at = 100  # a's run from now on
-    asking = JobRequest(0, b.replica.digest, 0)
+    asking = messages.JobRequest(0, b.replica.digest, 0)
     for _ in range(12):
         net.advance(30.0)
         net.receive(b.peer, asking)  # still working: it asks for more
@@ -1398,8 +1389,8 @@ def test_results_only_for_a_lease_and_with_a_possible_loss(
     core = net.core
     other = 1 - job.chunk
 
-    def result(chunk: int, loss_sum: int) -> Result:
-        return Result.from_values(
+    def result(chunk: int, loss_sum: int) -> messages.Result:
+        return messages.Result.from_values(
             step=0, chunk=chunk, loss_sum=loss_sum, weights_changed=0,
             replica_digest=digest_at(store.path, 0),
             fitness=np.ones(CFG.es.chunk_size // 2, np.int8),
@@ -1454,20 +1445,20 @@ def test_a_snapshot_must_be_the_requested_step_and_size(store: RunStore, dataset
     core = net.core
     core.snapshot.step = 1
     (ask,) = core._ask_snapshot(core.peers[w.peer])
-    assert ask.msg == SnapshotRequest(1)
+    assert ask.msg == messages.SnapshotRequest(1)
     with pytest.raises(Refused, match="step 1 was asked for"):
-        core.receive(w.peer, SnapshotChunk(1, 2**40, 0, b"x" * 64))
+        core.receive(w.peer, messages.SnapshotChunk(1, 2**40, 0, b"x" * 64))
     core.snapshot = Want(step=1)  # the transfer given up: ask again
     core._ask_snapshot(core.peers[w.peer])
     with pytest.raises(Refused, match="step 1 was asked for"):
-        core.receive(w.peer, SnapshotChunk(0, core.checkpoint_size, 0, b"x" * 64))
+        core.receive(w.peer, messages.SnapshotChunk(0, core.checkpoint_size, 0, b"x" * 64))
 
 
 def test_only_the_worker_asked_sets_the_held_out_score(store: RunStore, dataset: Dataset) -> None:
     net = Network(store, dataset)
     w = net.join("w")
     net.train(1)
-    net.receive(w.peer, Validation(1, 100, 30.0, 1.5))  # nobody asked
+    net.receive(w.peer, messages.Validation(1, 100, 30.0, 1.5))  # nobody asked
     assert net.metrics.valid_step._value.get() != 1
 
 
@@ -1521,7 +1512,7 @@ def test_digest_and_data_votes_stay_bounded_by_the_workers_connected(
     core = net.core
     assert core.trust.data_votes == {b"\x42" * 32: {odd.peer}}
     for digest in range(1000):  # a report per request, each different
-        core.receive(odd.peer, JobRequest(0, digest, 0))
+        core.receive(odd.peer, messages.JobRequest(0, digest, 0))
     assert core.trust.tallies == {0: {999: {odd.peer}}}  # one report per worker and step
     odd.close("gone")
     assert core.trust.tallies == {0: {}} and core.trust.data_votes == {}

@@ -25,28 +25,14 @@ import structlog
 from eggroll_dist.protocol import (
     LATEST_SNAPSHOT,
     PROTOCOL_VERSION,
-    Auth,
-    Challenge,
     Connection,
-    Error,
     ErrorCode,
-    FitnessRange,
-    FitnessRequest,
-    Heartbeat,
-    Hello,
-    Job,
-    JobRequest,
     Message,
     RemoteProtocolError,
-    Result,
     Role,
-    SnapshotChunk,
-    SnapshotRequest,
-    Step,
-    Wait,
-    Welcome,
     encode_message,
     iter_snapshot_chunks,
+    messages,
     pack_ternary,
     verify_mac,
 )
@@ -132,7 +118,7 @@ class Peer:
                 if not data:
                     return None
                 self.conn.receive_data(data)
-            elif heartbeats or not isinstance(msg, Heartbeat):
+            elif heartbeats or not isinstance(msg, messages.Heartbeat):
                 return msg
 
     async def expect(self, cls: type[M]) -> M:
@@ -156,14 +142,14 @@ class Peer:
         run_id: bytes = RUN_ID,
         token: bytes = b"",
         config_bytes: bytes | None = None,
-    ) -> Hello:
-        hello = await self.expect(Hello)
+    ) -> messages.Hello:
+        hello = await self.expect(messages.Hello)
         nonce = os.urandom(32)
-        await self.send(Challenge(nonce))
-        auth = await self.expect(Auth)
+        await self.send(messages.Challenge(nonce))
+        auth = await self.expect(messages.Auth)
         assert verify_mac(token, nonce, auth.mac)
         config = CFG.canonical_bytes() if config_bytes is None else config_bytes
-        await self.send(Welcome(run_id, config, current_step, snapshot_step, PAIRS))
+        await self.send(messages.Welcome(run_id, config, current_step, snapshot_step, PAIRS))
         return hello
 
     async def closed(self) -> bool:
@@ -251,27 +237,29 @@ async def test_job_then_step(coordinator: FakeCoordinator, dataset: Dataset) -> 
             "cpu",
         )
         assert hello.data_digest == dataset.digest
-        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+        assert await peer.expect(messages.JobRequest) == messages.JobRequest(0, INITIAL.digest(), 0)
 
-        await peer.send(Job(0, 1, 8, 8))
-        result = await peer.expect(Result)
+        await peer.send(messages.Job(0, 1, 8, 8))
+        result = await peer.expect(messages.Result)
         reference = NumpyBackend(dataset, INITIAL).evaluate_chunk(0, 8, 8)
         assert (result.step, result.chunk, result.pair_count) == (0, 1, 4)
         assert result.fitness_values().tolist() == reference.fitness.tolist()
         assert result.loss_sum == reference.loss_sum
         assert (result.replica_digest, result.weights_changed) == (INITIAL.digest(), 0)
 
-        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
-        await peer.send(Wait(60_000))
-        await peer.send(Job(0, 0, 0, 8))  # a re-queued chunk, pushed unasked during the WAIT
-        assert (await peer.expect(Result)).chunk == 0
-        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+        assert await peer.expect(messages.JobRequest) == messages.JobRequest(0, INITIAL.digest(), 0)
+        await peer.send(messages.Wait(60_000))
+        await peer.send(
+            messages.Job(0, 0, 0, 8)
+        )  # a re-queued chunk, pushed unasked during the WAIT
+        assert (await peer.expect(messages.Result)).chunk == 0
+        assert await peer.expect(messages.JobRequest) == messages.JobRequest(0, INITIAL.digest(), 0)
         # The step commits; that request stays unanswered (the STEP overtook it), and the
         # worker asks again once it has applied the step.
-        await peer.send(Step.from_values(0, fitness(0)))
-        request = await peer.expect(JobRequest)
+        await peer.send(messages.Step.from_values(0, fitness(0)))
+        request = await peer.expect(messages.JobRequest)
         changed = NumpyBackend(dataset, INITIAL).apply_step(fitness(0))
-        assert request == JobRequest(1, state_at(1).digest(), changed)
+        assert request == messages.JobRequest(1, state_at(1).digest(), changed)
         assert client.backend is not None and client.backend.step == 1
 
 
@@ -292,24 +280,24 @@ async def test_long_chunk_heartbeats_and_a_step_that_overtakes_it(
     async with running(client):
         peer = await coordinator.next_peer()
         await peer.handshake()
-        await peer.expect(JobRequest)
-        await peer.send(Job(0, 0, 0, 8))
+        await peer.expect(messages.JobRequest)
+        await peer.send(messages.Job(0, 0, 0, 8))
         for _ in range(3):  # the connection stays alive while the chunk runs
-            assert isinstance(await peer.recv(heartbeats=True), Heartbeat)
+            assert isinstance(await peer.recv(heartbeats=True), messages.Heartbeat)
         # Another worker's copy of the chunk completed the step: its result is not needed.
-        await peer.send(Step.from_values(0, fitness(0)))
+        await peer.send(messages.Step.from_values(0, fitness(0)))
         release.set()
         # Usually no RESULT comes first. If the chunk ended before the STEP was read, a stale
         # RESULT and a JOB_REQUEST for step 0 may (the coordinator drops or ignores them).
         # Then the replica moves on to step 1.
         request = await peer.recv()
         for _ in range(2):
-            stale_result = isinstance(request, Result) and request.step == 0
-            stale_request = isinstance(request, JobRequest) and request.replica_step == 0
+            stale_result = isinstance(request, messages.Result) and request.step == 0
+            stale_request = isinstance(request, messages.JobRequest) and request.replica_step == 0
             if not (stale_result or stale_request):
                 break
             request = await peer.recv()
-        assert isinstance(request, JobRequest)
+        assert isinstance(request, messages.JobRequest)
         assert (request.replica_step, request.replica_digest) == (1, state_at(1).digest())
 
 
@@ -353,13 +341,13 @@ async def test_catch_up_from_the_fitness_log(
     async with running(make_client(coordinator, dataset)):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=3)
-        request = await peer.expect(FitnessRequest)
+        request = await peer.expect(messages.FitnessRequest)
         assert request.first_step == 0 and request.max_steps >= 1
         # The answer may hold fewer steps than asked: the worker asks again from where it is.
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:2]))
-        assert (await peer.expect(FitnessRequest)).first_step == 2
-        await peer.send(FitnessRange.from_steps(2, PAIRS, PACKED[2:3]))
-        request = await peer.expect(JobRequest)
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:2]))
+        assert (await peer.expect(messages.FitnessRequest)).first_step == 2
+        await peer.send(messages.FitnessRange.from_steps(2, PAIRS, PACKED[2:3]))
+        request = await peer.expect(messages.JobRequest)
         assert (request.replica_step, request.replica_digest) == (3, state_at(3).digest())
 
 
@@ -369,19 +357,19 @@ async def test_stale_job_request_and_a_step_from_the_future(
     async with running(make_client(coordinator, dataset)):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=0)
-        assert (await peer.expect(JobRequest)).replica_step == 0
+        assert (await peer.expect(messages.JobRequest)).replica_step == 0
         # The run moved on meanwhile: the coordinator answers with the missing steps.
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
-        request = await peer.expect(JobRequest)
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
+        request = await peer.expect(messages.JobRequest)
         assert (request.replica_step, request.replica_digest) == (1, state_at(1).digest())
         # A JOB for an older step is not evaluated (no RESULT follows), and a STEP beyond the
         # replica ends the WAIT at once: the worker catches up through FITNESS_REQUEST.
-        await peer.send(Job(0, 0, 0, 8))
-        await peer.send(Wait(60_000))
-        await peer.send(Step.from_values(2, fitness(2)))
-        assert (await peer.expect(FitnessRequest)).first_step == 1
-        await peer.send(FitnessRange.from_steps(1, PAIRS, PACKED[1:3]))
-        request = await peer.expect(JobRequest)
+        await peer.send(messages.Job(0, 0, 0, 8))
+        await peer.send(messages.Wait(60_000))
+        await peer.send(messages.Step.from_values(2, fitness(2)))
+        assert (await peer.expect(messages.FitnessRequest)).first_step == 1
+        await peer.send(messages.FitnessRange.from_steps(1, PAIRS, PACKED[1:3]))
+        request = await peer.expect(messages.JobRequest)
         assert (request.replica_step, request.replica_digest) == (3, state_at(3).digest())
 
 
@@ -390,15 +378,15 @@ async def test_catch_up_from_a_snapshot(coordinator: FakeCoordinator, dataset: D
     async with running(client):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=3, snapshot_step=2)
-        assert (await peer.expect(SnapshotRequest)).step == LATEST_SNAPSHOT
+        assert (await peer.expect(messages.SnapshotRequest)).step == LATEST_SNAPSHOT
         blob = encode_checkpoint(state_at(2))
         chunks = list(iter_snapshot_chunks(2, blob, chunk_bytes=len(blob) // 4 + 1))
         assert len(chunks) >= 4
         for chunk in chunks:
             await peer.send(chunk)
-        assert (await peer.expect(FitnessRequest)).first_step == 2
-        await peer.send(FitnessRange.from_steps(2, PAIRS, PACKED[2:3]))
-        request = await peer.expect(JobRequest)
+        assert (await peer.expect(messages.FitnessRequest)).first_step == 2
+        await peer.send(messages.FitnessRange.from_steps(2, PAIRS, PACKED[2:3]))
+        request = await peer.expect(messages.JobRequest)
         assert (request.replica_step, request.replica_digest) == (3, state_at(3).digest())
 
 
@@ -408,14 +396,14 @@ async def test_a_corrupt_snapshot_falls_back_to_the_fitness_log(
     async with running(make_client(coordinator, dataset)):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=2, snapshot_step=2)
-        await peer.expect(SnapshotRequest)
+        await peer.expect(messages.SnapshotRequest)
         blob = bytearray(encode_checkpoint(state_at(2)))
         blob[len(blob) // 2] ^= 0xFF
         for chunk in iter_snapshot_chunks(2, bytes(blob), chunk_bytes=1000):
             await peer.send(chunk)
-        assert (await peer.expect(FitnessRequest)).first_step == 0
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:2]))
-        request = await peer.expect(JobRequest)
+        assert (await peer.expect(messages.FitnessRequest)).first_step == 0
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:2]))
+        request = await peer.expect(messages.JobRequest)
         assert (request.replica_step, request.replica_digest) == (2, state_at(2).digest())
 
 
@@ -425,13 +413,13 @@ async def test_worker_streams_its_state_on_request(
     async with running(make_client(coordinator, dataset)):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=1)
-        await peer.expect(FitnessRequest)
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
-        request = await peer.expect(JobRequest)
-        await peer.send(SnapshotRequest(1))
+        await peer.expect(messages.FitnessRequest)
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
+        request = await peer.expect(messages.JobRequest)
+        await peer.send(messages.SnapshotRequest(1))
         parts = []
         while True:
-            chunk = await peer.expect(SnapshotChunk)
+            chunk = await peer.expect(messages.SnapshotChunk)
             assert chunk.step == 1 and chunk.offset == sum(map(len, parts))
             parts.append(chunk.data)
             if chunk.is_last:
@@ -446,20 +434,20 @@ async def test_reconnect_keeps_the_replica(coordinator: FakeCoordinator, dataset
     async with running(client):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=2)
-        await peer.expect(FitnessRequest)
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:2]))
-        first = await peer.expect(JobRequest)
+        await peer.expect(messages.FitnessRequest)
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:2]))
+        first = await peer.expect(messages.JobRequest)
         assert (first.replica_step, first.replica_digest) == (2, state_at(2).digest())
 
         peer.close()  # the connection drops
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=2)
-        assert await peer.expect(JobRequest) == first  # no catch-up needed
+        assert await peer.expect(messages.JobRequest) == first  # no catch-up needed
 
         await peer.send_error(ErrorCode.SHUTTING_DOWN, "bye")  # a coordinator restart
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=2)
-        assert await peer.expect(JobRequest) == first
+        assert await peer.expect(messages.JobRequest) == first
         assert client.connections == 3
 
 
@@ -469,21 +457,23 @@ async def test_diverged_or_another_run_starts_from_step_zero(
     async with running(make_client(coordinator, dataset)):
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=1)
-        await peer.expect(FitnessRequest)
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
-        assert (await peer.expect(JobRequest)).replica_step == 1
+        await peer.expect(messages.FitnessRequest)
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
+        assert (await peer.expect(messages.JobRequest)).replica_step == 1
 
         await peer.send_error(ErrorCode.DIVERGED, "digest differs")
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=1)
-        assert (await peer.expect(FitnessRequest)).first_step == 0  # the replica was dropped
-        await peer.send(FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
-        assert (await peer.expect(JobRequest)).replica_step == 1
+        assert (
+            await peer.expect(messages.FitnessRequest)
+        ).first_step == 0  # the replica was dropped
+        await peer.send(messages.FitnessRange.from_steps(0, PAIRS, PACKED[0:1]))
+        assert (await peer.expect(messages.JobRequest)).replica_step == 1
 
         peer.close()
         peer = await coordinator.next_peer()
         await peer.handshake(current_step=0, run_id=b"\xee" * 16)  # a new run
-        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+        assert await peer.expect(messages.JobRequest) == messages.JobRequest(0, INITIAL.digest(), 0)
 
 
 async def test_a_worker_that_diverges_again_after_every_resync_ends(
@@ -496,7 +486,7 @@ async def test_a_worker_that_diverges_again_after_every_resync_ends(
     for _ in range(DIVERGED_ATTEMPTS):
         peer = await coordinator.next_peer()
         await peer.handshake()
-        await peer.expect(JobRequest)
+        await peer.expect(messages.JobRequest)
         await peer.send_error(ErrorCode.DIVERGED, "digest differs")
     with pytest.raises(WorkerFatal, match="computes differently") as raised:
         await asyncio.wait_for(run, TIMEOUT_S)
@@ -513,17 +503,17 @@ async def test_a_step_it_scored_committed_between_divergences_keeps_it_going(
         for diverged in range(2 * DIVERGED_ATTEMPTS - 2):
             peer = await coordinator.next_peer()
             await peer.handshake()
-            await peer.expect(JobRequest)
+            await peer.expect(messages.JobRequest)
             if diverged == DIVERGED_ATTEMPTS - 1:  # the first two were in a row
-                await peer.send(Job(0, 0, 0, 8))
-                await peer.expect(Result)
-                await peer.expect(JobRequest)
-                await peer.send(Step.from_values(0, fitness(0)))
-                assert (await peer.expect(JobRequest)).replica_step == 1
+                await peer.send(messages.Job(0, 0, 0, 8))
+                await peer.expect(messages.Result)
+                await peer.expect(messages.JobRequest)
+                await peer.send(messages.Step.from_values(0, fitness(0)))
+                assert (await peer.expect(messages.JobRequest)).replica_step == 1
             await peer.send_error(ErrorCode.DIVERGED, "digest differs")
         peer = await coordinator.next_peer()  # still there
         await peer.handshake()
-        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+        assert await peer.expect(messages.JobRequest) == messages.JobRequest(0, INITIAL.digest(), 0)
 
 
 async def test_a_divergence_of_another_worker_at_its_address_does_not_count(
@@ -535,11 +525,11 @@ async def test_a_divergence_of_another_worker_at_its_address_does_not_count(
         for _ in range(DIVERGED_ATTEMPTS + 1):
             peer = await coordinator.next_peer()
             await peer.handshake()
-            await peer.expect(JobRequest)
+            await peer.expect(messages.JobRequest)
             await peer.send_error(ErrorCode.DIVERGED, ADDRESS_OUTVOTED)
         peer = await coordinator.next_peer()  # still there
         await peer.handshake()
-        assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+        assert await peer.expect(messages.JobRequest) == messages.JobRequest(0, INITIAL.digest(), 0)
 
 
 async def test_protocol_error_from_the_coordinator(
@@ -548,13 +538,13 @@ async def test_protocol_error_from_the_coordinator(
     async with running(make_client(coordinator, dataset)):
         peer = await coordinator.next_peer()
         await peer.handshake()
-        await peer.expect(JobRequest)
+        await peer.expect(messages.JobRequest)
         peer.writer.write(b"JUNK" * 8)
-        told = await peer.expect(Error)  # the worker explains before it hangs up
+        told = await peer.expect(messages.Error)  # the worker explains before it hangs up
         assert told.code is ErrorCode.BAD_MAGIC and await peer.closed()
         peer = await coordinator.next_peer()  # and comes back
         await peer.handshake()
-        await peer.expect(JobRequest)
+        await peer.expect(messages.JobRequest)
 
 
 async def test_reconnects_until_the_coordinator_is_up(
@@ -572,7 +562,9 @@ async def test_reconnects_until_the_coordinator_is_up(
             try:
                 peer = await fake.next_peer()
                 await peer.handshake()
-                assert await peer.expect(JobRequest) == JobRequest(0, INITIAL.digest(), 0)
+                assert await peer.expect(messages.JobRequest) == messages.JobRequest(
+                    0, INITIAL.digest(), 0
+                )
             finally:
                 await fake.close()
 
@@ -584,8 +576,8 @@ async def test_a_coordinator_of_another_protocol_version_ends_the_worker(
     client = make_client(coordinator, dataset)
     run = asyncio.create_task(client.run())
     peer = await coordinator.next_peer()
-    await peer.expect(Hello)
-    frame = bytearray(encode_message(Challenge(os.urandom(32))))
+    await peer.expect(messages.Hello)
+    frame = bytearray(encode_message(messages.Challenge(os.urandom(32))))
     frame[4] = PROTOCOL_VERSION - 1  # the header's version byte
     peer.writer.write(bytes(frame))
     await peer.writer.drain()
@@ -602,9 +594,9 @@ async def test_permanent_errors_end_the_worker(
     client = make_client(coordinator, dataset)
     run = asyncio.create_task(client.run())
     peer = await coordinator.next_peer()
-    await peer.expect(Hello)
-    await peer.send(Challenge(os.urandom(32)))
-    await peer.expect(Auth)
+    await peer.expect(messages.Hello)
+    await peer.send(messages.Challenge(os.urandom(32)))
+    await peer.expect(messages.Auth)
     await peer.send_error(code, "no")
     with pytest.raises(WorkerFatal) as raised:
         await asyncio.wait_for(run, TIMEOUT_S)
@@ -632,7 +624,7 @@ async def test_a_config_the_worker_cannot_run_is_refused(
     run = asyncio.create_task(client.run())
     peer = await coordinator.next_peer()
     await peer.handshake(config_bytes=config_bytes)
-    assert (await peer.expect(Error)).code is ErrorCode.CONFIG_MISMATCH
+    assert (await peer.expect(messages.Error)).code is ErrorCode.CONFIG_MISMATCH
     with pytest.raises(WorkerFatal, match=match) as raised:
         await asyncio.wait_for(run, TIMEOUT_S)
     assert raised.value.code is ErrorCode.CONFIG_MISMATCH and "\n" not in str(raised.value)
@@ -651,7 +643,7 @@ async def test_a_config_the_backend_cannot_build_is_refused(
     run = asyncio.create_task(client.run())
     peer = await coordinator.next_peer()
     await peer.handshake()
-    assert (await peer.expect(Error)).code is ErrorCode.CONFIG_MISMATCH
+    assert (await peer.expect(messages.Error)).code is ErrorCode.CONFIG_MISMATCH
     with pytest.raises(WorkerFatal, match="egg model only") as raised:
         await asyncio.wait_for(run, TIMEOUT_S)
     assert raised.value.code is ErrorCode.CONFIG_MISMATCH and "\n" not in str(raised.value)
@@ -662,7 +654,7 @@ async def test_stop_closes_the_connection(coordinator: FakeCoordinator, dataset:
     run = asyncio.create_task(client.run())
     peer = await coordinator.next_peer()
     await peer.handshake()
-    await peer.expect(JobRequest)
+    await peer.expect(messages.JobRequest)
     client.stop()
     await asyncio.wait_for(run, TIMEOUT_S)
     assert await peer.closed()
@@ -712,9 +704,9 @@ async def test_cli_refused_worker_exits_2_with_one_line(
         )
     )
     peer = await coordinator.next_peer()
-    await peer.expect(Hello)
-    await peer.send(Challenge(os.urandom(32)))
-    await peer.expect(Auth)
+    await peer.expect(messages.Hello)
+    await peer.send(messages.Challenge(os.urandom(32)))
+    await peer.expect(messages.Auth)
     await peer.send_error(ErrorCode.AUTH_FAILED)
     rc, output = await cli
     assert rc == 2 and "Traceback" not in output
@@ -738,7 +730,7 @@ async def test_cli_sigterm_closes_and_exits_0(coordinator: FakeCoordinator, data
         peer = await asyncio.wait_for(coordinator.next_peer(), 30)
         hello = await peer.handshake()
         assert hello.worker_name == "env-name"  # options come from EGGROLL_* too
-        await peer.expect(JobRequest)
+        await peer.expect(messages.JobRequest)
         proc.send_signal(signal.SIGTERM)
         assert await peer.closed()
         _, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)

@@ -47,30 +47,12 @@ import structlog
 from ..protocol import (
     LATEST_SNAPSHOT,
     PROTOCOL_VERSION,
-    Auth,
-    Challenge,
-    Error,
     ErrorCode,
-    FitnessRange,
-    FitnessRequest,
-    Hello,
-    Job,
-    JobRequest,
-    Log,
     LogLevel,
     Message,
     MsgType,
-    Result,
-    Sample,
-    SampleText,
-    SnapshotChunk,
-    SnapshotRequest,
-    Step,
-    Validate,
-    Validation,
-    Wait,
-    Welcome,
     auth_mac,
+    messages,
     unpack_ternary,
 )
 from ..protocol.errors import ADDRESS_OUTVOTED, RUN_COMPLETE
@@ -189,7 +171,7 @@ class Evaluate:
     """Evaluate the jobs of one request together (one backend call); then
     `evaluated(jobs, results, seconds)`."""
 
-    jobs: tuple[Job, ...]
+    jobs: tuple[messages.Job, ...]
 
 
 @dataclass(frozen=True)
@@ -244,7 +226,7 @@ class RunSample:
     """Write the sample asked for with the unperturbed replica; then
     `sampled(request, prompt, text, seconds)`."""
 
-    request: Sample
+    request: messages.Sample
 
 
 Command = (
@@ -348,7 +330,7 @@ class Session:
         self._download: _Download | None = None
         self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
         self._last_failure = ""  # the reward's last failure on a chunk
-        self._batch: list[Job] = []  # JOBs of the request so far, while more are due
+        self._batch: list[messages.Job] = []  # JOBs of the request so far, while more are due
         self._more: int | None = None  # the last JOB's `more`, while the request's JOBs come
         self._batch_step = -1
         self._replay: tuple[int, Progress] | None = None  # (from step, its progress) likewise
@@ -366,13 +348,15 @@ class Session:
 
     def start(self) -> list[Command]:
         me = self.me
-        return [Send(Hello(PROTOCOL_VERSION, me.name, me.backend, me.device, me.data_digest))]
+        return [
+            Send(messages.Hello(PROTOCOL_VERSION, me.name, me.backend, me.device, me.data_digest))
+        ]
 
     def receive(self, msg: Message) -> list[Command]:
         """Act on one message; raises Ended, WorkerFatal or PeerViolation."""
         if msg.TYPE is MsgType.HEARTBEAT:
             return []  # receiving it already proved the coordinator alive
-        if isinstance(msg, Error):
+        if isinstance(msg, messages.Error):
             raise self._on_error(msg)
         if (
             self._more is not None and msg.TYPE is not MsgType.JOB
@@ -403,7 +387,7 @@ class Session:
                 self._catchup = (replica.step, self.clock())
             self._replay_progress(replica.step)
             self.phase = Phase.CATCHING_UP
-            return [Send(FitnessRequest(replica.step, self._fitness_batch()))]
+            return [Send(messages.FitnessRequest(replica.step, self._fitness_batch()))]
         if self._replay is not None:
             self._replay[1].finish(say=False)  # "caught up" says the rest
             self._replay = None
@@ -420,7 +404,7 @@ class Session:
         self.phase = Phase.REQUESTED
         return [
             Send(
-                JobRequest(
+                messages.JobRequest(
                     replica.step, replica.digest, replica.weights_changed, replica.parallel_chunks
                 )
             )
@@ -446,7 +430,7 @@ class Session:
     # --- results of commands -----------------------------------------------------------
 
     def evaluated(
-        self, jobs: tuple[Job, ...], results: list[ChunkResult], seconds: float
+        self, jobs: tuple[messages.Job, ...], results: list[ChunkResult], seconds: float
     ) -> list[Command]:
         self.phase = Phase.IDLE
         self._last_failure = ""
@@ -470,7 +454,7 @@ class Session:
         replica = self.replica
         return [
             Send(
-                Result.from_values(
+                messages.Result.from_values(
                     step=job.step,
                     chunk=job.chunk,
                     loss_sum=result.loss_sum,
@@ -482,7 +466,7 @@ class Session:
             for job, result in zip(jobs, results, strict=True)
         ]
 
-    def evaluation_failed(self, jobs: tuple[Job, ...], error: str) -> list[Command]:
+    def evaluation_failed(self, jobs: tuple[messages.Job, ...], error: str) -> list[Command]:
         """The run's reward failed on chunks: drop them (the coordinator leases them again)
         and say why in both logs; a failure on the next request too leaves the run."""
         if self._last_failure:  # two requests in a row, whatever the completions were
@@ -493,7 +477,7 @@ class Session:
         log.error("chunk failed", step=step, chunks=chunks, error=error)
         names = ", ".join(map(str, chunks))
         text = f"chunk {names} of step {step} failed: {error}"
-        return [Send(Log(LogLevel.ERROR, text[:1000]))]  # LOG carries 4096 bytes of UTF-8
+        return [Send(messages.Log(LogLevel.ERROR, text[:1000]))]  # LOG carries 4096 bytes of UTF-8
 
     def snapshot_decoded(
         self, step: int, state: ReplicaState | None, error: str = ""
@@ -525,7 +509,7 @@ class Session:
             seconds=round(seconds, 3),
         )
         w, s = v.windows, v.streams or HeldOut(0, 0, 0.0, 0.0)  # 0 tokens: no stream metric
-        message = Validation(
+        message = messages.Validation(
             step,
             tokens=w.tokens,
             loss_16=w.loss_16,
@@ -540,22 +524,24 @@ class Session:
         )
         return [Send(message)]
 
-    def sampled(self, request: Sample, prompt: bytes, text: bytes, seconds: float) -> list[Command]:
+    def sampled(
+        self, request: messages.Sample, prompt: bytes, text: bytes, seconds: float
+    ) -> list[Command]:
         log.info(
             "sample written",
             step=request.step,
             tokens=request.new_tokens,
             seconds=round(seconds, 3),
         )
-        return [Send(SampleText(request.step, request.seed, prompt, text))]
+        return [Send(messages.SampleText(request.step, request.seed, prompt, text))]
 
     # --- handshake -------------------------------------------------------------------------
 
-    def _on_challenge(self, msg: Challenge) -> list[Command]:
+    def _on_challenge(self, msg: messages.Challenge) -> list[Command]:
         self.phase = Phase.AUTH_SENT
-        return [Send(Auth(auth_mac(self.me.token, msg.nonce)))]
+        return [Send(messages.Auth(auth_mac(self.me.token, msg.nonce)))]
 
-    def _on_welcome(self, msg: Welcome) -> list[Command]:
+    def _on_welcome(self, msg: messages.Welcome) -> list[Command]:
         """Check the run config and keep, or start afresh, the replica (SPEC §8 catch-up)."""
         config = self._check_config(msg)
         self.config = config
@@ -586,12 +572,12 @@ class Session:
             self._catchup = (step, self.clock())
             self._download = _Download(self.clock())
             self.phase = Phase.LOADING_SNAPSHOT
-            out.append(Send(SnapshotRequest(LATEST_SNAPSHOT)))
+            out.append(Send(messages.SnapshotRequest(LATEST_SNAPSHOT)))
         else:
             self.phase = Phase.IDLE
         return out
 
-    def _check_config(self, msg: Welcome) -> RunConfig:
+    def _check_config(self, msg: messages.Welcome) -> RunConfig:
         me = self.me
         try:
             config = from_canonical_bytes(msg.config_bytes)
@@ -629,7 +615,7 @@ class Session:
 
     # --- running -----------------------------------------------------------------------------
 
-    def _on_job(self, job: Job) -> list[Command]:
+    def _on_job(self, job: messages.Job) -> list[Command]:
         step = self.replica.step
         if job.step != step:
             # Only a replica at the job's step may evaluate it. An older job answers a request
@@ -651,7 +637,7 @@ class Session:
         self._batch.append(job)
         return self._batch_done(job)
 
-    def _batch_done(self, job: Job) -> list[Command]:
+    def _batch_done(self, job: messages.Job) -> list[Command]:
         """After a JOB: wait for the request's next one (`more`), or evaluate what it gave."""
         if self._more is not None and job.more != self._more - 1:
             raise PeerViolation(f"a request's JOBs count down from {self._more}, then {job.more}")
@@ -671,16 +657,16 @@ class Session:
         self._scored = batch[0].step
         return [Evaluate(batch)]
 
-    def _skip_job(self, job: Job) -> list[Command]:
+    def _skip_job(self, job: messages.Job) -> list[Command]:
         log.info("job skipped", step=job.step, chunk=job.chunk, reason="loading a snapshot")
         return []
 
-    def _on_wait(self, msg: Wait) -> list[Command]:
+    def _on_wait(self, msg: messages.Wait) -> list[Command]:
         self.phase = Phase.WAITING
         self.retry_at = self.clock() + msg.retry_after_ms / 1000
         return []
 
-    def _on_step(self, msg: Step) -> list[Command]:
+    def _on_step(self, msg: messages.Step) -> list[Command]:
         step = self.replica.step
         if msg.step < step:
             return []  # already applied (from a FITNESS_RANGE)
@@ -702,11 +688,11 @@ class Session:
         self.confirmed |= msg.step == self._scored
         return [Apply([unpack_ternary(msg.fitness, msg.pair_count)])]
 
-    def _note_step(self, msg: Step) -> list[Command]:
+    def _note_step(self, msg: messages.Step) -> list[Command]:
         self.committed = max(self.committed, msg.step + 1)
         return []
 
-    def _on_fitness_range(self, msg: FitnessRange) -> list[Command]:
+    def _on_fitness_range(self, msg: messages.FitnessRange) -> list[Command]:
         end = self._note_range(msg)
         step = self.replica.step
         if msg.first_step < step and end <= step:
@@ -721,7 +707,7 @@ class Session:
         todo = msg.split()[step - msg.first_step :]
         return [Apply([unpack_ternary(packed, pairs) for packed in todo])] if todo else []
 
-    def _note_range(self, msg: FitnessRange) -> int:
+    def _note_range(self, msg: messages.FitnessRange) -> int:
         assert self.config is not None
         if msg.pairs_per_step != self.config.pairs:
             raise PeerViolation(
@@ -732,15 +718,15 @@ class Session:
         self.committed = max(self.committed, end)
         return end
 
-    def _ignore_range(self, msg: FitnessRange) -> list[Command]:
+    def _ignore_range(self, msg: messages.FitnessRange) -> list[Command]:
         self._note_range(msg)  # the snapshot comes first; the fitness is asked for after it
         return []
 
-    def _on_snapshot_request(self, msg: SnapshotRequest) -> list[Command]:
+    def _on_snapshot_request(self, msg: messages.SnapshotRequest) -> list[Command]:
         # SPEC §8: a worker that has moved on sends its current state; it carries its step.
         return [ExportSnapshot(msg.step)]
 
-    def _on_snapshot_chunk(self, chunk: SnapshotChunk) -> list[Command]:
+    def _on_snapshot_chunk(self, chunk: messages.SnapshotChunk) -> list[Command]:
         d = self._download
         assert d is not None
         if d.step is None:
@@ -779,15 +765,15 @@ class Session:
         d.parts.clear()
         return [DecodeSnapshot(blob, d.step)]
 
-    def _stray_chunk(self, chunk: SnapshotChunk) -> list[Command]:
+    def _stray_chunk(self, chunk: messages.SnapshotChunk) -> list[Command]:
         log.info("unexpected snapshot chunk ignored", step=chunk.step, offset=chunk.offset)
         return []
 
-    def _on_validate(self, msg: Validate) -> list[Command]:
+    def _on_validate(self, msg: messages.Validate) -> list[Command]:
         """Score the replica if it is still at the asked step (SPEC §8); else no answer."""
         return [RunValidation(msg.step)] if msg.step == self.replica.step else []
 
-    def _on_sample(self, msg: Sample) -> list[Command]:
+    def _on_sample(self, msg: messages.Sample) -> list[Command]:
         """Write the sample if the replica is still at the asked step (SPEC §8); else no
         answer: the text of another step is not what was asked for."""
         return [RunSample(msg)] if msg.step == self.replica.step else []
@@ -797,7 +783,7 @@ class Session:
 
     # --- errors ------------------------------------------------------------------------------
 
-    def _on_error(self, error: Error) -> Ended:
+    def _on_error(self, error: messages.Error) -> Ended:
         """Why to reconnect after an ERROR from the coordinator; raises WorkerFatal."""
         code = error.code
         said = f" ({error.message})" if error.message else ""
@@ -839,7 +825,11 @@ class Session:
     def _fitness_batch(self) -> int:
         assert self.config is not None
         return max(
-            1, min(FITNESS_STEPS_PER_REQUEST, FitnessRange.max_steps_per_frame(self.config.pairs))
+            1,
+            min(
+                FITNESS_STEPS_PER_REQUEST,
+                messages.FitnessRange.max_steps_per_frame(self.config.pairs),
+            ),
         )
 
 
