@@ -295,14 +295,9 @@ def forward_profile(
     backend: object, n_pairs: int, timer: tuple | None = None
 ) -> list[tuple[str, int, float]]:
     """launch_profile of one forward pass of n_pairs pairs: where a pass's time goes."""
-    from eggroll_dist.worker.backend import cupy_former
-
     gpu: Any = backend
-    if gpu.config.model.arch == "former":
-        bufs = cupy_former.buffers(gpu, n_pairs)
-        return launch_profile(gpu, lambda: cupy_former.sequence(gpu, bufs), timer)
-    bufs = gpu._forward_buffers(n_pairs)
-    return launch_profile(gpu, lambda: gpu._forward_sequence(bufs), timer)
+    bufs = gpu.launch.buffers(gpu, n_pairs)
+    return launch_profile(gpu, lambda: gpu.launch.sequence(gpu, bufs), timer)
 
 
 def print_profile(title: str, rows: list[tuple[str, int, float]]) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.replica import ReplicaState
-from eggroll_dist.worker.backend.cupy_backend import CupyBackend, forward_launches
+from eggroll_dist.worker.backend.cupy_backend import CupyBackend
+from eggroll_dist.worker.backend.cupy_egg import launches as forward_launches
 
 
 class NoOpModule:

@@ -1,4 +1,4 @@
-"""Compile the CuPy backend's kernel module (worker/backend/*.cu, one source) the way
+"""Compile the CuPy backend's kernel module (worker/backend/'s CUDA files, one source) the way
 cupy.RawModule does, without a GPU or CuPy.
 
 NVRTC (the nvidia-cuda-nvrtc-cu12 wheel, through ctypes) with the backend's options plus
@@ -43,7 +43,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from eggroll_dist.worker.backend.cupy_backend import (
+from eggroll_dist.worker.backend.cupy_kernels import (
     BLOCK,
     NVRTC_OPTIONS,
     SOURCE_FILES,

@@ -16,7 +16,7 @@ noise u1 * u2.
 `perturbed_mm` computes MM without ever forming a member's weights: the base GEMM x @ W^T is
 shared by all members, and the member's correction is one dot product x . b and one scaled
 vector a. Both are exact integers (float32 BLAS only where the sums provably stay below
-2**24, see matmul.py). worker/backend/egg.cu computes the same MM on the GPU bit for bit.
+2**24, see matmul.py). worker/backend/gemm.cu computes the same MM on the GPU bit for bit.
 
 Noise scales (factors f in 1/64 units, 0..64) fade a member's noise per row of a matrix (a,
 the out index), per column (b, the in index) or per vector element (u1 * u2), as

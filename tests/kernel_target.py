@@ -1,4 +1,4 @@
-"""Where the GPU kernel tests run: the CPU build of egg.cu (default) or real CuPy on a GPU.
+"""Where the GPU kernel tests run: the CPU build of the kernels (default) or CuPy on a GPU.
 
 EGGROLL_KERNEL_TARGET=cupy runs the same tests through cupy.RawModule (scripts/gpu_check.py
 does). EGGROLL_CUDAEMU_SANITIZE=1 builds the CPU kernels with the undefined-behaviour

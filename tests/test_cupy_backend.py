@@ -1,6 +1,6 @@
 """The CuPy backend's own code (CupyBackend) equals the NumPy backend, byte for byte.
 
-Runs on the CPU build of egg.cu by default (every thread order), on a GPU with
+Runs on the CPU build of the kernels by default (every thread order), on a GPU with
 EGGROLL_KERNEL_TARGET=cupy: whole chunks (fitness and loss sums), several chunks in one
 forward pass, and steps applied through the captured update (the replica digest each step).
 """
@@ -30,11 +30,12 @@ from eggroll_dist.shared.config import (
 )
 from eggroll_dist.shared.model import param_specs
 from eggroll_dist.shared.replica import DIGEST_LEAF, ReplicaState
-from eggroll_dist.shared.sample import Completions, SampleSettings
+from eggroll_dist.shared.sample import Completions, SampleSettings, TrainingSamples
 from eggroll_dist.shared.window import validation_streams, validation_windows
 from eggroll_dist.worker.backend import BackendUnavailable, cuda_usable, get_backend
 from eggroll_dist.worker.backend import cupy_backend as cupy_backend_module
-from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels, forward_launches
+from eggroll_dist.worker.backend.cupy_backend import CupyBackend, Kernels
+from eggroll_dist.worker.backend.cupy_egg import launches as forward_launches
 from eggroll_dist.worker.backend.cupy_former import batch_members as former_batch
 from eggroll_dist.worker.backend.cupy_former import launches as former_launches
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
@@ -570,6 +571,9 @@ def test_reward_generation_gives_the_numpy_backends_tokens(variant: str) -> None
     assert got.shape == (8, 3, 8)
     assert np.array_equal(got, ref.complete(1, (4, 8), request))
     assert np.array_equal(gpu.complete(1, None, request), ref.complete(1, None, request))
+    # A sample (the coordinator's SAMPLE, eggroll-train's) writes the NumPy backend's bytes.
+    ask = TrainingSamples(0, data.valid, data.decoding).request(1)
+    assert gpu.write_sample(ask) == ref.write_sample(ask)
 
 
 def test_compute_capability_majors_of_two_digits() -> None:

@@ -1,9 +1,12 @@
 """The CuPy backend: the EGG model's and the former's forward passes, every rule's update,
-held-out scores and the replica digest as int8 RawKernels (`egg.cu`, `former.cu` with
-`cupy_former.py`, `digest.cu`).
+held-out scores and the replica digest as int8 RawKernels, one module (`cupy_kernels.py`):
+what every architecture shares (`common.cuh`, `noise.cu`, `gemm.cu`, `loss.cu`, `rules.cu`,
+`digest.cu`) and each one's layers (`egg.cu`, `former.cu`), which its launch module in
+`LAUNCH` drives (`cupy_egg.py`, `cupy_former.py`).
 
-Same bytes as the NumPy reference, by construction kernel by kernel (see egg.cu). The class
-is written against two seams so that the test suite runs this very code without a GPU:
+Same bytes as the NumPy reference, by construction kernel by kernel (see the .cu files).
+The class is written against two seams so that the test suite runs this very code without
+a GPU:
 
 - an array module `xp`: `cupy` on a GPU, `numpy` under test;
 - a kernel-module factory `(source, kernel names) -> module` whose `get_function(name)` gives
@@ -30,8 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from importlib import resources
-from math import isqrt
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -48,7 +50,7 @@ from ...shared.rules.adamw import bias_correction, grad_shift, lr_at
 from ...shared.rules.fixedpoint import fixed16
 from ...shared.rules.momentum import momentum_gain
 from ...shared.rules.ztest import alpha_at, move_threshold
-from ...shared.sample import Completions
+from ...shared.sample import Completions, SampleRequest, write_sample
 from ...shared.update import state_specs
 from ...shared.window import pair_windows, validation_streams, validation_windows
 from . import (
@@ -58,16 +60,16 @@ from . import (
     HeldOut,
     Validation,
     check_chunk,
+    cupy_egg,
     cupy_former,
 )
+from .cupy_kernels import BLOCK, STAGE_WORDS, TILE_M, TILE_N, Kernels, ModuleFactory, cupy_module
 from .numpy_backend import NumpyBackend
 
-# One module from these sources in this order: former.cu uses egg.cu's helpers.
-SOURCE_FILES = ("egg.cu", "former.cu", "digest.cu")
+# Each architecture's launch module: its checks, batch size and tables, its forward pass's
+# buffers and launches, and its held-out passes (cupy_egg.py lists them).
+LAUNCH: dict[str, ModuleType] = {"egg": cupy_egg, "former": cupy_former}
 ALIGN = 16  # byte alignment of each tensor in the flat weight buffer
-BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
-TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
-STAGE_WORDS = 16  # the GEMMs' K stage: 16 words of 4 int8
 PAIR_PAD = 64  # the update GEMM's K (pairs) is padded to whole 64-byte stages
 # The update's transposed noise is materialised a slab of pairs at a time within this many
 # bytes (d-eggs' embedding alone would take 1.34 GB at once); each slab's Z GEMM adds into Z.
@@ -83,179 +85,16 @@ HELD_OUT_ROWS = 1 << 16  # held-out positions per pass: bounds the logit counts'
 RESIDENT_TRAIN_BYTES = 1 << 32
 
 
-def forward_launches(n_layer: int) -> int:
-    """Kernels of one EGG token step: embed; per layer norm + dots, rowdot(s), gate,
-    rowdot(g), candidate, norm + dot, w1, rowdot(hidden), w2; the final norm, head, loss."""
-    return 1 + 9 * n_layer + 3
-
-
-# Each kernel's parameters, as the backend passes them: "*dtype" is a device array of that
-# dtype (C-contiguous), "dtype" a NumPy scalar. Checked before every launch.
-I8, I32, I64, U8, U32, U64 = "*int8", "*int32", "*int64", "*uint8", "*uint32", "*uint64"
-_MM = (I8, I8, I32, I8, "int32", "int32", "int32", "int32", "int32", I8, I8)
-_GATE = (I8, I8, I32, I8, I8, I8, I32, I8, "int32", "int32", "int32", "int32", I8, I8, I8)
-_CAND = (*_GATE[:-2], I8, I8, I8)
-_ZGEMM = (I8, I8, "int32", "int32", "int32", "int32", I64)
-_OPT = (I32, I64, I32, I8, U64)  # adamw's m, v, acc, the weights, the changed counter
-_SIZES = ("int32",) * 6  # rows, outputs, K, rows per member, the noise shift, the divisor
-_FORMER_MM = (I8, I8, I32, I8, *_SIZES, I8, I32, I8)
-_FORMER_HEAD = (I8, I8, I32, I8, *_SIZES, I8, I32, I32, U64, I32, I32)
-_ATTENTION = (I8, I8, I8, "int32", "int32", "int32", I32, I8)
-SIGNATURES: dict[str, tuple[str, ...]] = {
-    "noise_rows": (U64, I64, "uint64", "uint32", "int32", "int32", "int32", I8, I8),
-    "noise_cols": (
-        U64,
-        "uint64",
-        "uint32",
-        "int32",
-        "int32",
-        "int32",
-        I8,
-        I8,
-        "int32",
-        "int32",
-        "int32",
-        I8,
-    ),
-    "member_vector": (U64, I64, "uint64", "int32", "int32", "int32", I8, I8, "int32", I8),
-    "vector_z": (U64, "uint64", "int32", "int32", "int32", I8, I8, "int32", "int32", I64),
-    "zero_i32": (I32, "int32"),
-    "gather_windows": (U64, I64, U8, "int32", "int64", "int32", I32),
-    "embed": (
-        I32,
-        "int32",
-        "int32",
-        I32,
-        I8,
-        I8,
-        I8,
-        "int32",
-        "int32",
-        "int32",
-        "int32",
-        I8,
-        "int32",
-        I8,
-    ),
-    "mav_norm": (I8, I8, I8, "int32", "int32", "int32", I8, I8, I32, I8, I32),
-    "rowdot": (I8, I8, "int32", "int32", "int32", I32),
-    "mm_tc": _MM,
-    "mm_dp4a": _MM,
-    "gate_tc": _GATE,
-    "gate_dp4a": _GATE,
-    "cand_tc": _CAND,
-    "cand_dp4a": _CAND,
-    "zgemm_tc": _ZGEMM,
-    "zgemm_dp4a": _ZGEMM,
-    "token_loss": (I8, I32, "int32", "int32", "int32", "int32", I32, I64, I64),
-    "token_histogram": (I8, I32, "int32", "int32", I32, "int32", "int32", I32, I32),
-    "bump_i32": (I32,),
-    "ztest_apply": (I64, I64, "int32", I8, U64, I8),
-    "momentum_apply": (I64, I64, "int32", "int32", I32, I8, U64, I8),
-    "adamw_apply": (*(I64, I64, "int64", "int64", "int64", "int32", "int32", "int32"), *_OPT, I8),
-    "overlay_step": (I8, "int32", "int32", I8, I8),
-    # the former (former.cu)
-    "former_embed": (I32, "int32", I8, I8, I8, I8, "int32", "int32", "int32", I8),
-    "former_mm_tc": _FORMER_MM,
-    "former_mm_dp4a": _FORMER_MM,
-    "former_head_tc": _FORMER_HEAD,
-    "former_head_dp4a": _FORMER_HEAD,
-    "former_loss": (U64, I32, "int32", "int32", I64, I64),
-    "former_renorm": (I8, I8, I8, "int32", "int32", "int32", "int32", I32, I32, I8),
-    "former_attention": _ATTENTION,
-    "former_attention_wide": _ATTENTION,
-    # the replica digest's leaves (digest.cu)
-    "digest_leaves": (U64, I64, "int32", U64),
-}
 # Each rule's state kinds resident on the device (their names: shared/rules/<rule>.py).
 OPT_KINDS: dict[str, tuple[tuple[str, Any], ...]] = {
     "ztest": (),
     "momentum": (("momentum", np.int32),),
     "adamw": (("adamw.m", np.int32), ("adamw.v", np.int64), ("adamw.acc", np.int32)),
 }
-TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc", "former_mm_tc", "former_head_tc")
-# Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
-# compile check adds the same). No float flag can change a result: the kernels' one float,
-# the attention's quotient estimate (former.cu att_quotient), is within 1/32 of the quotient
-# under any rounding mode, fused or not, and an exact integer step finishes it.
-NVRTC_OPTIONS: tuple[str, ...] = ()
-
-ModuleFactory = Callable[[str, tuple[str, ...]], Any]
-
-
-def kernel_source() -> str:
-    """The CUDA source of every kernel (package data), one module."""
-    files = resources.files(__package__)
-    return "\n".join(files.joinpath(name).read_text() for name in SOURCE_FILES)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class Kernels:
-    """The compiled kernels, with an argument check before every launch and graph capture.
-
-    `stream` is a CuPy stream (capture becomes a CUDA graph) or None: then capture records
-    the launches and replay runs them again, with the same arguments, as a graph would.
-    """
-
-    def __init__(self, xp: Any, module_factory: ModuleFactory, stream: Any = None):
-        self.xp = xp
-        self.stream = stream
-        names = tuple(SIGNATURES)
-        module = module_factory(kernel_source(), names)
-        self._fn = {name: module.get_function(name) for name in names}
-        self._recording: list | None = None
-        self.replays = 0  # captured sequences replayed (graph launches on a GPU)
-
-    def check(self, name: str, args: Sequence[Any]) -> None:
-        spec = SIGNATURES[name]
-        if len(args) != len(spec):
-            raise TypeError(f"{name}: {len(args)} arguments for {len(spec)} parameters")
-        for i, (arg, want) in enumerate(zip(args, spec, strict=True)):
-            if want.startswith("*"):
-                if not isinstance(arg, self.xp.ndarray) or arg.dtype != np.dtype(want[1:]):
-                    got = getattr(arg, "dtype", type(arg).__name__)
-                    raise TypeError(f"{name} arg {i}: needs a {want[1:]} device array, got {got}")
-                if not arg.flags.c_contiguous:
-                    raise TypeError(f"{name} arg {i}: array is not C-contiguous")
-            elif not isinstance(arg, np.generic) or arg.dtype != np.dtype(want):
-                raise TypeError(f"{name} arg {i}: needs a NumPy {want} scalar, got {arg!r}")
-
-    def __call__(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], *args) -> None:
-        self.check(name, args)
-        if self._recording is not None and self.stream is None:
-            self._recording.append((name, grid, block, args))
-            return
-        self._fn[name](grid, block, args)
-
-    def capture(self, sequence: Callable[[], None]) -> Callable[[], None]:
-        """Record the launches of `sequence` once; returns a function that replays them."""
-        if self.stream is not None:
-            self.stream.begin_capture()
-            try:
-                sequence()
-            finally:
-                graph = self.stream.end_capture()
-
-            def launch() -> None:
-                self.replays += 1
-                graph.launch(self.stream)
-
-            return launch
-        self._recording = []
-        try:
-            sequence()
-        finally:
-            recorded, self._recording = self._recording, None
-
-        def replay() -> None:
-            self.replays += 1
-            for name, grid, block, args in recorded:
-                self._fn[name](grid, block, args)
-
-        return replay
 
 
 def _split(length: int, unit: int, blocks: int) -> int:
@@ -317,26 +156,58 @@ class CupyBackend:
         d = cfg.model.d_model
         if d % 4:
             raise BackendUnavailable(f"the CuPy backend needs model.d_model % 4 == 0, got {d}")
-        if cfg.model.arch not in ("egg", "former"):
+        if cfg.model.arch not in LAUNCH:
             raise BackendUnavailable(
                 f"the CuPy backend has kernels for the egg and former models, not model.arch = "
                 f"{cfg.model.arch!r}: use --backend torch"
             )
-        former = cfg.model.arch == "former"
-        if former and (why := cupy_former.check(cfg)):
+        if why := self.launch.check(cfg):
             raise BackendUnavailable(why)
         self.dataset = dataset
         self.device = device
         self.xp = xp
         self.batch_members = max(2, batch_members - batch_members % 2)
-        if former:
-            self.batch_members = cupy_former.batch_members(cfg, self.batch_members)
+        self.batch_members = self.launch.batch_members(cfg, self.batch_members)
         self.suffix = "_tc" if tensor_cores else "_dp4a"
         self.kernels = Kernels(xp, module_factory, stream)
         self.tile = (TILE_M, TILE_N)
         heads = cfg.model.heads
-        self.tables = cupy_former.tables(xp, cfg.es.seq_len, d // heads) if former else {}
+        self.tables = self.launch.tables(xp, cfg.es.seq_len, d // heads)
         self.stream = stream
+        self._alloc_state()
+        self._step_scalars = xp.zeros(2, dtype=xp.int64)  # adamw: LR_t, K_t
+        self._step_key = xp.zeros(1, dtype=xp.uint64)
+        self._data_key = xp.zeros(1, dtype=xp.uint64)  # key(DATA, data_seed, step)
+        train = np.asarray(dataset.train)
+        self._span = len(train) - cfg.es.seq_len  # window starts: [0, span)
+        self._train: Any = None
+        if self._span >= 1 and train.nbytes <= RESIDENT_TRAIN_BYTES and train.itemsize <= 4:
+            little = np.ascontiguousarray(train, dtype=train.dtype.newbyteorder("<"))
+            self._train = xp.asarray(little.view(np.uint8))
+            self._train_width = train.itemsize
+        self._threshold = xp.zeros(1, dtype=xp.int64)
+        self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
+        self.exp2 = xp.asarray(exp2_table())  # the loss tables (shared/loss.py)
+        self.log2_th = xp.asarray(log2_thresholds())
+        self.null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
+        self.null32 = xp.zeros(0, dtype=xp.int32)
+        self._update_graph: Callable[[], None] | None = None
+        # captured forward passes by pair count, with their buffers (the last partial batch
+        # of a step has its own shape)
+        self._forward_graphs: dict[int, tuple[Callable[[], None], dict[str, Any]]] = {}
+        # the held-out passes by (pairs, steps)
+        self._held_out_graphs: dict[tuple[int, int], tuple[list[Callable[[], None]], dict]] = {}
+        # bytes each token id decodes to, for bits per byte of the held-out text
+        self.piece_bytes = np.array([len(piece) for piece in dataset.decoding], dtype=np.int64)
+        self._update_buffers: dict[str, Any] = {}
+        self._leaf_tables()
+        self._digest: tuple[int, int] | None = None
+        self.load_state(state)
+
+    def _alloc_state(self) -> None:
+        """The replica's device buffers: the weights followed by the changed counter, the
+        rule's state, the adaptive-noise overlays (each one flat buffer)."""
+        xp, cfg = self.xp, self._config
         self._specs = param_specs(cfg.model)
         self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
@@ -372,34 +243,6 @@ class CupyBackend:
         self.overlay = {
             name: self._overlay_flat[o : o + n] for name, (o, n) in self._overlay_layout.items()
         }
-        self._step_scalars = xp.zeros(2, dtype=xp.int64)  # adamw: LR_t, K_t
-        self._step_key = xp.zeros(1, dtype=xp.uint64)
-        self._data_key = xp.zeros(1, dtype=xp.uint64)  # key(DATA, data_seed, step)
-        train = np.asarray(dataset.train)
-        self._span = len(train) - cfg.es.seq_len  # window starts: [0, span)
-        self._train: Any = None
-        if self._span >= 1 and train.nbytes <= RESIDENT_TRAIN_BYTES and train.itemsize <= 4:
-            little = np.ascontiguousarray(train, dtype=train.dtype.newbyteorder("<"))
-            self._train = xp.asarray(little.view(np.uint8))
-            self._train_width = train.itemsize
-        self._threshold = xp.zeros(1, dtype=xp.int64)
-        self._fitness = xp.zeros(cfg.pairs, dtype=xp.int8)
-        self.exp2 = xp.asarray(exp2_table())  # the loss tables (shared/loss.py)
-        self.log2_th = xp.asarray(log2_thresholds())
-        self.null8 = xp.zeros(0, dtype=xp.int8)  # a null pointer for optional arguments
-        self.null32 = xp.zeros(0, dtype=xp.int32)
-        self._update_graph: Callable[[], None] | None = None
-        # captured forward passes by pair count, with their buffers (the last partial batch
-        # of a step has its own shape)
-        self._forward_graphs: dict[int, tuple[Callable[[], None], dict[str, Any]]] = {}
-        # the held-out passes by (pairs, steps)
-        self._held_out_graphs: dict[tuple[int, int], tuple[list[Callable[[], None]], dict]] = {}
-        # bytes each token id decodes to, for bits per byte of the held-out text
-        self.piece_bytes = np.array([len(piece) for piece in dataset.decoding], dtype=np.int64)
-        self._update_buffers: dict[str, Any] = {}
-        self._leaf_tables()
-        self._digest: tuple[int, int] | None = None
-        self.load_state(state)
 
     # ---------------------------------------------------------------------- replica
 
@@ -410,6 +253,11 @@ class CupyBackend:
     @property
     def step(self) -> int:
         return self._step
+
+    @property
+    def launch(self) -> ModuleType:
+        """The model's launch module (`LAUNCH`): its forward and held-out passes."""
+        return LAUNCH[self._config.model.arch]
 
     @property
     def state(self) -> ReplicaState:
@@ -547,33 +395,6 @@ class CupyBackend:
             at += count
         return results
 
-    def _forward_buffers(
-        self, n_pairs: int, steps: int | None = None, held_out: bool = False
-    ) -> dict[str, Any]:
-        """Everything a forward pass of n_pairs pairs over `steps` tokens (seq_len) reads and
-        writes, allocated once per shape (its captured launches point at these); held out:
-        with each step's logit counts of the even members (steps, P, 256) and targets."""
-        xp, cfg = self.xp, self.config
-        d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
-        m, steps = 2 * n_pairs, steps or cfg.es.seq_len
-        bufs: dict[str, Any] = {
-            "pairs": xp.zeros(n_pairs, dtype=xp.int64),
-            "tokens": xp.zeros((n_pairs, steps + 1), dtype=xp.int32),
-            "states": xp.zeros((n_layer, m, d), dtype=xp.int8),
-            "hidden": xp.empty((m, 4 * d), dtype=xp.int8),
-            "logits": xp.empty((m, v), dtype=xp.int8),
-            "xb": [xp.empty(m, dtype=xp.int32) for _ in range(4)],
-            "loss": xp.zeros(m, dtype=xp.int64),
-        }
-        for name in ("x", "h", "f", "g"):
-            bufs[name] = xp.empty((m, d), dtype=xp.int8)
-        if held_out:
-            bufs["hist"] = xp.zeros((steps, n_pairs, 256), dtype=xp.int32)
-            bufs["target"] = xp.zeros((steps, n_pairs), dtype=xp.int32)
-            bufs["pos"] = xp.zeros(1, dtype=xp.int32)  # the column a replayed step reads
-        bufs.update(self.noise_buffers(n_pairs, zero=held_out))  # zero: no rank-1 correction
-        return bufs
-
     def noise_buffers(self, n_pairs: int, zero: bool = False) -> dict[str, dict[str, Any]]:
         """The noise of n_pairs pairs: "a" (P, out) and "b" (P, in) per matrix, "vec" the
         members' (M, n) per vector parameter. zero (a held-out pass, which never writes
@@ -633,12 +454,8 @@ class CupyBackend:
         if n_pairs not in self._forward_graphs:
             if len(self._forward_graphs) >= FORWARD_GRAPHS:
                 self._forward_graphs.pop(next(iter(self._forward_graphs)))  # the least recent
-            if self.config.model.arch == "former":
-                bufs = cupy_former.buffers(self, n_pairs)
-                replay = self.kernels.capture(lambda: cupy_former.sequence(self, bufs))
-            else:
-                bufs = self._forward_buffers(n_pairs)
-                replay = self.kernels.capture(lambda: self._forward_sequence(bufs))
+            bufs = self.launch.buffers(self, n_pairs)
+            replay = self.kernels.capture(lambda: self.launch.sequence(self, bufs))
             self._forward_graphs[n_pairs] = (replay, bufs)
         replay, bufs = self._forward_graphs.pop(n_pairs)
         self._forward_graphs[n_pairs] = (replay, bufs)  # the most recently used is kept longest
@@ -648,125 +465,6 @@ class CupyBackend:
         bufs["pairs"][...] = xp.asarray(pairs.astype(np.int64))
         replay()
         return _host(xp, bufs["loss"])
-
-    def _forward_sequence(self, bufs: dict[str, Any]) -> None:
-        """The launches of one forward pass over bufs: windows, noise, then a token step of
-        forward_launches(n_layer) kernels per column of the windows. Every per-pass input is
-        in device memory."""
-        self.gather(bufs)
-        self.noise(bufs["pairs"], len(bufs["pairs"]), bufs["a"], bufs["b"], bufs["vec"])
-        for zeroed in (bufs["states"], bufs["loss"]):
-            self.zero(zeroed)
-        for t in range(bufs["tokens"].shape[1] - 1):
-            self._token_step(bufs, t)
-
-    def _held_out_start(self, bufs: dict[str, Any]) -> None:
-        """Before a held-out pass: zero states, counts, and the device-side position."""
-        for zeroed in (bufs["states"], bufs["hist"], bufs["pos"]):
-            self.zero(zeroed)
-
-    def _held_out_step(self, bufs: dict[str, Any]) -> None:
-        """One token step of a held-out pass at the device-side position, then the position
-        moves on: captured once, replayed once per column (a stream of thousands of tokens
-        is one small graph, not thousands of steps' launches)."""
-        self._token_step(bufs, 0, bufs["pos"])
-        self.kernels("bump_i32", (1,), (1,), bufs["pos"])
-
-    def _token_step(self, bufs: dict[str, Any], t: int, pos: Any = None) -> None:
-        """forward_launches(n_layer) kernels: read column t (+ *pos, a device-side position
-        of a held-out pass) of every pair's window, score the next column: into the loss
-        (training), or with pos, as logit counts into bufs["hist"] (held out: the unperturbed
-        model, bufs' noise zero and its vectors the weights', each row a pair of identical
-        members)."""
-        k, cfg = self.kernels, self.config
-        d, n_layer, v = cfg.model.d_model, cfg.model.n_layer, cfg.model.vocab_size
-        t_cols, n_pairs = bufs["tokens"].shape[1], len(bufs["pairs"])
-        m = 2 * n_pairs
-        i32 = np.int32
-        shift = i32(4 + cfg.es.sigma_shift)
-        a, b, vec = bufs["a"], bufs["b"], bufs["vec"]
-        tokens, states, loss, xb = bufs["tokens"], bufs["states"], bufs["loss"], bufs["xb"]
-        x, h, f, g = bufs["x"], bufs["h"], bufs["f"], bufs["g"]
-        hidden, logits, w = bufs["hidden"], bufs["logits"], self.w
-        at = self.null32 if pos is None else pos
-        rows = (_cdiv(m, 8),)
-        sfx = self.suffix
-
-        def rowdot(src: Any, name: str, out: Any) -> Any:
-            k("rowdot", rows, (BLOCK,), src, b[name], i32(m), i32(1), i32(src.shape[1]), out)
-            return out
-
-        def norm(vector: str, dots: tuple[str, ...]) -> None:
-            """h = the norm of x; with it the rank-1 dots of h for the tensors `dots`
-            (into xb[0], then xb[2]: the slots the next kernels read)."""
-            args = [(b[n], xb[slot]) for n, slot in zip(dots, (0, 2)[: len(dots)], strict=True)]
-            args += [(self.null8, self.null32)] * (2 - len(args))
-            k(
-                "mav_norm",
-                rows,
-                (BLOCK,),
-                *(x, vec[vector], self.null8, i32(m), i32(1), i32(d), h, *args[0], *args[1]),
-            )
-
-        def mm(src: Any, name: str, src_xb: Any, res: Any, out: Any) -> None:
-            n_out, k_in = w[name].shape
-            k(
-                "mm" + sfx,
-                (_cdiv(n_out, TILE_N), _cdiv(m, TILE_M)),
-                (BLOCK,),
-                *(src, w[name], src_xb, a[name]),
-                *(i32(m), i32(n_out), i32(k_in), shift, i32(16 * isqrt(k_in)), res, out),
-            )
-
-        div_d = i32(16 * isqrt(d))
-        square = (_cdiv(d, TILE_N), _cdiv(m, TILE_M))
-        k(
-            "embed",
-            (m,),
-            (128,),
-            *(tokens, i32(t_cols), i32(t), at, w["emb"], a["emb"], b["emb"]),
-            *(i32(m), i32(d), i32(v), shift, states, i32(n_layer), x),
-        )
-        for i in range(n_layer):
-            p, s = f"layers.{i}.", states[i]
-            norm(p + "ln1", (p + "wf", p + "wh"))
-            k(
-                "gate" + sfx,
-                square,
-                (BLOCK,),
-                *(h, w[p + "wf"], xb[0], a[p + "wf"]),
-                *(s, w[p + "uf"], rowdot(s, p + "uf", xb[1]), a[p + "uf"]),
-                *(i32(m), i32(d), shift, div_d, vec[p + "bf"], f, g),
-            )
-            k(
-                "cand" + sfx,
-                square,
-                (BLOCK,),
-                *(h, w[p + "wh"], xb[2], a[p + "wh"]),
-                *(g, w[p + "uh"], rowdot(g, p + "uh", xb[3]), a[p + "uh"]),
-                *(i32(m), i32(d), shift, div_d, vec[p + "bh"], f, s, x),
-            )
-            norm(p + "ln2", (p + "w1",))
-            mm(h, p + "w1", xb[0], self.null8, hidden)
-            mm(hidden, p + "w2", rowdot(hidden, p + "w2", xb[0]), x, x)
-        norm("ln_out", ("head",))
-        mm(h, "head", xb[0], self.null8, logits)
-        if pos is not None:
-            k(
-                "token_histogram",
-                rows,
-                (BLOCK,),
-                *(logits, tokens, i32(t_cols), i32(t), pos, i32(m), i32(v)),
-                *(bufs["hist"], bufs["target"]),
-            )
-            return
-        k(
-            "token_loss",
-            rows,
-            (BLOCK,),
-            *(logits, tokens, i32(t_cols), i32(t + 1), i32(m), i32(v)),
-            *(self.exp2, self.log2_th, loss),
-        )
 
     # -------------------------------------------------------------------- update
 
@@ -940,7 +638,7 @@ class CupyBackend:
         cfg, valid = self.config, self.dataset.valid
         with self._scope():
             short = self._held_out(validation_windows(cfg, valid), None)
-            if cfg.model.arch == "former":  # reads each window whole: no state to carry
+            if not self.launch.CARRIES_STATE:  # the long streams need state carried
                 return Validation(short, None)
             return Validation(short, self._held_out(*validation_streams(cfg, valid)))
 
@@ -949,9 +647,7 @@ class CupyBackend:
         rows[i, 1 : lengths[i] + 1] (lengths None: all L), in batches of at most
         HELD_OUT_ROWS positions."""
         steps = rows.shape[1] - 1
-        per_batch = max(1, HELD_OUT_ROWS // steps)
-        if self.config.model.arch == "former":  # its pairs' buffers, within the forward's bound
-            per_batch = min(per_batch, self.batch_members // 2)
+        per_batch = self.launch.held_out_batch(self, max(1, HELD_OUT_ROWS // steps))
         loss, bits, text_bytes, n = 0, [], 0, 0
         for lo in range(0, len(rows), per_batch):
             part = rows[lo : lo + per_batch]
@@ -971,33 +667,24 @@ class CupyBackend:
         over rows (P, L + 1), each row a pair of identical members: one replay of a pass
         captured per shape, after the weights are copied into its vector buffers."""
         xp, n_pairs, steps = self.xp, len(rows), rows.shape[1] - 1
-        former = self.config.model.arch == "former"
         key = (n_pairs, steps)
         if key not in self._held_out_graphs:
             if len(self._held_out_graphs) >= 2 * FORWARD_GRAPHS:
                 self._held_out_graphs.pop(next(iter(self._held_out_graphs)))
-            k = self.kernels
-            if former:  # one pass over every position at once
-                bufs = cupy_former.buffers(self, n_pairs, held_out=True)
-                graphs = [k.capture(lambda: cupy_former.sequence(self, bufs, held_out=True))]
-            else:  # the start, then one token step replayed per column
-                bufs = self._forward_buffers(n_pairs, steps, held_out=True)
-                graphs = [k.capture(lambda: self._held_out_start(bufs))]
-                graphs += [k.capture(lambda: self._held_out_step(bufs))] * steps
-            self._held_out_graphs[key] = (graphs, bufs)
+            self._held_out_graphs[key] = self.launch.held_out_pass(self, n_pairs, steps)
         graphs, bufs = self._held_out_graphs[key]
         for name, vector in bufs["vec"].items():
             vector[...] = self.w[name]  # every member's vector is the weights' own
         bufs["tokens"][...] = xp.asarray(rows.astype(np.int32))
         for replay in graphs:
             replay()
-        if former:
-            hist = _host(xp, bufs["hist"]).reshape(n_pairs, steps, 256)
-            target = _host(xp, bufs["target"])[: n_pairs * steps].reshape(n_pairs, steps)
-        else:
-            hist = _host(xp, bufs["hist"]).transpose(1, 0, 2)
-            target = _host(xp, bufs["target"]).T
-        return hist, target
+        hist, target = _host(xp, bufs["hist"]), _host(xp, bufs["target"])
+        return self.launch.held_out_counts(hist, target, n_pairs, steps)
+
+    def write_sample(self, request: SampleRequest) -> tuple[bytes, bytes]:
+        """From the host copy of the weights, with the NumPy reference: a sample is rare and
+        short, and the host's text is the same bytes."""
+        return write_sample(self.state, self.dataset, request)
 
     def complete(
         self, step: int, members: tuple[int, int] | None, request: Completions
@@ -1005,12 +692,6 @@ class CupyBackend:
         """Generation for the reward objective, by the NumPy reference on the host copy of
         the weights (the same tokens; no generation kernels on the device yet)."""
         return NumpyBackend(self.dataset, self.state).complete(step, members, request)
-
-
-def cupy_module(code: str, names: tuple[str, ...]) -> Any:
-    import cupy
-
-    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=names)
 
 
 def compute_major(capability: str) -> int:

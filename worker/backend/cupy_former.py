@@ -22,11 +22,15 @@ from ...shared.former import gelu_table, rope_table, softmax_table
 from ...shared.model import param_specs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ...shared.config import RunConfig
     from .cupy_backend import CupyBackend
 
 BATCH_BYTES = 1 << 32  # device memory of one forward batch's buffers (two shapes are kept)
 ATTENTION_THREADS = 256  # former.cu ATT_THREADS
+# A pass reads each window whole: no state to carry, so no long held-out streams.
+CARRIES_STATE = False
 
 
 def attention_kernel(head_dim: int) -> str:
@@ -218,6 +222,28 @@ def sequence(backend: CupyBackend, bufs: dict[str, Any], held_out: bool = False)
         block,
         *(bufs["total"], bufs["target"], i32(m), per, backend.log2_th, bufs["loss"]),
     )
+
+
+def held_out_batch(backend: CupyBackend, pairs: int) -> int:
+    """Pairs per held-out pass, at most `pairs`: its buffers within the forward's bound."""
+    return min(pairs, backend.batch_members // 2)
+
+
+def held_out_pass(
+    backend: CupyBackend, n_pairs: int, steps: int
+) -> tuple[list[Callable[[], None]], dict[str, Any]]:
+    """The captured launches of a held-out pass over n_pairs windows (one pass over every
+    position at once), and its buffers."""
+    bufs = buffers(backend, n_pairs, held_out=True)
+    return [backend.kernels.capture(lambda: sequence(backend, bufs, held_out=True))], bufs
+
+
+def held_out_counts(
+    hist: np.ndarray, target: np.ndarray, n_pairs: int, steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A held-out pass's logit counts (P, L, 256) and target logits (P, L) from its buffers'
+    host copies, which are by row: the even members' counts (P L, 256), a target per row."""
+    return hist.reshape(n_pairs, steps, 256), target[: n_pairs * steps].reshape(n_pairs, steps)
 
 
 def launches(n_layer: int) -> int:

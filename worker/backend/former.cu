@@ -1,5 +1,6 @@
 // Kernels of the former's forward pass (shared/former.py), matching it bit for bit. They are
-// compiled in one module after egg.cu and use its noise, divisor, GEMM core and loss helpers.
+// compiled in one module after the shared sources (common.cuh, noise.cu, gemm.cu, loss.cu)
+// and use their divisor, GEMM core and loss helpers.
 //
 // Rows: member m's T positions are rows m T .. m T + T - 1 of every (R, n) activation, R = M T;
 // kernels take per = T. A row's member is r / per, its pair member >> 1, its sign the member's
