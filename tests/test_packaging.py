@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,17 @@ def test_the_repository_root_holds_only_the_agreed_entries() -> None:
     agreed = {"pyproject.toml", "README.md", "coordinator", "worker", "protocol", "shared"}
     agreed |= {"deploy", "scripts", "tests", "checkpoints"}
     assert {t for t in tops if not t.startswith(".")} <= agreed
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A folder of ours with an __init__.py that pyproject.toml does not list would work
+    in a checkout and be missing from every install."""
+    root = Path(__file__).resolve().parents[1]
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = {tool["package-dir"][name] for name in tool["packages"]}
+    folders = {
+        init.parent.relative_to(root).as_posix()
+        for top in ("coordinator", "protocol", "shared", "worker")
+        for init in (root / top).rglob("__init__.py")
+    }
+    assert folders == listed
