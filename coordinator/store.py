@@ -1,8 +1,10 @@
 """The save directory, written: everything the coordinator keeps, crash-safe.
 
 The layout (run.json, fitness.log, digests.log, history.log, snapshots/, .lock) and its
-names and writers are shared/save_dir.py's; this module is the one writer that holds the
-lock.
+names and writers are shared/save_dir.py's; the lock, run.json, the fitness log and the
+snapshots are written through shared/run_writer.py's `RunWriter`, as eggroll-train's are.
+This module adds what only a coordinator keeps: digests.log, history.log, suspect hosts,
+the format upgrade, and its policy for writes that fail.
 Steps committed = records in fitness.log. A snapshot only shortens catch-up; losing one
 loses nothing.
 
@@ -22,11 +24,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..shared.atomic_file import fsync_dir, write_atomic
+from ..shared.atomic_file import fsync_dir
 from ..shared.config import RunConfig
-from ..shared.fitness_log import FitnessLog, FitnessLogError
-from ..shared.pinned import GoalError
 from ..shared.replica import CheckpointError, load_checkpoint
+from ..shared.run_writer import SNAPSHOTS_KEPT, RunWriter
 from ..shared.save_dir import (
     RUN_FORMAT,
     HistoryLog,
@@ -34,15 +35,10 @@ from ..shared.save_dir import (
     SaveDirBusy,
     SaveDirError,
     digest_line,
-    new_run,
     read_digests,
-    read_run,
-    take_lock,
     write_run,
-    write_start,
 )
 
-_STALE_TMP = ".*.tmp"  # write_atomic's temporary files, left by a crash
 MAX_SUSPECT_HOSTS = 1024  # addresses kept in run.json where a worker was outvoted
 
 
@@ -78,13 +74,17 @@ def write_failure(path: Path, exc: OSError) -> WriteFailure:
 
 
 class RunStore:
-    def __init__(self, path: Path, run: dict, log: FitnessLog, config: RunConfig, lock_fd: int):
-        self.path = path
-        self.layout = Layout(path)
-        self._run = run
-        self.fitness_log = log
-        self.config = config
-        self._lock_fd = lock_fd
+    """The coordinator's run: a `RunWriter` (the lock, run.json, the fitness log, snapshots)
+    and what only a coordinator keeps beside it (digests.log, history.log, suspect hosts)."""
+
+    def __init__(self, writer: RunWriter) -> None:
+        assert writer.config is not None and writer.fitness_log is not None  # loaded
+        self.writer = writer
+        self.path = writer.root
+        self.layout = writer.layout
+        self._run = writer.run
+        self.fitness_log = writer.fitness_log
+        self.config = writer.config
         self._digests_good = 0  # digests.log's length in whole lines, set by _load_digests
         self.digests_cut = 0  # bytes of a torn last line cut off digests.log at open
         self.digests = self._load_digests()
@@ -97,7 +97,7 @@ class RunStore:
         self.history = HistoryLog(self.layout.history)
         self._history_failing = False  # its last append failed (reported once)
         self.bad_snapshots: list[tuple[Path, str]] = []  # found at open: path, why
-        self.snapshot_steps = self._scan_snapshots()
+        writer.snapshot_steps = self._scan_snapshots()
 
     @classmethod
     def open(
@@ -106,65 +106,20 @@ class RunStore:
         """Open the run in `path`, or start one there with `config` (None: must exist); a
         new run's starting replica (model.init_from) is copied in from under `goal_dir`."""
         path = Path(path)
-        layout = Layout(path)
         try:
-            layout.snapshots.mkdir(parents=True, exist_ok=True)
-            fsync_dir(path)
-            lock_fd = take_lock(layout)
-        except OSError as exc:
-            raise StoreError(f"cannot use --save-dir {path}: {exc.strerror}") from None
+            writer = RunWriter.open(path, config, goal_dir or Path("."))
         except SaveDirBusy:
             raise StoreError(f"another coordinator is running on {path}") from None
-        assert lock_fd is not None  # created when missing
-        try:
-            for stale in [*path.glob(_STALE_TMP), *layout.snapshots.glob(_STALE_TMP)]:
-                stale.unlink(missing_ok=True)  # we hold the lock: no writer is alive
-            run, stored = cls._load_or_create_run(layout, config, goal_dir or Path("."))
-            log_path = layout.fitness_log
-            if log_path.exists():
-                log = FitnessLog.open(log_path)
-                if log.config_digest != stored.digest() or log.pairs != stored.pairs:
-                    raise StoreError(f"{log_path} belongs to another run config")
-            else:
-                log = FitnessLog.create(log_path, stored.pairs, stored.digest())
-            run = cls._upgrade(layout, run)  # only once everything checked out
-        except (FitnessLogError, StoreError) as exc:
-            os.close(lock_fd)
+        except SaveDirError as exc:
             raise StoreError(str(exc)) from None
         except OSError as exc:
-            os.close(lock_fd)
             raise StoreError(f"cannot use --save-dir {path}: {exc}") from None
         try:
-            return cls(path, run, log, stored, lock_fd)
+            writer.run = cls._upgrade(writer.layout, writer.run)  # once everything checked out
+            return cls(writer)
         except (StoreError, OSError) as exc:
-            os.close(lock_fd)
+            writer.close()
             raise StoreError(str(exc)) from None
-
-    @staticmethod
-    def _load_or_create_run(
-        layout: Layout, config: RunConfig | None, goal_dir: Path
-    ) -> tuple[dict, RunConfig]:
-        path = layout.root
-        if not layout.run_file.exists() and config is not None:
-            try:
-                write_start(layout, config, goal_dir)
-            except GoalError as exc:
-                raise StoreError(str(exc)) from None
-            run = new_run(config)
-            write_run(layout, run)
-            return run, config
-        try:
-            run, stored = read_run(layout)
-        except SaveDirError as exc:
-            remedy = "" if not layout.run_file.exists() else "; restore it or use a new --save-dir"
-            raise StoreError(f"{exc}{remedy}") from None
-        if config is not None and config.digest() != stored.digest():
-            raise StoreError(
-                f"--save-dir {path} holds a run with config digest {stored.digest().hex()[:16]}, "
-                f"the given config has {config.digest().hex()[:16]}: start it with the same "
-                "--preset/--config (or none), or use a new --save-dir"
-            )
-        return run, stored
 
     @staticmethod
     def _upgrade(layout: Layout, run: dict) -> dict:
@@ -196,7 +151,7 @@ class RunStore:
             os.close(self._digests_fd)
             self._digests_fd = None
         self.history.close()
-        os.close(self._lock_fd)
+        self.writer.close()
 
     def take_failures(self) -> list[WriteFailure]:
         """The degraded writes (digests.log, run.json, history.log) not yet reported, each
@@ -359,36 +314,25 @@ class RunStore:
         return ""
 
     @property
+    def snapshot_steps(self) -> list[int]:
+        """The snapshots offered to joiners, ascending (those verified at open and since)."""
+        return self.writer.snapshot_steps
+
+    @property
     def latest_snapshot(self) -> int | None:
         return self.snapshot_steps[-1] if self.snapshot_steps else None
 
-    def save_snapshot(self, step: int, blob: bytes, keep: int) -> None:
+    def save_snapshot(self, step: int, blob: bytes, keep: int = SNAPSHOTS_KEPT) -> None:
         """Store a verified snapshot atomically and keep only the newest `keep`. A failed
         write raises SnapshotWriteError and leaves no file of it behind (a snapshot only
         shortens catch-up: the caller drops it and the run goes on)."""
         self.sync_digests()  # the digests it was checked against are on disk first
-        path = self.snapshot_path(step)
         try:
-            write_atomic(path, blob)
+            self.writer.save_snapshot(step, blob, keep)
         except OSError as exc:
-            failure = write_failure(path, exc)
-            # write_atomic removed its temporary file; a failure after the rename (the
-            # directory's fsync) leaves a whole file, removed too: the snapshot is dropped.
-            if step not in self.snapshot_steps:
-                try:
-                    path.unlink(missing_ok=True)
-                except OSError:
-                    pass  # a whole, fsync'd file: a later start may use it or prune it
-            raise SnapshotWriteError(failure) from None
-        self.snapshot_steps = sorted({*self.snapshot_steps, step})
-        while len(self.snapshot_steps) > keep:
-            old = self.snapshot_steps.pop(0)
-            try:
-                self.snapshot_path(old).unlink(missing_ok=True)
-            except OSError:
-                pass  # an old snapshot left over costs room, not state; a restart prunes it
+            raise SnapshotWriteError(write_failure(self.snapshot_path(step), exc)) from None
 
     def forget_snapshot(self, step: int) -> None:
         """A stored snapshot that cannot be read: offer it no more this run (the file is
         left for the operator to look at; workers replay the fitness log instead)."""
-        self.snapshot_steps = [s for s in self.snapshot_steps if s != step]
+        self.writer.snapshot_steps = [s for s in self.snapshot_steps if s != step]

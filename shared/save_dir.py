@@ -10,13 +10,15 @@
     logs/            eggroll-local's logs: coordinator.log (JSON lines), worker-N.log
     summary.json     the last summary of eggroll-train or eggroll-local
     init.ckpt        a copy of the replica the run started from (model.init_from), if any
-    .lock            held while a coordinator runs on this directory
+    .lock            held by the directory's one writer while it runs (a coordinator or
+                     eggroll-train: shared/run_writer.py's RunWriter)
 
 Steps committed = records in fitness.log, and the state at step S is a pure function of
 them (`shared.replica.replay`): a snapshot only shortens the replay, losing one loses
 nothing. The coordinator's `RunStore` (coordinator/store.py) and `eggroll-train
---save-dir` write a save directory with the names and writers below; `SaveDir` reads one
-without creating, repairing or locking anything, so it is safe on a live run.
+--save-dir` write a save directory through one writer (shared/run_writer.py) with the names
+and writers below; `SaveDir` reads one without creating, repairing or locking anything, so
+it is safe on a live run.
 
 When a write fails (a full disk, an I/O error). The fitness log is the run; every other file
 is a convenience. A file whose loss would lose or corrupt committed state stops the writer;
@@ -218,13 +220,29 @@ def take_lock(layout: Layout, create: bool = True) -> int | None:
     there is no lock file and `create` is off. OSError when the file cannot be opened."""
     if not create and not layout.lock.exists():
         return None
-    fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
+    while True:
+        fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SaveDirBusy(
+                f"another process is writing to {layout.root}: wait for it to end, or use "
+                "another --save-dir"
+            ) from None
+        if _is_at(fd, layout.lock):
+            return fd
+        os.close(fd)  # a writer that gave up its new run removed this file: take the new one
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the one at `path` (not unlinked meanwhile)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SaveDirBusy(f"another process is writing to {layout.root}") from None
-    return fd
+        at = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at.st_dev, at.st_ino)
 
 
 # history.log's record of the data's baselines (its other records are log events: STEP,

@@ -505,4 +505,4 @@ def test_train_continues_a_run_in_its_save_directory(
     )
     assert other.returncode != 0
     (line,) = _errors(other.stderr)
-    assert f"{save_dir} holds a run of another config" in line
+    assert f"--save-dir {save_dir} holds a run with config digest" in line

@@ -36,6 +36,7 @@ from eggroll_dist.coordinator.events import FileDegraded, SnapshotDropped, Snaps
 from eggroll_dist.coordinator.run import Fatal
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol import Hello, SnapshotRequest
+from eggroll_dist.shared import run_writer as run_writer_module
 from eggroll_dist.shared.atomic_file import write_atomic
 from eggroll_dist.shared.config import RunConfig, load_config
 from eggroll_dist.shared.data import Dataset, load_data_dir
@@ -74,7 +75,7 @@ def failing_snapshot_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> Calla
         path.write_bytes(bytes(data[: len(data) // 2]))  # what a torn write could leave
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(store_module, "write_atomic", write)
+    monkeypatch.setattr(run_writer_module, "write_atomic", write)  # the store writes through it
     return lambda on: state.update(on=on)
 
 

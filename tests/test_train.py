@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
+from click.testing import CliRunner
 from helpers import TRAIN_RUN, trained_digest
 
 from eggroll_dist.protocol.ternary import unpack_ternary
@@ -22,6 +23,7 @@ from eggroll_dist.shared.replica import ReplicaState, load_checkpoint
 from eggroll_dist.shared.replica import replay as replay_steps
 from eggroll_dist.worker import train as train_module
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.reward import RewardError
 from eggroll_dist.worker.train import SNAPSHOTS_KEPT, train
 
 SMALL = RunConfig(
@@ -154,6 +156,55 @@ def test_sigterm_stops_after_the_chunk_keeping_every_step_and_a_snapshot(
     assert done.returncode == 0, done.stderr
     digest = json.loads((tmp_path / "s.json").read_text())["replica_digest"]
     assert int(digest, 16) == trained_digest(data_dir, config, steps + 2)
+
+
+def test_a_second_train_on_the_same_new_save_dir_is_refused_in_one_line(
+    spawn, data_dir: Path, tmp_path: Path
+) -> None:
+    """A new run holds its save directory's writer lock from its start, as a resumed one
+    does: a second eggroll-train on the same directory is refused in one line and writes
+    nothing, and the first goes on undisturbed."""
+    config = tmp_path / "small.toml"
+    config.write_text(TRAIN_RUN)
+    save = tmp_path / "run"
+    flags = ("--data-dir", data_dir, "--config", config, "--save-dir", save)
+    first = spawn("eggroll-train", *flags, "--steps", "100000", "--snapshot-every", "0")
+    first.wait_for(lambda e: e.get("event") == "step" and e["step"] >= 1, 60, "step 1")
+    second = _cli(*flags, "--steps", "1")
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    errors = [line for line in second.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: another process is writing to {save}: wait for it to end, or use another "
+        "--save-dir"
+    ]
+    assert not (save / "summary.json").exists() and not list((save / "snapshots").iterdir())
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 0, "\n".join(first.lines[-20:])
+    steps = FitnessLog.open(save / "fitness.log", repair=False).steps
+    snapshot = load_checkpoint(save / "snapshots" / f"step-{steps:08d}.ckpt")
+    assert snapshot.digest() == trained_digest(data_dir, config, steps)
+
+
+def test_a_new_run_refused_before_it_writes_leaves_its_directory_as_it_was(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock is taken before the goal is checked: a goal that fails then leaves no
+    directory (or lock file) behind, and an empty directory given stays empty."""
+    config = tmp_path / "small.toml"
+    config.write_text(TRAIN_RUN)
+
+    def failing(*args: object) -> None:
+        raise RewardError("the reward does not import")
+
+    monkeypatch.setattr(train_module, "make_objective", failing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for save in (tmp_path / "absent", empty):
+        args = ["--data-dir", data_dir, "--config", config, "--save-dir", save]
+        result = CliRunner().invoke(train_module.main, list(map(str, args)))
+        assert result.exit_code == 1
+        assert result.output.splitlines()[-1] == "Error: the reward does not import"
+    assert not (tmp_path / "absent").exists() and list(empty.iterdir()) == []
 
 
 def test_cli_errors_are_one_line(data_dir: Path, tmp_path: Path) -> None:

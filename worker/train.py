@@ -4,7 +4,9 @@ The population of each step is evaluated chunk by chunk exactly as workers would
 fitness of all pairs is packed, logged and applied. With --save-dir the run leaves the
 same files a coordinator does (run.json, fitness.log, history.log, snapshots/;
 shared/save_dir.py), so it can be inspected and replayed, and the same command run again
-continues it: from the newest snapshot and the fitness log, up to --steps in all. A failed
+continues it: from the newest snapshot and the fitness log, up to --steps in all. The run
+writes through the save directory's one writer (shared/run_writer.py, the coordinator's
+too), holding its lock from start to end: a second writer is refused in one line. A failed
 write stops the run in one line and keeps every committed step; history.log only degrades,
 as the coordinator's does. SIGINT or SIGTERM stops it after the chunk under way (a second
 one at once): the steps committed are kept, with a snapshot of the last, and it exits 0.
@@ -12,8 +14,6 @@ one at once): the steps committed are kept, with a snapshot of the last, and it 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from ..protocol.ternary import pack_ternary, unpack_ternary
-from ..shared.atomic_file import naming, write_atomic
+from ..shared.atomic_file import naming
 from ..shared.cli import (
     OneLineError,
     cannot_write,
@@ -41,7 +41,7 @@ from ..shared.cli import (
 from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness import mean_score, member_tokens
-from ..shared.fitness_log import FitnessLog, FitnessLogError
+from ..shared.fitness_log import FitnessLog
 from ..shared.hf_dir import ModelDirError
 from ..shared.logs import (
     SAMPLE,
@@ -56,19 +56,18 @@ from ..shared.logs import (
 from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
 from ..shared.pinned import GoalError
-from ..shared.replica import ReplicaState, save_checkpoint
+from ..shared.replica import ReplicaState, encode_checkpoint
+from ..shared.run_writer import SNAPSHOTS_KEPT, RunWriter, run_summary, write_summary
 from ..shared.sample import TrainingSamples
 from ..shared.save_dir import (
     RUN_FILE,
     HistoryLog,
     Layout,
     SaveDir,
+    SaveDirBusy,
     SaveDirError,
     baselines_record,
     new_run,
-    take_lock,
-    write_run,
-    write_start,
 )
 from ..shared.start import initial_state
 from ..shared.tracking import (
@@ -97,7 +96,6 @@ from .stop_signal import stop_on_signals
 log = structlog.get_logger("eggroll.train")
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
-SNAPSHOTS_KEPT = 3  # the newest snapshots of a save directory kept, as the coordinator's
 STOP_HINT = "after the chunk under way; the steps committed are kept (again: at once)"
 
 
@@ -294,26 +292,22 @@ def _evaluate_step(
 
 
 def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
-    final = result.curve[-1]
-    losses, rewards = result.scores.get("loss_bits", []), result.scores.get("reward", [])
-    return {
-        "steps": result.state.step,
-        "preset": preset_name,
-        "config_digest": cfg.digest().hex(),
-        "replica_digest": result.state.digest_hex(),
-        # Both held-out metrics, per token and per byte (None: not measured).
-        **{f"valid_{k}": value for k, value in final.items() if k != "step"},
-        "baselines": meta.baselines,
-        "baselines_per_byte": meta.baselines_per_byte,
-        "train_loss_bits": losses[-1] if losses else None,
-        **({"train_losses": losses} if losses else {}),
-        **({"train_reward": rewards[-1], "train_rewards": rewards} if rewards else {}),
-        "member_tokens": result.member_tokens,
-        "member_tokens_per_second": result.member_tokens / max(result.train_seconds, 1e-9),
-        "seconds": result.seconds,
-        "curve": result.curve,
-        "step_seconds": [round(t, 4) for t in result.step_seconds],
-    }
+    return run_summary(
+        steps=result.state.step,
+        preset=preset_name,
+        config_digest=cfg.digest().hex(),
+        replica_digest=result.state.digest_hex(),
+        held_out=result.curve[-1],
+        baselines=meta.baselines,
+        baselines_per_byte=meta.baselines_per_byte,
+        seconds=result.seconds,
+        train_losses=result.scores.get("loss_bits", []),
+        train_rewards=result.scores.get("reward", []),
+        member_tokens=result.member_tokens,
+        member_tokens_per_second=result.member_tokens / max(result.train_seconds, 1e-9),
+        curve=result.curve,
+        step_seconds=result.step_seconds,
+    )
 
 
 @command()
@@ -428,40 +422,77 @@ def run_training(
     cfg: RunConfig, base: Path, dataset: Dataset, factory: BackendFactory, options: TrainOptions
 ) -> None:
     """The run of a command (eggroll-train, eggroll-tune) in this process, up to `steps` in
-    all; every failure is one line (click.ClickException)."""
-    save_dir = options.save_dir
-    layout = None if save_dir is None else Layout(save_dir)
-    resume = layout is not None and layout.run_file.exists()
-    if layout is not None and not resume and layout.root.exists() and any(layout.root.iterdir()):
+    all; every failure is one line (click.ClickException). A save directory's writer lock is
+    held from before the run is read or made until the command ends."""
+    writer = None if options.save_dir is None else _take_save_dir(options.save_dir)
+    try:
+        _run(cfg, base, dataset, factory, writer, options)
+    except Exception as exc:
+        error = _failure_line(exc, options)
+        kept = "" if writer is None else _after_failure(writer, isinstance(exc, OSError))
+        if error is None:
+            raise
+        error.message += kept
+        raise error from None
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _take_save_dir(save_dir: Path) -> RunWriter:
+    """The save directory held for writing: a run there to continue, or room for a new one
+    (absent or empty: nothing of anything else is mistaken for a run, or overwritten)."""
+    try:
+        writer = RunWriter.take(save_dir)
+    except SaveDirBusy as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise cannot_write(exc, save_dir) from None
+    try:
+        foreign = not writer.found_run and bool(writer.others())
+    except OSError as exc:
+        writer.close()
+        raise cannot_write(exc, save_dir) from None
+    if foreign:
+        left = writer.discard()  # the lock file, if this made it
         raise click.ClickException(
             f"--save-dir {save_dir} is not empty and holds no run ({RUN_FILE}); "
-            "pick a new directory"
+            "pick a new directory" + (f"; {left}" if left else "")
         )
-    created = layout is not None and not layout.root.exists()
-    try:
-        _run(cfg, base, dataset, factory, layout, options)
-    except (SaveDirError, GoalError, RewardError, ModelDirError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except TrackingError as exc:  # before the run wrote anything
-        raise OneLineError(str(exc)) from None
-    except OSError as exc:
-        # A full disk or EIO: one line. Committed steps are the fitness log's, and the same
-        # command run again once there is room continues from them to the digest of an
-        # undisturbed run. A new run that failed before its first step is cleared instead,
-        # so that nothing half-made is mistaken for a run.
-        error = cannot_write(exc, save_dir or options.summary_json or ".")
-        if layout is not None and not resume:
-            committed = _committed(layout)
-            if committed:
-                error.message += (
-                    f"; {committed} steps are kept in {layout.root}: "
-                    "the same command continues them once there is room"
-                )
-            elif left := _discard_run(layout, created):
-                error.message += f"; {left}"
-        elif layout is not None:
-            error.message += f"; the steps of {layout.root} are kept: run again once there is room"
-        raise error from None
+    return writer
+
+
+def _failure_line(exc: Exception, options: TrainOptions) -> click.ClickException | None:
+    """The one line of a failure (None: not one of ours, raised as it is)."""
+    if isinstance(exc, SaveDirError | GoalError | RewardError | ModelDirError):
+        return click.ClickException(str(exc))
+    if isinstance(exc, TrackingError):  # before the run wrote anything
+        return OneLineError(str(exc))
+    if isinstance(exc, OSError):
+        return cannot_write(exc, options.save_dir or options.summary_json or ".")
+    return None
+
+
+def _after_failure(writer: RunWriter, write_failed: bool) -> str:
+    """What a failed run leaves in its save directory, as the end of its error line.
+    Committed steps are the fitness log's, and after a failed write (a full disk, EIO) the
+    same command run again once there is room continues from them to the digest of an
+    undisturbed run. A new run that a write failed before its first step is cleared instead,
+    so that nothing half-made is mistaken for a run; one that wrote nothing yet leaves the
+    directory as it found it."""
+    if writer.found_run:
+        kept = f"; the steps of {writer.root} are kept: run again once there is room"
+        return kept if write_failed else ""
+    if writer.created and not write_failed:
+        return ""  # its files are whole, at its last commit
+    committed = writer.steps_on_disk() if writer.created else 0
+    if committed:
+        return (
+            f"; {committed} steps are kept in {writer.root}: "
+            "the same command continues them once there is room"
+        )
+    left = writer.discard()
+    return f"; {left}" if left else ""
 
 
 def _run(
@@ -469,35 +500,31 @@ def _run(
     base: Path,
     dataset: Dataset,
     factory: BackendFactory,
-    layout: Layout | None,
+    writer: RunWriter | None,
     options: TrainOptions,
 ) -> None:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
     a save directory that cannot be continued SaveDirError, tracking that cannot start
     TrackingError before anything is written, a goal that fails GoalError or RewardError."""
-    fitness_log = None
     state = initial_state(cfg, base)
-    resume = layout is not None and layout.run_file.exists()
     run = new_run(cfg, dataset.digest)  # eggroll-sample checks the data digest
-    if layout is not None and resume:
-        fitness_log, state, run = _resume(layout, cfg, dataset.digest)
+    if writer is not None and writer.found_run:
+        state = _resume(writer, cfg, dataset.digest)
+        run = writer.run
     # The model and the goal first: a prompt too long or a reward that does not import
     # stops the command before it writes anything.
     backend = factory.build(dataset, state)
     objective = make_objective(cfg, dataset, base, options.reward_timeout, backend.codec)
+    layout = None if writer is None else writer.layout
     try:
         curve = _open_curve(cfg, dataset, layout, options, state.step, run)
     except BaseException:
         objective.close()
         raise
     try:
-        if layout is not None and not resume:
-            layout.snapshots.mkdir(parents=True, exist_ok=True)
-            write_start(layout, cfg, base)
-            write_run(layout, run)
-            with naming(layout.fitness_log):
-                fitness_log = FitnessLog.create(layout.fitness_log, cfg.pairs, cfg.digest())
-        if layout is not None:
+        if writer is not None:
+            if not writer.found_run:
+                writer.create(cfg, base, run)
             meta = dataset.meta  # for eggroll-inspect --plot
             curve(baselines_record(meta.baselines, meta.baselines_per_byte))
         _log_start(cfg, options, factory)
@@ -505,8 +532,8 @@ def _run(
 
         def committed(backend: Backend) -> None:
             every = options.snapshot_every
-            if layout is not None and every and backend.step % every == 0:
-                _keep_snapshot(layout, backend.state)
+            if writer is not None and every and backend.step % every == 0:
+                _keep_snapshot(writer, backend.state)
 
         # The first SIGINT or SIGTERM stops after the chunk under way, a second one at once
         # (KeyboardInterrupt: the committed steps are kept, without a snapshot of the last).
@@ -515,7 +542,7 @@ def _run(
                 cfg,
                 backend,
                 max(0, options.steps - state.step),
-                fitness_log,
+                None if writer is None else writer.fitness_log,
                 samples,
                 options.max_seconds,
                 curve,
@@ -526,7 +553,7 @@ def _run(
     finally:
         curve.close()
         objective.close()
-    _finish(cfg, dataset, layout, options, result)
+    _finish(cfg, dataset, writer, options, result)
 
 
 def _open_curve(
@@ -578,29 +605,28 @@ def _log_start(cfg: RunConfig, options: TrainOptions, factory: BackendFactory) -
 def _finish(
     cfg: RunConfig,
     dataset: Dataset,
-    layout: Layout | None,
+    writer: RunWriter | None,
     options: TrainOptions,
     result: TrainResult,
 ) -> None:
     """The last snapshot, the summary and the closing line (or the line of a stop)."""
-    if layout is not None and not layout.snapshot(result.state.step).exists():
-        _keep_snapshot(layout, result.state)
+    if writer is not None and result.state.step not in writer.snapshot_steps:
+        _keep_snapshot(writer, result.state)
     if result.stopped:
         kept = (
-            f"steps 1..{result.state.step} are kept in {layout.root}, with a snapshot of the "
+            f"steps 1..{result.state.step} are kept in {writer.root}, with a snapshot of the "
             "last: the same command continues them"
-            if layout is not None
+            if writer is not None
             else "nothing is kept (no --save-dir)"
         )
         echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
         return
     meta = dataset.meta
     summary = _summary(cfg, options.preset, result, meta)
-    blob = (json.dumps(summary, indent=2) + "\n").encode()
-    if layout is not None:  # for eggroll-inspect
-        write_atomic(layout.summary, blob)
+    if writer is not None:  # for eggroll-inspect
+        writer.write_summary(summary)
     if options.summary_json is not None:
-        write_atomic(options.summary_json, blob)
+        write_summary(options.summary_json, summary)
     echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "
@@ -611,12 +637,10 @@ def _finish(
     )
 
 
-def _keep_snapshot(layout: Layout, state: ReplicaState) -> None:
+def _keep_snapshot(writer: RunWriter, state: ReplicaState) -> None:
     """A snapshot of `state`, and only the newest SNAPSHOTS_KEPT: a resume starts from the
     newest and replays the log from there."""
-    save_checkpoint(layout.snapshot(state.step), state)
-    for old in layout.snapshot_steps()[:-SNAPSHOTS_KEPT]:
-        layout.snapshot(old).unlink(missing_ok=True)
+    writer.save_snapshot(state.step, encode_checkpoint(state), SNAPSHOTS_KEPT)
 
 
 class _Curve:
@@ -651,27 +675,13 @@ class _Curve:
             self.tracker.close()
 
 
-def _resume(
-    layout: Layout, cfg: RunConfig, data_digest: bytes
-) -> tuple[FitnessLog, ReplicaState, dict[str, Any]]:
-    """The run in a save directory, to continue: its fitness log open for appending (a torn
-    last record cut off), the replica state at its last committed step, and run.json."""
-    run = SaveDir.open(layout.root)
-    take_lock(layout, create=False)  # a coordinator's directory: never two writers at once
-    if run.config.digest() != cfg.digest():
-        raise SaveDirError(
-            f"{layout.root} holds a run of another config (digest "
-            f"{run.config.digest().hex()[:16]}, this one {cfg.digest().hex()[:16]}): give "
-            "its preset or config, or pick a new directory"
-        )
-    recorded = run.run.get("data_digest")
-    if recorded is not None and recorded != data_digest.hex():
-        raise SaveDirError(
-            f"{layout.root} was trained on data {recorded[:16]}, --data-dir holds "
-            f"{data_digest.hex()[:16]}: give the run's data directory"
-        )
-    with naming(layout.fitness_log):
-        fitness_log = FitnessLog.open(layout.fitness_log)  # repairs a torn last record
+def _resume(writer: RunWriter, cfg: RunConfig, data_digest: bytes) -> ReplicaState:
+    """The run in the save directory, to continue: run.json checked against the config and
+    the data, its fitness log opened for appending (a torn last record cut off), and the
+    replica state at its last committed step."""
+    writer.load(cfg, data_digest)
+    fitness_log, stored = writer.fitness_log, writer.config
+    assert fitness_log is not None and stored is not None  # loaded
     if fitness_log.repaired_bytes:
         log.warning(
             "fitness log tail repaired",
@@ -681,40 +691,7 @@ def _resume(
             hint="a step that was being written when the run stopped is redone",
         )
     replaying = replay_progress(lambda text: log.info("resuming", progress=text))
+    run = SaveDir(writer.layout, writer.run, stored)
     state = run.state_at(fitness_log.steps, unpack_ternary, replaying)
-    log.info("resuming", save_dir=str(layout.root), step=state.step)
-    return fitness_log, state, run.run
-
-
-def _committed(layout: Layout) -> int:
-    """Steps the fitness log of a save directory holds (0 if it has none that reads)."""
-    try:
-        return FitnessLog.open(layout.fitness_log).steps  # a torn last record is cut
-    except (OSError, FitnessLogError):
-        return 0
-
-
-def _discard_run(layout: Layout, created: bool) -> str:
-    """Remove what a failed run wrote into its save directory (it was absent or empty
-    before): the files of shared/save_dir.py's layout that eggroll-train writes, then the
-    snapshots folder, then the directory if this run made it. '' when done; else what is
-    left, for the error line."""
-    try:
-        for path in (
-            layout.summary,
-            layout.history,
-            *layout.snapshot_files(),
-            layout.fitness_log,
-            layout.start,
-        ):
-            path.unlink(missing_ok=True)
-        layout.run_file.unlink(missing_ok=True)  # last: without it nothing reads as a run
-        with contextlib.suppress(FileNotFoundError):
-            layout.snapshots.rmdir()
-        if created:
-            layout.root.rmdir()
-    except OSError as exc:
-        return (
-            f"could not clear {layout.root} ({os_error_text(exc)}): remove it before running again"
-        )
-    return ""
+    log.info("resuming", save_dir=str(writer.root), step=state.step)
+    return state
