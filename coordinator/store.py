@@ -108,8 +108,8 @@ class RunStore:
         path = Path(path)
         try:
             writer = RunWriter.open(path, config, goal_dir or Path("."))
-        except SaveDirBusy:
-            raise StoreError(f"another coordinator is running on {path}") from None
+        except SaveDirBusy as exc:  # the holder may be a coordinator or eggroll-train
+            raise StoreError(str(exc)) from None
         except SaveDirError as exc:
             raise StoreError(str(exc)) from None
         except OSError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic_file import fsync_dir, naming, write_atomic
-from .config import RunConfig
+from .config import RunConfig, config_difference
 from .fitness_log import FitnessLog, FitnessLogError
 from .logs import os_error_text
 from .pinned import GoalError
@@ -41,8 +41,9 @@ def config_mismatch(root: Path, stored: RunConfig, given: RunConfig) -> str:
     """The one line that refuses to continue a run with another config."""
     return (
         f"--save-dir {root} holds a run with config digest {stored.digest().hex()[:16]}, "
-        f"the given config has {given.digest().hex()[:16]}: start it with the run's own "
-        "--preset/--config (a coordinator also takes none), or use a new --save-dir"
+        f"the given config has {given.digest().hex()[:16]} ({config_difference(stored, given)}"
+        "): start it with the run's own --preset/--config (a coordinator also takes none), "
+        "or use a new --save-dir"
     )
 
 

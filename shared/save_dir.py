@@ -225,14 +225,31 @@ def take_lock(layout: Layout, create: bool = True) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = lock_holder(fd)
             os.close(fd)
+            by = "another process" if holder is None else f"process {holder}"
             raise SaveDirBusy(
-                f"another process is writing to {layout.root}: wait for it to end, or use "
-                "another --save-dir"
+                f"{by} is writing to {layout.root}: wait for it to end, or use another --save-dir"
             ) from None
         if _is_at(fd, layout.lock):
             return fd
         os.close(fd)  # a writer that gave up its new run removed this file: take the new one
+
+
+def lock_holder(fd: int, locks: Path = Path("/proc/locks")) -> int | None:
+    """The process holding a flock on the open file `fd`, from Linux's lock table (None
+    where there is none to read): a busy save directory names who holds it."""
+    held = os.fstat(fd)
+    where = f"{os.major(held.st_dev):02x}:{os.minor(held.st_dev):02x}:{held.st_ino}"
+    try:
+        table = locks.read_text()
+    except OSError:
+        return None
+    for line in table.splitlines():  # "1: FLOCK  ADVISORY  WRITE 4242 00:2e:1234 0 EOF"
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where:
+            return int(fields[4]) if fields[4].isdigit() else None
+    return None
 
 
 def _is_at(fd: int, path: Path) -> bool:

@@ -697,7 +697,8 @@ def test_e12_a_second_coordinator_on_the_same_save_dir_is_refused(
         text=True,
         timeout=60,
     )
-    assert second.returncode != 0 and "another coordinator is running" in second.stderr
+    assert second.returncode != 0, second.stderr
+    assert f"process {coord.proc.pid} is writing to {tmp_path / 'run'}" in second.stderr
     assert "Traceback" not in second.stderr
     start_worker(spawn, port, words_data)
     finishes_undisturbed(coord, tmp_path / "run", undisturbed)

@@ -47,11 +47,12 @@ def test_a_new_run_is_made_under_the_lock_and_opened_again(tmp_path: Path) -> No
     root = tmp_path / "a" / "run"
     writer = RunWriter.open(root, CFG, tmp_path)
     assert writer.created and not writer.found_run and writer.steps == 0
-    busy = f"another process is writing to {root}: wait for it to end, or use another --save-dir"
+    me = os.getpid()  # the lock is held by this process's writer
+    busy = f"process {me} is writing to {root}: wait for it to end, or use another --save-dir"
     with pytest.raises(SaveDirBusy) as refused:
         RunWriter.take(root)
     assert str(refused.value) == busy
-    with pytest.raises(StoreError, match=f"another coordinator is running on {root}"):
+    with pytest.raises(StoreError, match=f"process {me} is writing to {root}"):
         RunStore.open(root, None)
     _append(writer, 2)
     run_id = writer.run["run_id"]

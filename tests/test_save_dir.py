@@ -198,7 +198,7 @@ def test_one_writer_at_a_time(tmp_path: Path) -> None:
     assert take_lock(layout, create=False) is None and not layout.lock.exists()
     held = take_lock(layout)
     assert held is not None and layout.lock.exists()
-    with pytest.raises(SaveDirBusy, match="another process is writing"):
+    with pytest.raises(SaveDirBusy, match=f"process {os.getpid()} is writing"):
         take_lock(layout, create=False)
     os.close(held)
     again = take_lock(layout, create=False)

@@ -174,8 +174,8 @@ def test_a_second_train_on_the_same_new_save_dir_is_refused_in_one_line(
     assert second.returncode == 1 and "Traceback" not in second.stderr
     errors = [line for line in second.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [
-        f"Error: another process is writing to {save}: wait for it to end, or use another "
-        "--save-dir"
+        f"Error: process {first.proc.pid} is writing to {save}: wait for it to end, or use "
+        "another --save-dir"
     ]
     assert not (save / "summary.json").exists() and not list((save / "snapshots").iterdir())
     first.proc.send_signal(signal.SIGTERM)
