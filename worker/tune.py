@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import structlog
 
 from ..shared.cli import (
     OneLineError,
@@ -39,9 +40,12 @@ from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError, pin
 from ..shared.tracking import TrackingError, check_available
 from .backend import BackendUnavailable, get_backend
+from .hub_cache import HubCacheError, local_or_cached
 from .train import TrainOptions, run_training
 
 PERPLEXITY = "perplexity"
+
+log = structlog.get_logger("eggroll.tune")
 
 
 @dataclass(frozen=True)
@@ -292,8 +296,10 @@ def main(
     log_format: str,
     threads: int | None,
 ) -> None:
-    """Fine-tune the Hugging Face causal LM in MODEL_DIR with EGGROLL, in one process."""
+    """Fine-tune the Hugging Face causal LM in MODEL_DIR with EGGROLL, in one process.
+    MODEL_DIR is a model directory, or a name ORG/NAME in the local Hugging Face cache."""
     configure_logging(log_format)
+    model_dir = _model_dir(model_dir)
     settings = TuneSettings(
         model_dir=model_dir,
         reward=reward,
@@ -339,13 +345,32 @@ def main(
     run_training(cfg, base, dataset, factory, options)
 
 
+def _model_dir(given: Path) -> Path:
+    """MODEL_DIR as a directory: itself, or a name's snapshot in the hub cache (said in the
+    log, with its revision: the run pins its files as any directory's)."""
+    try:
+        path, cached = local_or_cached(given)
+    except HubCacheError as exc:
+        raise click.ClickException(str(exc)) from None
+    if cached is not None:
+        log.info(
+            "model from the Hugging Face cache",
+            model=cached.name,
+            path=str(path),
+            revision=cached.revision,
+            chosen_by="refs/main" if cached.ref else "the newest snapshot",
+        )
+    return path
+
+
 def _print_config(cfg: RunConfig, model_dir: Path, steps: int) -> None:
     """`--print-config`: the run as TOML on stdout, and a note where workers would not find
     the model."""
     if model_dir.is_absolute() or ".." in model_dir.parts:
         click.echo(
             f"note: workers look for {model_dir} under their --goal-dir, so a run for "
-            "them names MODEL_DIR relative to this folder",
+            "them names MODEL_DIR relative to this folder (copy a cached model there with "
+            "cp -rL: its files are links)",
             err=True,
         )
     click.echo(config_toml(cfg, steps), nl=False)
