@@ -9,6 +9,8 @@
   `data/mine`) are not repository paths.
 - Links to a section (`#presets`, `scripts/RESULTS.md#threads`) name a heading there.
 - The README stays a guide: at most 300 lines.
+- Its drawing of `shared/` in layers is the import graph: every module once, each on the
+  lowest line above everything it imports when it runs.
 """
 
 from __future__ import annotations
@@ -251,3 +253,39 @@ def test_the_checks_catch_what_they_should(commands: dict[str, click.Command]) -
     )
     found = {m.group(1) for m in PATH.finditer("`./checkpoints/local` `shared/x.py` data/mine")}
     assert found == {"shared/x.py"}
+
+
+def _drawn_layers() -> list[list[str]]:
+    """The README's `shared/` layers, top line first: the ```text block after its title."""
+    text = README.read_text()
+    start = text.index("**`shared/` in layers**")
+    begin = text.index("```text\n", start) + 8
+    block = text[begin : text.index("\n```", begin)]
+    return [line.split("#")[0].split() for line in block.splitlines()]
+
+
+def _unit(module: str) -> str:
+    """A module of shared/ as the drawing names it: a package as one (`objectives/`)."""
+    name = module.removeprefix("shared.")
+    return name.split(".")[0] + "/" if "." in name or name in ("objectives", "rules") else name
+
+
+def test_the_drawn_layers_of_shared_are_its_import_graph() -> None:
+    from test_import_graph import graph
+
+    deps: dict[str, set[str]] = {}
+    for module, imported in graph(ROOT, "shared").items():
+        if module == "shared":
+            continue
+        unit = _unit(module)
+        deps.setdefault(unit, set()).update(_unit(m) for m in imported if _unit(m) != unit)
+    layers = _drawn_layers()
+    drawn = [name for layer in layers for name in layer]
+    assert sorted(drawn) == sorted(deps), "every module of shared/ is drawn once"
+    level = {name: len(layers) - 1 - i for i, layer in enumerate(layers) for name in layer}
+    for name, needs in deps.items():
+        lowest = 1 + max((level[n] for n in needs), default=-1)
+        assert level[name] == lowest, (
+            f"shared/{name} belongs on the line {lowest} from the bottom (it imports "
+            f"{sorted(needs)}), not on {level[name]}"
+        )
