@@ -59,7 +59,14 @@ import numpy as np
 
 from .loss import token_loss, true_bits
 from .matmul import clip8, floor_div, frozen
-from .perturb import MemberNoise, ParamSpec, int8_settings, perturbed_mm, perturbed_rows
+from .perturb import (
+    INT8,
+    MemberNoise,
+    ParamSpec,
+    int8_settings,
+    perturbed_mm,
+    perturbed_rows,
+)
 
 if TYPE_CHECKING:
     from .config import ModelConfig, RunConfig
@@ -118,9 +125,7 @@ def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
     return tuple(ParamSpec(n, s, k, i, tid) for tid, (n, s, k, i) in enumerate(layout))
 
 
-FAMILY = "int8"
-EXACT = True  # integers only: every device computes the same bytes
-OWN_TOKENIZER = False  # the data's vocabulary
+FAMILY, EXACT, OWN_TOKENIZER = INT8  # the int8 family's answers (shared/perturb.py)
 
 
 def check(cfg: RunConfig) -> str | None:

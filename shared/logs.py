@@ -15,6 +15,7 @@ again it first writes how many were lost.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -179,10 +180,8 @@ class LogFile:
 
     def close(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):  # nothing is lost: every write was whole
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None
 
 

@@ -312,6 +312,9 @@ def perturbed_rows(
 
 
 HF_SETTINGS = ("path", "targets", "rank", "files", "matrices")  # model.arch "hf"'s own
+# FAMILY, EXACT and OWN_TOKENIZER of every int8 architecture (shared/model.py): integers
+# only, so every device computes the same bytes; the data's vocabulary is the model's.
+INT8 = ("int8", True, False)
 
 
 def int8_settings(cfg: RunConfig) -> str | None:

@@ -56,6 +56,7 @@ view is deploy/README.md, "When the disk is full".
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -337,10 +338,8 @@ class HistoryLog:
 
     def close(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):  # nothing is lost: every write was whole
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None
 
 

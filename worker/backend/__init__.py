@@ -32,6 +32,7 @@ __all__ = [
     "BackendUnavailable",
     "ChunkResult",
     "HeldOut",
+    "HostReplica",
     "Validation",
     "check_chunk",
     "cuda_usable",
@@ -150,6 +151,21 @@ class Backend(Protocol):
     def validate(self) -> Validation:
         """The unperturbed model on the held-out split: both metrics (`Validation`)."""
         ...
+
+
+class HostReplica:
+    """A backend whose replica is the host's `ReplicaState` (`state`), as the NumPy and
+    PyTorch backends keep it."""
+
+    state: ReplicaState
+
+    @property
+    def config(self) -> RunConfig:
+        return self.state.config
+
+    @property
+    def step(self) -> int:
+        return self.state.step
 
 
 def check_chunk(cfg: RunConfig, replica_step: int, step: int, first: int, count: int) -> None:

@@ -23,7 +23,6 @@ import numpy as np
 import structlog
 from threadpoolctl import ThreadpoolController
 
-from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
 from ...shared.loss import token_loss, true_bits
@@ -38,7 +37,15 @@ from ...shared.window import (
     validation_streams,
     validation_windows,
 )
-from . import BackendFactory, BackendUnavailable, ChunkResult, HeldOut, Validation, check_chunk
+from . import (
+    BackendFactory,
+    BackendUnavailable,
+    ChunkResult,
+    HeldOut,
+    HostReplica,
+    Validation,
+    check_chunk,
+)
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -88,7 +95,7 @@ def default_threads() -> int:
     return max(1, usable_cores() // workers_per_host())
 
 
-class NumpyBackend:
+class NumpyBackend(HostReplica):
     """Holds one replica (weights) and the data, evaluates chunks, applies steps."""
 
     name = "numpy"
@@ -127,14 +134,6 @@ class NumpyBackend:
     def _compute(self):  # a context manager; threadpoolctl's type is private
         """The BLAS (and OpenMP) pools limited to `self.threads`, restored afterwards."""
         return self._pools.limit(limits=self.threads)
-
-    @property
-    def config(self) -> RunConfig:
-        return self.state.config
-
-    @property
-    def step(self) -> int:
-        return self.state.step
 
     def load_state(self, state: ReplicaState) -> None:
         self.state = state

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
 from ...shared.objectives import objective_of
@@ -35,7 +34,15 @@ from ...shared.text_codec import TextCodec
 from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
 from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
-from . import FAMILIES, BackendFactory, ChunkResult, HeldOut, Validation, check_chunk
+from . import (
+    FAMILIES,
+    BackendFactory,
+    ChunkResult,
+    HeldOut,
+    HostReplica,
+    Validation,
+    check_chunk,
+)
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -57,7 +64,7 @@ def retokenize(tokens: np.ndarray, pieces: Sequence[bytes], tokenizer: Any) -> n
     return np.array(ids, dtype=np.int64)
 
 
-class TorchBackend:
+class TorchBackend(HostReplica):
     """Holds one hf replica (accumulators), its model on a device, and the data's text."""
 
     name = "torch"
@@ -105,14 +112,6 @@ class TorchBackend:
         if eos is not None and eos in ids:
             ids = ids[: ids.index(eos)]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    @property
-    def config(self) -> RunConfig:
-        return self.state.config
-
-    @property
-    def step(self) -> int:
-        return self.state.step
 
     @property
     def parallel_chunks(self) -> int:
