@@ -135,3 +135,27 @@ def test_a_bpe_export_carries_its_tokenizer(
     vocab = json.loads((out / "config.json").read_text())["vocab"]
     assert vocab == {"size": meta.vocab_size, "kind": "bpe", "tokenizer": "tokenizer.json"}
     assert json.loads((out / "config.json").read_text())["data_digest"] == meta.sha256
+
+
+def test_out_is_never_written_over_silently_and_lora_needs_an_hf_run(tmp_path: Path) -> None:
+    save = _save_dir(tmp_path / "run", _config())
+    out = tmp_path / "export"
+    out.mkdir()  # empty: fine
+    assert _export(save, "--out", out).exit_code == 0
+    before = (out / "model.safetensors").read_bytes()
+    for args in (("--step", "3"), ("--lora", "2")):
+        result = _export(save, *args, "--out", out)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 1 and len(lines) == 1, result.output
+        assert lines[0] == (
+            f"Error: --out {out} is not empty: name a new or empty directory, or add --force "
+            "to write over files of the same names"
+        )
+    assert (out / "model.safetensors").read_bytes() == before
+    result = _export(save, "--lora", "2", "--out", tmp_path / "lora")
+    lines = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert result.exit_code == 1 and len(lines) == 1 and "Traceback" not in result.output
+    assert "--lora exports a Hugging Face run (model.arch='hf')" in lines[0]
+    assert "model.arch='egg' run" in lines[0] and not (tmp_path / "lora").exists()
+    assert _export(save, "--step", "3", "--out", out, "--force").exit_code == 0
+    assert load_export(out).digest() == digest_at(save, 3)
