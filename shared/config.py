@@ -12,7 +12,7 @@ a TOML file whose tables mirror the dataclasses below:
              token_noise_rows, sigma (arch "hf")
     [fitness] chunk_mean_filter, adaptive_threshold,
              objective, reward, prompts, prompts_per_step, completion_tokens, temperature,
-             min_p, held_out_prompts (the reward objective: shared/goal.py)
+             min_p, held_out_prompts, rewards (the reward objective: shared/goal.py)
     [update] rule, alpha, alpha_decay_steps, momentum_shift,
              lr, lr_halve_steps, lr_halvings, beta1, beta2, weight_decay
     [data]   data_seed
@@ -104,7 +104,9 @@ class FitnessConfig:
     # "next_token": the loss of the data's windows; "reward": every member continues the
     # step's prompts and a reward function scores the text (shared/goal.py)
     objective: str = "next_token"
-    reward: str = ""  # "file.py:function" (relative to the config file) or "builtin:NAME"
+    # "file.py:function" or "file.py" (relative to the config file), "builtin:NAME", or
+    # "lambda text: ..." (shared/objectives/reward.py)
+    reward: str = ""
     reward_sha256: str = ""  # of the reward file's bytes, filled in when the config is loaded
     prompts: str = ""  # a prompts file (one per line, or JSON lines), or "data"
     prompts_sha256: str = ""
@@ -113,6 +115,10 @@ class FitnessConfig:
     temperature: int = 1000  # thousandths (shared/sample.py): 1000 = 1.0, 0 = greedy
     min_p: int = 0  # thousandths
     held_out_prompts: int = 64  # scored by the unperturbed model at every validation
+    # Instead of `reward`, a weighted combination: "REWARD:WEIGHT" parts; a completion
+    # scores the fsum of weight * reward in this order
+    rewards: tuple[str, ...] = ()
+    rewards_sha256: tuple[str, ...] = ()  # of each file part's bytes, in order (filled in)
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,7 @@ class RunConfig:
 _PINNED_WHAT = {
     "fitness.reward_sha256": "the reward file's bytes changed",
     "fitness.prompts_sha256": "the prompts file's bytes changed",
+    "fitness.rewards_sha256": "a reward file's bytes changed",
     "model.init_digest": "model.init_from holds another replica",
     "model.files": "the model directory's files changed",
 }
@@ -242,6 +249,8 @@ LATER_SETTINGS = (
             "temperature",
             "min_p",
             "held_out_prompts",
+            "rewards",
+            "rewards_sha256",
         )
     ),
 )
@@ -363,6 +372,15 @@ def _check_fitness(cfg: RunConfig) -> None:
     for name in ("reward_sha256", "prompts_sha256"):
         value = getattr(f, name)
         _check(not value or _is_hex(value, 64), f"fitness.{name} must be 64 hex digits")
+    _check(
+        not f.rewards or f.objective == "reward",
+        f"fitness.rewards is set but fitness.objective is {f.objective!r}: set objective = "
+        "'reward' to train for it",
+    )
+    _check(
+        all(_is_hex(v, 64) for v in f.rewards_sha256),
+        "fitness.rewards_sha256 must be digests of 64 hex digits",
+    )
     problem = OBJECTIVES[f.objective].check(cfg)  # the objective's own settings
     _check(problem is None, problem or "")
 

@@ -86,9 +86,12 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
     """The config with the digests of its goal files filled in (from files under `base`,
     the config file's folder); the reward, prompts and start are checked to load."""
     f = cfg.fitness
-    digests: dict[str, str] = {}
+    digests: dict[str, str | tuple[str, ...]] = {}
     for key, path, _, what in _files(cfg):
-        digests[key.split(".")[1]] = file_sha256(resolve(path, base), what)
+        name, digest = key.split(".")[1], file_sha256(resolve(path, base), what)
+        # a tuple setting pins one digest per file, in the order the objective lists them
+        many = isinstance(getattr(f, name), tuple)
+        digests[name] = (*digests.get(name, ()), digest) if many else digest
     if digests:
         cfg = cfg.replace(fitness=replace(f, **digests))
     if cfg.model.init_from:

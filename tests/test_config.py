@@ -16,6 +16,7 @@ from eggroll_dist.shared.config import (
     ESConfig,
     ModelConfig,
     RunConfig,
+    config_difference,
     from_canonical_bytes,
     load_config,
     preset,
@@ -140,3 +141,35 @@ def test_config_difference_names_the_settings_and_what_a_changed_pin_means() -> 
     )
     many = wider.replace(steps=7, es=dataclasses.replace(wider.es, run_seed=5, seq_len=8))
     assert config_difference(base, many).endswith("; and 1 more")
+
+
+def test_a_weighted_reward_combination_round_trips(tmp_path: Path) -> None:
+    """fitness.rewards, a TOML array of "REWARD:WEIGHT", reaches a worker as the same config;
+    a changed file part's digest is named as a changed file."""
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[fitness]\nobjective = "reward"\nprompts = "data"\n'
+        'rewards = ["builtin:letter_e:0.3", "score.py:score:0.7", "lambda text: 1.0:-1"]\n'
+        f"rewards_sha256 = [{json.dumps('a' * 64)}]\n"
+    )
+    cfg = load_config(path)
+    assert cfg.fitness.rewards[2] == "lambda text: 1.0:-1" and cfg.fitness.reward == ""
+    assert from_canonical_bytes(cfg.canonical_bytes()) == cfg
+    moved = cfg.replace(fitness=dataclasses.replace(cfg.fitness, rewards_sha256=("b" * 64,)))
+    assert config_difference(cfg, moved) == (
+        "fitness.rewards_sha256 (a reward file's bytes changed)"
+    )
+    reward = 'objective = "reward"\n'
+    for body, message in (
+        (f'{reward}rewards = ["builtin:letter_e:1", 2]', "'fitness.rewards' must be a list of str"),
+        ('rewards = ["a.py:1", "b.py:1"]', "fitness.rewards is set but fitness.objective"),
+        (f'{reward}rewards = ["a.py:1", "b.py:1"]\nrewards_sha256 = ["ab"]', "64 hex digits"),
+        (f'{reward}rewards = ["a.py:1", "builtin:brackets:1"]\nrewards_sha256 = []', ""),
+    ):
+        path.write_text(f'[fitness]\nprompts = "data"\n{body}\n')
+        if not message:
+            assert load_config(path).fitness.rewards_sha256 == ()  # pinned when loaded
+            continue
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert message in str(err.value) and "\n" not in str(err.value)

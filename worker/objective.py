@@ -185,7 +185,7 @@ def _reward(
 ) -> Objective:
     codec = codec or data_codec(cfg, dataset)
     prompts = load_prompts(cfg, base, dataset, codec)
-    runner = RewardRunner(cfg.fitness.reward, base, reward_timeout_s, cfg.fitness.reward_sha256)
+    runner = RewardRunner.of(cfg, base, reward_timeout_s)
     runner.start()  # a reward file that does not import fails here, not at the first chunk
     return Reward(cfg, prompts, runner, codec)
 

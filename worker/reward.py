@@ -9,7 +9,11 @@ Two forms of reward function, told apart by their positional parameters:
     score(completion: str) -> float                                 one completion at a time
     reward(prompts: list[str], completions: list[str], **fields) -> list[float]    batched
 The batched form gets every other field of JSON-lines prompts as a list per key, aligned with
-the completions (`fields["answer"][i]` belongs to completion i).
+the completions (`fields["answer"][i]` belongs to completion i). An inline reward is a lambda
+of either form ("lambda text: ...", "lambda prompts, completions, **fields: [...]"): user
+code like a file, evaluated here from the config's text with the usual builtins. A weighted
+combination loads every part in this one process; a completion's reward is the fsum of
+weight * part reward in config order, the same float on every machine.
 """
 
 from __future__ import annotations
@@ -28,10 +32,21 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..shared.objectives.reward import BUILTIN_REWARDS, MAX_REWARD, reward_target
+from ..shared.objectives.reward import (
+    BUILTIN_REWARDS,
+    MAX_REWARD,
+    RewardPart,
+    is_lambda,
+    lambda_problem,
+    reward_parts,
+    reward_target,
+)
 from ..shared.pinned import GoalError
+
+if TYPE_CHECKING:
+    from ..shared.config import RunConfig
 
 __all__ = ["RewardError", "RewardRunner"]
 
@@ -79,7 +94,9 @@ def _load(spec: str, base: Path, sha256: str) -> tuple[Callable[..., Any], str]:
     """The reward function and its name for messages, run from the very bytes whose digest
     is `sha256` (the run's pin; "" where nothing pins it): read once, checked, compiled, so
     neither a file changed since nor a stale .pyc runs instead. Modules it imports from its
-    folder are not pinned."""
+    folder are not pinned. A lambda is compiled from its text, which the config pins."""
+    if is_lambda(spec):
+        return _lambda(spec)
     try:
         path, name = reward_target(spec)
     except ValueError as exc:  # a config that was never validated
@@ -87,7 +104,6 @@ def _load(spec: str, base: Path, sha256: str) -> tuple[Callable[..., Any], str]:
     if not path:
         return BUILTIN_REWARDS[name], spec
     file = Path(path) if Path(path).is_absolute() else base / path
-    where = f"{file}:{name}"
     try:
         source = file.read_bytes()
     except FileNotFoundError:
@@ -103,10 +119,31 @@ def _load(spec: str, base: Path, sha256: str) -> tuple[Callable[..., Any], str]:
         exec(compile(source, str(file), "exec"), module.__dict__)  # the pinned bytes, once
     except Exception as exc:  # the user's module failed to import
         raise GoalError(f"reward file {file} raised {exc!r} on import") from None
-    function = getattr(module, name, None)
-    if not callable(function):
+    # A bare file: its score(text), else its reward(prompts, completions, **fields).
+    for candidate in (name,) if name else ("score", "reward"):
+        function = getattr(module, candidate, None)
+        if callable(function):
+            return function, f"{file}:{candidate}"
+    if name:
         raise GoalError(f"reward file {file} has no function {name!r}")
-    return function, where
+    raise GoalError(
+        f"reward file {file} has neither a score nor a reward function (or name one: "
+        f"{path}:FUNCTION)"
+    )
+
+
+def _lambda(spec: str) -> tuple[Callable[..., Any], str]:
+    """A lambda reward from its text, in a fresh namespace: the usual builtins, nothing
+    imported (a lambda that needs a module calls __import__ itself)."""
+    problem = lambda_problem(spec)
+    if problem:
+        raise GoalError(problem)
+    where = f"the reward {_shown(spec.strip())}"
+    try:
+        # the config's text, as a file's bytes: user code, run in this child on purpose
+        return eval(compile(spec.strip(), "<reward>", "eval"), {}), where
+    except Exception as exc:  # e.g. a default value that raises
+        raise GoalError(f"{where} raised {exc!r} when it was evaluated") from None
 
 
 def _batched(function: Callable[..., Any]) -> bool:
@@ -164,8 +201,27 @@ def _call(
     return check_rewards(values, len(completions), where, lambda i: _shown(prompts[i]))
 
 
-def _child(spec: str, base: str, sha256: str, fd_in: str, fd_out: str) -> None:
-    """The child process: answer JSON-line requests read from `fd_in` on `fd_out`."""
+def _score(
+    loaded: list[tuple[Callable[..., Any], str, float | None]],
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list[Any]],
+) -> list[float]:
+    """One reward per completion: the only part's, or the weighted parts' exactly rounded
+    sum (fsum over the parts in config order, so every machine gets the same float)."""
+    scored = [(_call(f, where, prompts, completions, fields), w) for f, where, w in loaded]
+    if len(scored) == 1 and scored[0][1] is None:
+        return scored[0][0]
+    weighted = [(r, w) for r, w in scored if w is not None]  # every part of a combination
+    sums = [math.fsum(w * r[i] for r, w in weighted) for i in range(len(completions))]
+    return check_rewards(
+        sums, len(completions), "the weighted rewards", lambda i: _shown(prompts[i])
+    )
+
+
+def _child(parts: str, base: str, fd_in: str, fd_out: str) -> None:
+    """The child process: answer JSON-line requests read from `fd_in` on `fd_out`. `parts`
+    is JSON: [[reward, weight or null, pinned sha256], ...]."""
     channel_in = os.fdopen(int(fd_in), "r", encoding="utf-8")
     channel_out = os.fdopen(int(fd_out), "w", encoding="utf-8")
     os.dup2(2, 1)  # a reward's prints go to stderr, never into the channel
@@ -176,17 +232,15 @@ def _child(spec: str, base: str, sha256: str, fd_in: str, fd_out: str) -> None:
         channel_out.flush()
 
     try:
-        function, where = _load(spec, Path(base), sha256)
+        loaded = [(*_load(spec, Path(base), sha), w) for spec, w, sha in json.loads(parts)]
     except GoalError as exc:
         answer({"error": str(exc)})
         return
-    answer({"ready": where})
+    answer({"ready": " + ".join(where for _, where, _ in loaded)})
     for line in channel_in:
         request = json.loads(line)
         try:
-            rewards = _call(
-                function, where, request["prompts"], request["completions"], request["fields"]
-            )
+            rewards = _score(loaded, request["prompts"], request["completions"], request["fields"])
             answer({"rewards": rewards})
         except GoalError as exc:
             answer({"error": str(exc)})
@@ -198,11 +252,24 @@ class RewardRunner:
 
     def __init__(self, spec: str, base: Path, timeout_s: float = 120.0, sha256: str = "") -> None:
         """`sha256`: the reward file's pinned digest, checked on the bytes the child runs."""
-        self.spec, self.base, self.timeout_s, self.sha256 = spec, base, timeout_s, sha256
+        self.spec, self.base, self.timeout_s = spec, base, timeout_s
+        self.parts = [RewardPart(spec, "", None, sha256)]
         self._proc: subprocess.Popen[bytes] | None = None
         self._to_child: Any = None
         self._from_child: Any = None
         self._buffer = b""
+
+    @classmethod
+    def of(cls, cfg: RunConfig, base: Path, timeout_s: float = 120.0) -> RewardRunner:
+        """The run's reward: its one function, or every part of its weighted combination,
+        each file checked against its pinned digest."""
+        try:
+            parts = reward_parts(cfg.fitness)
+        except ValueError as exc:  # a config that was never validated
+            raise GoalError(str(exc)) from None
+        runner = cls(cfg.fitness.reward or " + ".join(cfg.fitness.rewards), base, timeout_s)
+        runner.parts = parts
+        return runner
 
     def start(self) -> None:
         """Start the child and import the reward (RewardError naming what failed)."""
@@ -213,7 +280,8 @@ class RewardRunner:
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
         code = "import sys; from eggroll_dist.worker.reward import _child; _child(*sys.argv[1:])"
-        args = [self.spec, str(self.base), self.sha256, str(to_r), str(from_w)]
+        parts = json.dumps([[p.spec, p.weight, p.sha256] for p in self.parts])
+        args = [parts, str(self.base), str(to_r), str(from_w)]
         self._proc = subprocess.Popen(
             # -P: the current folder never shadows a module the child imports
             [sys.executable, "-P", "-c", code, *args],

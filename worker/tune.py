@@ -53,7 +53,9 @@ class TuneSettings:
     """The flags of eggroll-tune that make its run config."""
 
     model_dir: Path
-    reward: str  # FILE.py:FUNCTION, builtin:NAME, or PERPLEXITY
+    # FILE.py[:FUNCTION], builtin:NAME, a lambda, or PERPLEXITY; several: a weighted sum,
+    # each NAME:WEIGHT
+    reward: tuple[str, ...]
     prompts: Path | None
     population: int
     chunk_size: int | None  # None: the whole population
@@ -74,7 +76,9 @@ def tune_config(t: TuneSettings) -> RunConfig:
     """The run config of the flags (not yet pinned); ConfigError with one line. How many
     steps to train is not part of it (as eggroll-train's --steps): the same command with
     more steps continues the run in its save directory."""
-    perplexity = t.reward == PERPLEXITY
+    perplexity = PERPLEXITY in t.reward
+    if perplexity and len(t.reward) > 1:
+        raise ConfigError("--reward perplexity is not combined with other rewards: give it alone")
     if not perplexity and t.prompts is None:
         raise ConfigError("--reward FILE.py:FUNCTION needs --prompts FILE (one prompt a line)")
     if perplexity and t.prompts is not None:
@@ -84,7 +88,8 @@ def tune_config(t: TuneSettings) -> RunConfig:
         if perplexity
         else FitnessConfig(
             objective="reward",
-            reward=t.reward,
+            reward=t.reward[0] if len(t.reward) == 1 else "",
+            rewards=t.reward if len(t.reward) > 1 else (),
             prompts=str(t.prompts),
             prompts_per_step=t.prompts_per_step,
             completion_tokens=t.completion_tokens,
@@ -133,9 +138,12 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
 @click.option(
     "--reward",
     required=True,
-    help="What to maximise: FILE.py:FUNCTION (score(text) or reward(prompts, completions, "
-    "...)), builtin:letter_e or builtin:brackets with --prompts; or 'perplexity': the "
-    "data's next-token loss, with --data-dir.",
+    multiple=True,
+    help="What to maximise: FILE.py:FUNCTION or FILE.py (its score(text), else its "
+    "reward(prompts, completions, ...)), 'lambda text: ...', builtin:letter_e or "
+    "builtin:brackets, with --prompts; repeated, a weighted sum of NAME:WEIGHT parts "
+    "(--reward builtin:letter_e:0.3 --reward score.py:0.7); or 'perplexity': the data's "
+    "next-token loss, with --data-dir.",
 )
 @click.option(
     "--prompts",
@@ -269,7 +277,7 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
 @threads_option
 def main(
     model_dir: Path,
-    reward: str,
+    reward: tuple[str, ...],
     prompts: Path | None,
     population: int,
     chunk_size: int | None,

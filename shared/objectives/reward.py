@@ -12,24 +12,30 @@ and
 the same number on every machine. The rewards are floats and never enter the replica: only
 the ternary fitness does, as with the loss.
 
-The reward is `fitness.reward = "score.py:function"` (a file pinned by its sha256, read
-relative to the config's folder or a worker's --goal-dir) or "builtin:NAME" for the
-functions in `BUILTIN_REWARDS`; the prompts are a file, also pinned, or "data" for the
+The reward is `fitness.reward`: "score.py:function" (a file pinned by its sha256, read
+relative to the config's folder or a worker's --goal-dir), "score.py" (its `score`, else its
+`reward`), "builtin:NAME" for the functions in `BUILTIN_REWARDS`, or an inline
+"lambda text: ..." (or "lambda prompts, completions, **fields: [...]"), pinned by its text
+in the config. `fitness.rewards` combines several, each "REWARD:WEIGHT": a completion
+scores the fsum of weight * reward over the parts in config order, and each file part is
+pinned in `fitness.rewards_sha256`. The prompts are a file, also pinned, or "data" for the
 beginnings of the data's documents.
 """
 
 from __future__ import annotations
 
+import ast
 import math
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .goal_file import GoalFile
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from ..config import FitnessConfig, RunConfig
 
 WINDOWS = False  # members continue prompts; the data is read for held-out scores only
 SCORE = "reward"
@@ -71,22 +77,103 @@ def brackets(text: str) -> float:
 BUILTIN_REWARDS: dict[str, Callable[[str], float]] = {"letter_e": letter_e, "brackets": brackets}
 
 
+def is_lambda(spec: str) -> bool:
+    """Whether the reward is inline code ("lambda text: ..."), not a file or a built-in."""
+    return re.match(r"\s*lambda[\s:]", spec) is not None
+
+
+def lambda_problem(spec: str) -> str | None:
+    """None for a lambda of one text or of (prompts, completions, **fields), else one line.
+    Only parsed here: it runs in the reward's own process (worker/reward.py)."""
+    shown = spec if len(spec) <= 60 else spec[:60] + "..."
+    try:
+        body = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError as exc:
+        return f"the reward {shown!r} does not parse: {exc.msg}"
+    if not isinstance(body, ast.Lambda):
+        return f"the reward {shown!r} is not one lambda expression"
+    a = body.args
+    positional, extra = len(a.posonlyargs) + len(a.args), a.vararg or a.kwonlyargs
+    if extra or (positional, a.kwarg is not None) not in ((1, False), (2, True)):
+        return (
+            f"the reward {shown!r} must take one text (lambda text: ...) or a batch "
+            "(lambda prompts, completions, **fields: [...])"
+        )
+    return None
+
+
 def reward_target(spec: str) -> tuple[str, str]:
-    """'score.py:function' -> ('score.py', 'function'); 'builtin:NAME' -> ('', NAME);
-    ValueError with one line for anything else."""
+    """'score.py:function' -> ('score.py', 'function'); 'score.py' -> ('score.py', '') (its
+    `score`, else `reward`); 'builtin:NAME' -> ('', NAME); a lambda -> ('', ''); ValueError
+    with one line for anything else."""
+    if is_lambda(spec):
+        problem = lambda_problem(spec)
+        if problem:
+            raise ValueError(problem)
+        return "", ""
     if spec.startswith(BUILTIN):
         name = spec[len(BUILTIN) :]
         if name not in BUILTIN_REWARDS:
             known = ", ".join(BUILTIN + n for n in BUILTIN_REWARDS)
             raise ValueError(f"fitness.reward={spec!r} is not a built-in reward (known: {known})")
         return "", name
+    if spec.endswith(".py"):
+        return spec, ""
     path, sep, function = spec.rpartition(":")
     if not sep or not path or not function.isidentifier() or not path.endswith(".py"):
         raise ValueError(
-            f"fitness.reward={spec!r} must be 'file.py:function' or one of "
-            f"{', '.join(BUILTIN + n for n in BUILTIN_REWARDS)}"
+            f"fitness.reward={spec!r} must be 'file.py:function', 'file.py', 'lambda text: "
+            f"...' or one of {', '.join(BUILTIN + n for n in BUILTIN_REWARDS)}"
         )
     return path, function
+
+
+class RewardPart(NamedTuple):
+    """One reward of a run: as written (without its weight), its file ("" for a built-in
+    or a lambda), its weight (None: the run's only reward) and its file's pinned digest."""
+
+    spec: str
+    path: str
+    weight: float | None
+    sha256: str
+
+
+def split_weight(part: str) -> tuple[str, float]:
+    """'REWARD:WEIGHT' -> (REWARD, WEIGHT); ValueError with one line unless the weight is a
+    number other than 0 within ±MAX_REWARD (so weight * reward stays finite)."""
+    spec, _, text = part.rpartition(":")
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if not spec or not 0 < abs(weight) <= MAX_REWARD:  # NaN fails too
+        raise ValueError(
+            f"fitness.rewards part {part!r} must end in ':WEIGHT', a number other than 0 "
+            f"within ±{MAX_REWARD:g} (e.g. 'builtin:letter_e:0.3')"
+        )
+    return spec, weight
+
+
+def reward_parts(f: FitnessConfig) -> list[RewardPart]:
+    """The run's rewards with their weights and pinned digests (one part, weight None,
+    without `fitness.rewards`); ValueError with one line for a part that is not valid."""
+    if not f.rewards:
+        path, _ = reward_target(f.reward)
+        return [RewardPart(f.reward, path, None, f.reward_sha256 if path else "")]
+    parts: list[RewardPart] = []
+    for part in f.rewards:
+        if is_lambda(part) and lambda_problem(part.rpartition(":")[0]) and not lambda_problem(part):
+            raise ValueError(
+                f"fitness.rewards part {part!r} has no weight: a lambda part ends in ':WEIGHT' "
+                "too (e.g. 'lambda text: 0.5:1')"
+            )
+        spec, weight = split_weight(part)
+        if any(p.spec == spec for p in parts):
+            raise ValueError(f"fitness.rewards names {spec!r} twice: give it one weight")
+        parts.append(RewardPart(spec, reward_target(spec)[0], weight, ""))
+    pins = iter(f.rewards_sha256)  # one per file part, in order, once the config is pinned
+    full = len(f.rewards_sha256) == sum(1 for p in parts if p.path)
+    return [p._replace(sha256=next(pins)) if p.path and full else p for p in parts]
 
 
 # --- the objective -----------------------------------------------------------------------
@@ -95,8 +182,12 @@ def reward_target(spec: str) -> tuple[str, str]:
 def check(cfg: RunConfig) -> str | None:
     """None, or one line naming the first invalid reward setting."""
     f = cfg.fitness
-    if not f.reward:
-        return "fitness.objective='reward' needs fitness.reward ('file.py:function')"
+    if f.reward and f.rewards:
+        return "fitness.reward and fitness.rewards (a weighted combination): set one of them"
+    if not f.reward and not f.rewards:
+        return "fitness.objective='reward' needs fitness.reward ('file.py:function') or rewards"
+    if len(f.rewards) == 1:
+        return "fitness.rewards combines two or more rewards: name a single one as fitness.reward"
     if not f.prompts:
         return "fitness.objective='reward' needs fitness.prompts (a file or 'data')"
     if f.chunk_mean_filter or f.adaptive_threshold:
@@ -118,18 +209,22 @@ def check(cfg: RunConfig) -> str | None:
     if cfg.es.chunk_size * f.prompts_per_step >= 9_000_000:
         return "es.chunk_size * fitness.prompts_per_step must be below 9,000,000 completions"
     try:
-        reward_target(f.reward)
+        parts = reward_parts(f)
     except ValueError as exc:
         return str(exc)
+    files = sum(1 for p in parts if p.path) if f.rewards else 0
+    if f.rewards_sha256 and len(f.rewards_sha256) != files:
+        return f"fitness.rewards_sha256 must hold one digest per file of fitness.rewards ({files})"
     return None
 
 
 def files(cfg: RunConfig) -> list[GoalFile]:
-    """The reward's source (unless built in) and the prompts file (unless "data")."""
+    """Every reward file (a combination's in order) and the prompts file (unless "data")."""
     f, out = cfg.fitness, []
-    path, _ = reward_target(f.reward)
-    if path:
-        out.append(GoalFile("fitness.reward_sha256", path, f.reward_sha256, "reward file"))
+    key = "fitness.rewards_sha256" if f.rewards else "fitness.reward_sha256"
+    for part in reward_parts(f):
+        if part.path:
+            out.append(GoalFile(key, part.path, part.sha256, "reward file"))
     if f.prompts != DATA_PROMPTS:
         out.append(GoalFile("fitness.prompts_sha256", f.prompts, f.prompts_sha256, "prompts file"))
     return out
