@@ -5,7 +5,8 @@
 #
 # Each worker sees exactly one GPU (its own CUDA_VISIBLE_DEVICES), is named
 # <name>-gpu<index>, and has its output lines prefixed with "[gpu<index>] ".
-# SIGINT/SIGTERM stop every worker cleanly; a worker that fails on its own stops the rest.
+# SIGINT/SIGTERM stop every worker cleanly; a worker that fails as every worker would
+# (exit status 2, 1, ...) stops the rest (see collect() for the whole table).
 set -euo pipefail
 
 readonly PROG=${0##*/}
@@ -37,9 +38,11 @@ Options read here:
 Output: every worker line is prefixed with [gpu<i>], stdout and stderr kept apart.
 SIGINT or SIGTERM: every worker gets SIGTERM (a clean stop); another signal later on,
 or EGGROLL_STOP_TIMEOUT_S seconds (default 30) without every worker gone, kills the rest.
-Exit status: 0 when every worker stopped with 0, else the first non-zero status; a
-worker that exits non-zero on its own (bad data, bad flag) stops the others, except
-with status 3 (it computes differently from the run: a faulty GPU?), which only it has.
+Exit status: that of the worker whose end stopped the others, else the first non-zero
+one, else 0. A worker that exits with 2 (a bad flag, a config or data the run refuses)
+or 1 (bad data) stops the others; one that exits with 0 (the run is complete), with 3
+(it computes differently from the run: a faulty GPU?) or is killed by a signal (128+N;
+the OOM killer) ends alone. A worker killed by the SIGTERM of a stop counts as stopped (0).
 No GPU: exit 1; on a CPU host run 'eggroll-worker HOST[:PORT] --backend numpy' instead.
 Environment: EGGROLL_WORKER_BIN, the worker command (default: eggroll-worker on PATH).
 EOF
@@ -172,7 +175,8 @@ COLLECTED=()     # 1 once a worker's exit status has been collected
 STOPPING=""      # why the workers are being stopped; empty while they run
 STOP_TIMER_PID=""  # a sleep that ends when the stopping workers have had their time
 STOP_STARTED_MS=0  # when the stop began
-EXIT_STATUS=0
+EXIT_STATUS=0    # the first non-zero status a worker's end gave
+CAUSE_STATUS=""  # the status of the worker whose end stopped the others
 FIFO_DIR=""
 
 # The command for GPU number $1 (an index into GPU_IDS), into the array CMD.
@@ -224,8 +228,17 @@ start_worker() {  # start_worker I
     start_prefixer "[gpu$label] " "$out"
     start_prefixer "[gpu$label] " "$err" >&2
     worker_command "$i"
-    CUDA_VISIBLE_DEVICES=${GPU_IDS[i]} EGGROLL_WORKERS_PER_HOST=$(workers_per_host) \
-        "${CMD[@]}" >"$out" 2>"$err" &
+    # Opening a named pipe waits for its other end. A SIGTERM then (a stop at start-up)
+    # must not end the worker before both of its ends are open, or a prefixer would wait
+    # for ever on a pipe nobody opens: it waits until they are, then ends it.
+    (
+        trap 'stopped=1' TERM
+        exec >"$out" 2>"$err"
+        trap - TERM
+        [[ -z ${stopped:-} ]] || exit $((128 + 15))
+        CUDA_VISIBLE_DEVICES=${GPU_IDS[i]} EGGROLL_WORKERS_PER_HOST=$(workers_per_host) \
+            exec "${CMD[@]}"
+    ) &
     WORKER_PIDS[i]=$!
 }
 
@@ -296,25 +309,40 @@ on_signal() {  # on_signal NAME
     fi
 }
 
-# Record the exit status of worker I, and react to a worker that failed on its own.
+# Record the exit status of worker I and act on it, by the table of deploy/README.md
+# ("When a worker exits"), whose source of truth is exit_policy in worker/exits.py (used by
+# eggroll-local and eggroll-ray): keep the two alike. A failure every worker would share
+# (2, 1, any other) stops the others; 0, 3 and a death by signal N (128+N) end one alone.
 collect() {  # collect I STATUS
-    local i=$1 status=$2
+    local i=$1 status=$2 code=$2 why stop_all=0
     COLLECTED[i]=1
-    if ((status != 0 && EXIT_STATUS == 0)); then
-        EXIT_STATUS=$status
+    if ((status == 0)); then
+        why="exited with status 0"
+    elif ((status > 128 && status <= 128 + 64)); then
+        why="was killed by SIG$(kill -l "$status" 2>/dev/null || echo $((status - 128)))"
+        if [[ -n $STOPPING ]] && ((status == 128 + 15)); then
+            code=0  # our own SIGTERM, before the worker's handlers were in place
+        fi
+    elif ((status == 3)); then  # told DIVERGED again and again: maybe this GPU alone
+        why="computes differently from the run (status 3: a faulty GPU?)"
+    else
+        why="failed with status $status"
+        [[ -n $STOPPING ]] || stop_all=1
+    fi
+    if ((code != 0 && EXIT_STATUS == 0)); then
+        EXIT_STATUS=$code
     fi
     local what="worker for GPU ${GPU_LABELS[i]} (CUDA_VISIBLE_DEVICES=${GPU_IDS[i]}, pid ${WORKER_PIDS[i]})"
     if [[ -n $STOPPING ]]; then
         if ((status != 0)); then
             say "$what exited with status $status"
         fi
-    elif ((status == 3)); then  # told DIVERGED again and again: maybe this GPU alone
-        say "$what computes differently from the run (status 3: a faulty GPU?); the other workers keep running"
-    elif ((status != 0)); then
-        say "$what failed with status $status; stopping the other workers"
+    elif ((stop_all)); then
+        CAUSE_STATUS=$code
+        say "$what $why; stopping the other workers"
         stop_workers "GPU ${GPU_LABELS[i]} failed"
     else
-        say "$what exited with status 0; the other workers keep running"
+        say "$what $why; the other workers keep running"
     fi
 }
 
@@ -404,6 +432,7 @@ main() {
         start_worker "$i"
     done
     supervise
+    EXIT_STATUS=${CAUSE_STATUS:-$EXIT_STATUS}
     if [[ -n $STOPPING ]]; then
         say "all workers stopped ($STOPPING); exit status $EXIT_STATUS"
     fi

@@ -31,11 +31,13 @@ from eggroll_dist.worker import ray_launch
 from eggroll_dist.worker.ray_launch import (
     LOST,
     Ended,
+    Loss,
     Replacements,
     Tally,
     _Stop,
     _supervise,
     ended,
+    loss,
     replacement_name,
     worker_names,
     workers_on_node,
@@ -89,6 +91,43 @@ def test_exit_status_is_the_cause_else_the_first_failure() -> None:
     tally.add(ended("a", 0))
     tally.add(ended("b", -15, asked=True))
     assert tally.status == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "asked", "said_finished", "lines_read", "complete", "can_replace", "expected"),
+    [
+        (LOST, False, False, True, False, True, Loss.REPLACED),
+        (LOST, True, False, False, False, True, Loss.REPLACED),  # lost whatever was asked
+        (LOST, False, False, True, False, False, Loss.FINAL),  # no replacement left
+        (LOST, False, False, True, True, True, Loss.FORGOTTEN),  # after the run's end
+        (0, False, False, True, False, True, Loss.REPLACED),  # a signal not ours
+        (0, True, False, True, False, True, Loss.NONE),  # our own stop
+        (0, False, True, True, False, True, Loss.NONE),  # it said the run is complete
+        (0, False, False, False, False, True, Loss.NONE),  # its last lines unknown
+        (0, False, False, True, False, False, Loss.FINAL),
+        (2, False, False, True, False, True, Loss.NONE),  # `ended` judges the rest
+        (3, False, False, True, False, True, Loss.NONE),
+        (-9, False, False, True, False, True, Loss.NONE),
+    ],
+)
+def test_replacement_policy(
+    status: int | None,
+    asked: bool,
+    said_finished: bool,
+    lines_read: bool,
+    complete: bool,
+    can_replace: bool,
+    expected: Loss,
+) -> None:
+    fate = loss(
+        status,
+        asked=asked,
+        said_finished=said_finished,
+        lines_read=lines_read,
+        complete=complete,
+        can_replace=can_replace,
+    )
+    assert fate is expected
 
 
 class _FakeRef:

@@ -1,5 +1,6 @@
 """deploy/run-workers.sh: one worker per GPU against a real coordinator, stopped by a
-signal; dry runs; GPU selection; no GPU; a worker that cannot start; a stuck worker."""
+signal; dry runs; GPU selection; no GPU; a worker that cannot start; a stuck worker; each
+worker exit status acted on as worker/exits.py's exit_policy says."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from helpers import free_port
+
+from eggroll_dist.worker.exits import exit_policy
 
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "run-workers.sh"
 WORKER = Path(sys.executable).with_name("eggroll-worker")
@@ -414,3 +417,41 @@ def test_worker_ignoring_sigterm_is_killed_after_the_stop_timeout(
     killed = [line for line in script.lines if "after SIGTERM: killing it" in line]
     assert len(killed) == 2 and "GPU 0" in killed[0] and "GPU 1" in killed[1]
     assert not [pid for pid in recorded_pids(tmp_path) if alive(pid)]
+
+
+# GPU 0's worker ends with the status the test gives (negative: killed by that signal);
+# GPU 1's runs until the SIGTERM of a stop (which counts as a clean stop).
+ENDING = """#!/usr/bin/env bash
+if [[ $CUDA_VISIBLE_DEVICES == 1 ]]; then
+    echo up
+    exec sleep 600
+fi
+if (({status} < 0)); then
+    kill -s $((-{status})) $$
+fi
+exit {status}
+"""
+
+
+@pytest.mark.parametrize("status", [0, 1, 2, 3, -signal.SIGKILL, -signal.SIGTERM])
+def test_each_exit_status_is_acted_on_as_exit_policy_says(
+    tmp_path: Path, bin_dir: Path, status: int
+) -> None:
+    """The script follows the table of eggroll-local and eggroll-ray: whether the others
+    go on, and its own exit status."""
+    verdict = exit_policy(status)
+    ending = tmp_path / "ending-worker"
+    write_executable(ending, ENDING.format(status=status))
+    env = script_env([bin_dir], CUDA_VISIBLE_DEVICES="0,1", EGGROLL_WORKER_BIN=str(ending))
+    script = Script(["127.0.0.1:1"], env)
+    try:
+        line = script.wait_line(lambda line: "worker for GPU 0" in line, 30, "GPU 0's end")
+        if verdict.stop_all:
+            assert line.endswith("; stopping the other workers"), script.output()
+        else:
+            assert line.endswith("; the other workers keep running"), script.output()
+            script.wait_line(lambda line: line == "[gpu1] up", 30, "gpu1 up")
+            script.proc.send_signal(signal.SIGTERM)
+        assert script.finish(30) == verdict.code, script.output()
+    finally:
+        script.stop()

@@ -8,6 +8,7 @@ Started again on the same --save-dir it resumes the run (up to --steps in total)
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -17,7 +18,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -58,6 +62,10 @@ from ..shared.window import data_too_short
 from .backend import get_backend
 from .data.build import prepare_data_dir, vocabulary_mismatch
 from .data.builtin import builtin_documents, builtin_source
+from .exits import FAILED, SHELL_SIGNAL, STOPPED, Tally, exit_policy, killed_by
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the run
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _exe(name: str) -> str:
@@ -69,8 +77,14 @@ def _exe(name: str) -> str:
 class CoordinatorProcess:
     """The coordinator subprocess; its JSON log lines become progress output."""
 
-    def __init__(self, args: list[str], log_path: Path, total_steps: int):
-        self.proc = subprocess.Popen(
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        total_steps: int,
+        start: Callable[..., subprocess.Popen],
+    ):
+        self.proc = start(
             [_exe("eggroll-coordinator"), *args],
             stderr=subprocess.PIPE,
             text=True,
@@ -205,13 +219,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM and SIGHUP stop the run as Ctrl-C does. The children run in sessions of
-    their own, so a terminal's Ctrl-C or hangup reaches this process only: it stops the
-    workers first, so the coordinator has nobody to wait for a last snapshot from."""
-    raise KeyboardInterrupt
-
-
 def _committed_steps(save_dir: Path) -> int:
     """Steps the run in `save_dir` has committed (0 for a new run; a damaged log is left
     to the coordinator to repair or report)."""
@@ -239,11 +246,11 @@ def _ensure_data(data_dir: Path) -> None:
         raise cannot_write(exc, data_dir) from None
 
 
-def _stop_now(coordinator: subprocess.Popen, workers: list[subprocess.Popen]) -> None:
+def _stop_now(children: list[subprocess.Popen]) -> None:
     """Stop at once: the workers (what they hold is in the fitness log), then the
-    coordinator, which then finds no worker to wait for."""
-    _stop(workers, timeout_s=3.0)
-    _stop([coordinator])
+    coordinator (the first child), which then finds no worker to wait for."""
+    _stop(children[1:], timeout_s=3.0)
+    _stop(children[:1])
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -346,8 +353,65 @@ def main(
     """Train with a coordinator and N workers on this machine (loopback TCP)."""
     if steps is not None and more is not None:
         raise click.UsageError("give --steps (a total) or --more (beyond the run's), not both")
+    cfg, goal_dir, dataset = _prepare(
+        preset_name, config_path, init_from, data_dir, tensorboard is not None, wandb_project
+    )
+    done = _committed_steps(save_dir)
+    steps = done + more if more is not None else steps or cfg.steps
+    if done >= steps:
+        echo(
+            f"the run in {save_dir} already has {done} steps (the target is {steps}): nothing "
+            f"to train; pass --more N, or --steps above {done}"
+        )
+        return
+    if metrics_port and not _port_free(metrics_port):
+        echo(
+            f"metrics port {metrics_port} is busy: metrics are off for this run "
+            "(pass --metrics-port to pick another)"
+        )
+        metrics_port = 0
+    layout = Layout(save_dir)
     try:
-        check_available(tensorboard is not None, wandb_project is not None)
+        layout.logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise cannot_write(exc, layout.logs) from None
+    coord_args = _coordinator_args(
+        save_dir,
+        data_dir,
+        steps,
+        snapshot_every,
+        sample_every,
+        metrics_port,
+        preset_name,
+        config_path,
+        init_from,
+        tensorboard,
+        wandb_project,
+    )
+    started = time.monotonic()
+    plan = _Workers(workers, data_dir, goal_dir, reward_timeout, threads)
+    coordinator, watch = _train(coord_args, plan, layout, steps)
+    if watch.abandoned:  # no worker was left to train: the run is not complete
+        echo(_kept(save_dir))
+    else:
+        seconds = time.monotonic() - started
+        _summarise(save_dir, dataset, coordinator, seconds, summary_json)
+    if watch.tally.status:
+        sys.exit(watch.tally.status)
+
+
+def _prepare(
+    preset_name: str | None,
+    config_path: str | None,
+    init_from: Path | None,
+    data_dir: Path,
+    tensorboard: bool,
+    wandb_project: str | None,
+) -> tuple[Any, Path, Any]:
+    """The run's config, its goal directory and its data (prepared if missing), each
+    checked before anything starts: (config, goal_dir, dataset)."""
+    try:
+        check_available(tensorboard, wandb_project is not None)
     except TrackingError as exc:
         raise OneLineError(str(exc)) from None
     try:
@@ -368,25 +432,23 @@ def main(
     short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
     if short is not None:
         raise click.ClickException(f"data in {data_dir}: {short}")
-    done = _committed_steps(save_dir)
-    steps = done + more if more is not None else steps or cfg.steps
-    if done >= steps:
-        echo(
-            f"the run in {save_dir} already has {done} steps (the target is {steps}): nothing "
-            f"to train; pass --more N, or --steps above {done}"
-        )
-        return
-    if metrics_port and not _port_free(metrics_port):
-        echo(
-            f"metrics port {metrics_port} is busy: metrics are off for this run "
-            "(pass --metrics-port to pick another)"
-        )
-        metrics_port = 0
-    layout = Layout(save_dir)
-    try:
-        layout.logs.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise cannot_write(exc, layout.logs) from None
+    return cfg, goal_dir, dataset
+
+
+def _coordinator_args(
+    save_dir: Path,
+    data_dir: Path,
+    steps: int,
+    snapshot_every: int,
+    sample_every: int,
+    metrics_port: int,
+    preset_name: str | None,
+    config_path: str | None,
+    init_from: Path | None,
+    tensorboard: Path | None,
+    wandb_project: str | None,
+) -> list[str]:
+    """The coordinator's flags: on loopback, any free port, logging JSON for the console."""
     coord_args = [
         "--save-dir",
         str(save_dir),
@@ -412,13 +474,126 @@ def main(
         coord_args += ["--init-from", str(init_from)]
     coord_args += ["--tensorboard", str(tensorboard)] if tensorboard else []
     coord_args += ["--wandb-project", wandb_project] if wandb_project else []
-    started = time.monotonic()
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill or a closed terminal stops them too
-        signal.signal(sig, _interrupt)
-    coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps)
-    procs: list[subprocess.Popen] = []
+    return coord_args
+
+
+@dataclass(frozen=True)
+class _Workers:
+    """The workers to start: how many, and what they share."""
+
+    count: int
+    data_dir: Path
+    goal_dir: Path
+    reward_timeout: float
+    threads: int | None
+
+    def command(self, i: int, port: int) -> list[str]:
+        return [
+            _exe("eggroll-worker"),
+            f"127.0.0.1:{port}",
+            "--data-dir",
+            str(self.data_dir),
+            "--name",
+            f"local-{i}",
+            "--goal-dir",
+            str(self.goal_dir),
+            "--reward-timeout",
+            str(self.reward_timeout),
+            "--log-format",
+            "json",
+        ]
+
+    def env(self) -> dict[str, str]:
+        # Workers share this machine's cores: each sizes its BLAS pool to its share.
+        env = {**os.environ, "EGGROLL_WORKERS_PER_HOST": str(self.count), "PYTHONUNBUFFERED": "1"}
+        if self.threads is not None:
+            env["EGGROLL_THREADS"] = str(self.threads)
+        return env
+
+
+def _dies_with(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn that has the child get SIGTERM when `parent` (this process) dies, even
+    by SIGKILL: Linux's PR_SET_PDEATHSIG, through ctypes. None elsewhere, where children
+    outlive a killed eggroll-local as they always did. The signal follows the thread that
+    made the child, not the process: children are made from the main thread only."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    sigterm = ctypes.c_ulong(signal.SIGTERM)  # made here: the child only calls
+
+    def preexec() -> None:  # in the child, between fork and exec: no lock is taken
+        prctl(PR_SET_PDEATHSIG, sigterm)
+        if os.getppid() != parent:  # it died before prctl: no signal would come
+            os._exit(SHELL_SIGNAL + signal.SIGTERM)
+
+    return preexec
+
+
+class _Children:
+    """Every process this command starts, registered as it is made, so that the cleanup
+    reaches each one. SIGINT, SIGTERM and SIGHUP stop the run as Ctrl-C does (a
+    KeyboardInterrupt), but never between a child's creation and its registration: there
+    the interrupt waits until the child is in `procs`. The children run in sessions of
+    their own, so a terminal's Ctrl-C or hangup reaches this process only: it stops the
+    workers first, so the coordinator has nobody to wait for a last snapshot from."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []  # the coordinator first, then the workers
+        self._preexec = _dies_with(os.getpid())
+        self._held = False  # a stop signal now waits (`_pending`) instead of interrupting
+        self._pending = False
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        self._old = {sig: signal.signal(sig, self._interrupt) for sig in STOP_SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def hold(self) -> None:
+        """From now on no stop signal interrupts: the cleanup is bounded, and must end."""
+        self._held = True
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        if self._held:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
+
+    def start(self, args: list[str], **options: Any) -> subprocess.Popen:
+        """subprocess.Popen(args, **options), from the main thread (see `_dies_with`), in
+        `procs` before any stop signal that came meanwhile interrupts. (Blocking the
+        signals with pthread_sigmask would not do: the kernel hands them to another thread,
+        a log reader, whose handler still interrupts the main thread; and the child would
+        inherit the mask.)"""
+        held, self._held = self._held, True
+        try:
+            proc = subprocess.Popen(args, preexec_fn=self._preexec, **options)
+            self.procs.append(proc)
+        finally:
+            self._held = held
+        if self._pending and not held:
+            self._pending = False
+            raise KeyboardInterrupt
+        return proc
+
+
+def _train(
+    coord_args: list[str], plan: _Workers, layout: Layout, steps: int
+) -> tuple[CoordinatorProcess, _Watch]:
+    """Start the coordinator and the workers and watch them until the coordinator ends;
+    Ctrl-C (or SIGTERM, SIGHUP) stops them all and exits with 130. No child is left
+    running, whatever happens."""
+    children = _Children()
+    children.install()
+    coordinator: CoordinatorProcess | None = None
     copiers: list[threading.Thread] = []
     try:
+        coordinator = CoordinatorProcess(coord_args, layout.coordinator_log, steps, children.start)
         coordinator.ready.wait(60)
         if coordinator.port is None:
             coordinator.proc.wait(10)
@@ -426,29 +601,13 @@ def main(
                 "the coordinator did not start:\n" + "\n".join(coordinator.tail)
             )
         echo(
-            f"coordinator on 127.0.0.1:{coordinator.port}, run in {save_dir} "
-            f"(from step {coordinator.start_step}); starting {workers} workers"
+            f"coordinator on 127.0.0.1:{coordinator.port}, run in {layout.root} "
+            f"(from step {coordinator.start_step}); starting {plan.count} workers"
         )
-        # Workers share this machine's cores: each sizes its BLAS pool to its share.
-        env = {**os.environ, "EGGROLL_WORKERS_PER_HOST": str(workers), "PYTHONUNBUFFERED": "1"}
-        if threads is not None:
-            env["EGGROLL_THREADS"] = str(threads)
-        for i in range(workers):
-            proc = subprocess.Popen(
-                [
-                    _exe("eggroll-worker"),
-                    f"127.0.0.1:{coordinator.port}",
-                    "--data-dir",
-                    str(data_dir),
-                    "--name",
-                    f"local-{i}",
-                    "--goal-dir",
-                    str(goal_dir),
-                    "--reward-timeout",
-                    str(reward_timeout),
-                    "--log-format",
-                    "json",
-                ],
+        env = plan.env()
+        for i in range(plan.count):
+            proc = children.start(
+                plan.command(i, coordinator.port),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -456,32 +615,84 @@ def main(
                 env=env,
                 start_new_session=True,
             )
-            procs.append(proc)
             copiers.append(_copy_output(proc, layout.worker_log(i)))
-        while coordinator.proc.poll() is None:
-            for i, p in enumerate(procs):
-                if p.poll() is not None and p.returncode != 0:
-                    raise click.ClickException(
-                        f"worker {i} exited with code {p.returncode}; see {layout.worker_log(i)}"
-                    )
-            time.sleep(0.2)
+        watch = _Watch(children.procs[1:], layout)
+        watch.until_done(coordinator.proc)
         coordinator.thread.join(5)
         if coordinator.proc.returncode != 0:
             raise click.ClickException(
                 f"the coordinator exited with code {coordinator.proc.returncode}:\n"
                 + "\n".join(coordinator.tail)
             )
+        return coordinator, watch
     except KeyboardInterrupt:
-        coordinator.quiet = True
-        _stop_now(coordinator.proc, procs)
-        echo(_kept(save_dir))
+        children.hold()  # a second Ctrl-C waits: this stop is bounded
+        if coordinator is not None:
+            coordinator.quiet = True
+        _stop_now(children.procs)
+        echo(_kept(layout.root))
         sys.exit(130)
     finally:
-        _stop([*procs, coordinator.proc])
+        children.hold()
+        _stop(children.procs)  # every child ever started (only those left are running)
         for thread in copiers:
             thread.join(5)
-    seconds = time.monotonic() - started
-    _summarise(save_dir, dataset, coordinator, seconds, summary_json)
+        children.restore()
+
+
+class _Watch:
+    """The workers' ends, judged by `exit_policy` (worker/exits.py), as eggroll-ray and
+    deploy/run-workers.sh judge theirs: a failure every worker would share stops the run
+    with that worker's status; a run complete (0), a worker that computes differently (3)
+    or one killed by a signal ends alone, and the others go on."""
+
+    def __init__(self, workers: list[subprocess.Popen], layout: Layout) -> None:
+        self.running = dict(enumerate(workers))
+        self.layout = layout
+        self.tally = Tally()
+        self.clean = False  # a worker ended with 0: the run is complete, or stopped
+        self.abandoned = False  # no worker was left, so the coordinator was stopped
+
+    def until_done(self, coordinator: subprocess.Popen) -> None:
+        """Until the coordinator ends. Once every worker has ended and none of them with
+        0 (which the run's end explains), the coordinator is stopped: nobody would train."""
+        while coordinator.poll() is None:
+            self.check()
+            if not self.running and not self.clean and not self.abandoned:
+                echo("no worker left: stopping the coordinator")
+                coordinator.send_signal(signal.SIGTERM)
+                self.abandoned = True
+            time.sleep(0.2)
+        self.check(asked=True)  # those that ended with it; the others are stopped next
+
+    def check(self, asked: bool = False) -> None:
+        """Judge the workers that ended since the last check; a ClickException with the
+        worker's status when its end stops the run."""
+        for i, proc in list(self.running.items()):
+            status = proc.poll()
+            if status is None:
+                continue
+            del self.running[i]
+            verdict = exit_policy(status, asked)
+            self.tally.add(verdict)
+            self.clean = self.clean or status == 0
+            log = self.layout.worker_log(i)
+            if verdict.stop_all:
+                error = click.ClickException(f"worker {i} exited with code {status}; see {log}")
+                error.exit_code = verdict.code
+                raise error
+            if verdict.kind not in (STOPPED, FAILED):
+                going = "; the others go on" if self.running else ""
+                echo(f"worker {i} {_how(status)}{going} (see {log})")
+
+
+def _how(status: int) -> str:
+    """How a worker that ends alone ended, in words."""
+    signum = killed_by(status)
+    if signum is not None:
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else signum
+        return f"was killed by {name}"
+    return f"exited with code {status}: it computes differently from the run (outvoted)"
 
 
 def _summarise(

@@ -6,13 +6,15 @@ actor runs `eggroll-worker` as its child with the GPU Ray gave it, and this comm
 supervises them as deploy/run-workers.sh does on one host. The coordinator stays where it
 is, outside Ray: Ray only places and watches workers.
 
-What a worker's end means (`ended`, `Tally`) is pure, tested without Ray.
+What a worker's end means (`ended`, by the table of worker/exits.py) and whether it is
+made good (`loss`) are pure, tested without Ray; `Supervisor` acts on them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
 import shutil
 import signal
@@ -33,11 +35,10 @@ from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, load_token
 from ..shared.cli import OneLineError, command
 from .cli import parse_address
-from .session import FINISHED
+from .exits import FAULTY, KILLED, LOST, LOST_KIND, STOPPED, Tally, exit_policy, killed_by
+from .session import COMPUTES_DIFFERENTLY, FINISHED
 
 PROG = "eggroll-ray"
-EXIT_FAULTY = 3  # a worker that computes differently from the run (worker/cli.py)
-LOST = None  # the status of a worker whose actor died with its node
 # The driver's EGGROLL_* settings reach the workers, as run-workers.sh's do, except these:
 # the token is handed over explicitly, the others are this command's own.
 _NOT_PASSED = ("EGGROLL_TOKEN", "EGGROLL_TOKEN_FILE", "EGGROLL_NAME", "EGGROLL_STOP_TIMEOUT_S")
@@ -62,47 +63,31 @@ class Ended:
 
 def ended(name: str, status: int | None, last: str = "", asked: bool = False) -> Ended:
     """A worker's exit status (negative: killed by that signal; LOST: its actor died), when
-    this command `asked` it to stop or not. A finished run (0) ends each worker on its own.
-    A bad flag, missing data or a refused token (any other status) would end every worker
-    the same way, so all stop, as deploy/run-workers.sh does. A worker that computes
-    differently (3), one killed by a signal not ours (the OOM killer) or lost with its node
-    ends alone: the others are fine."""
-    if status is LOST:
-        return Ended(f"{name} was lost with its Ray node or actor; the others go on", False, 1)
-    if status == 0 or (asked and status == -signal.SIGTERM):
+    this command `asked` it to stop or not, judged by `exit_policy` (worker/exits.py): a
+    failure every worker would share (2, 1, any other: a bad flag, missing data, a refused
+    token) stops them all, as deploy/run-workers.sh does; a finished run (0), a worker that
+    computes differently (3), one killed by a signal not ours (the OOM killer) or lost with
+    its node ends alone."""
+    verdict = exit_policy(status, asked)
+    if verdict.kind == LOST_KIND:
+        message = f"{name} was lost with its Ray node or actor; the others go on"
+    elif verdict.kind == STOPPED:
         done = ": the run is complete" if FINISHED in last else ""
-        return Ended(f"{name} stopped{done}", False, 0)
-    if status < 0:
-        how = signal.Signals(-status).name if -status in signal.valid_signals() else -status
-        return Ended(f"{name} was killed by {how}", False, 128 - status)
-    if status == EXIT_FAULTY:
-        return Ended(
-            f"{name} exited with status 3: it computes differently from the run (a faulty "
-            "GPU?); the others go on",
-            False,
-            EXIT_FAULTY,
+        message = f"{name} stopped{done}"
+    elif verdict.kind == KILLED:
+        signum = killed_by(status)
+        assert signum is not None
+        how = signal.Signals(signum).name if signum in signal.valid_signals() else signum
+        message = f"{name} was killed by {how}"
+    elif verdict.kind == FAULTY:
+        message = (
+            f"{name} exited with status {COMPUTES_DIFFERENTLY}: it computes differently from "
+            "the run (a faulty GPU?); the others go on"
         )
-    said = f" (its last line: {last})" if last else ""
-    return Ended(f"{name} exited with status {status}{said}", not asked, status)
-
-
-class Tally:
-    """This command's exit status: that of the worker whose end stopped the others, else
-    the first non-zero one in the order they ended, else 0."""
-
-    def __init__(self) -> None:
-        self.cause: int | None = None
-        self.first = 0
-
-    def add(self, end: Ended) -> None:
-        if end.stop_all and self.cause is None:
-            self.cause = end.code
-        if self.first == 0:
-            self.first = end.code
-
-    @property
-    def status(self) -> int:
-        return self.cause if self.cause is not None else self.first
+    else:
+        said = f" (its last line: {last})" if last else ""
+        message = f"{name} exited with status {status}{said}"
+    return Ended(message, verdict.stop_all, verdict.code)
 
 
 def worker_names(places: list[tuple[str, str, list[str]]], base: str | None) -> list[str]:
@@ -547,6 +532,254 @@ class _Replacing:
     node: str = ""
 
 
+class Loss(enum.Enum):
+    """What a worker's end is beyond its exit status (`loss`)."""
+
+    NONE = "none"  # an ordinary end, which `ended` judges
+    REPLACED = "replaced"  # a loss made good: another worker starts in its place
+    FORGOTTEN = "forgotten"  # a loss once the run is complete: nothing is left to do
+    FINAL = "final"  # a loss not made good, which `ended` judges
+
+
+def loss(
+    status: int | None,
+    *,
+    asked: bool,
+    said_finished: bool,
+    lines_read: bool,
+    complete: bool,
+    can_replace: bool,
+) -> Loss:
+    """A worker's end is a loss when its actor or node was lost (LOST), or when it stopped
+    cleanly (0) on a signal this command did not send (`asked`) before the run's end
+    (`said_finished`): most often its node shutting down (a preempted node's SIGTERM can
+    reach the worker before Ray sees the node lost). Without its last lines (`lines_read`),
+    which may say the run is complete, such a stop is not known to be one. A loss is
+    forgotten once the run is `complete`, made good while `can_replace` (replacements left,
+    no stop asked), else final; its actor is killed in every case."""
+    signalled = status == 0 and not asked and not said_finished and lines_read
+    if status is not LOST and not signalled:
+        return Loss.NONE
+    if complete:
+        return Loss.FORGOTTEN
+    return Loss.REPLACED if can_replace else Loss.FINAL
+
+
+class Supervisor:
+    """eggroll-ray's watch over its workers: it relays their lines, acts on their ends
+    (`ended`, `loss`) and starts lost ones again (`spare`) until none is left. A `tick` is
+    one round and never blocks for long: the workers' lines and a second signal wait on no
+    replacement."""
+
+    def __init__(
+        self,
+        ray: Any,
+        actors: list[Any],
+        names: list[str],
+        stop: _Stop,
+        stop_timeout_s: float,
+        spare: Replacements | None = None,
+    ) -> None:
+        self.ray, self.actors, self.names = ray, actors, names
+        self.stop, self.stop_timeout_s, self.spare = stop, stop_timeout_s, spare
+        self.tally = Tally()
+        self.last = [""] * len(actors)  # each worker's last line
+        self.pending: dict[Any, int] = {a.wait.remote(): i for i, a in enumerate(actors)}
+        self.placing: dict[Any, _Replacing] = {}  # by the ref of its placing
+        self.starting: dict[Any, _Replacing] = {}  # by the ref of its start
+        self.stopping: float | None = None  # when this command asked the workers to stop
+        self.made = 0  # replacements placed (they are numbered by it)
+        self.complete = False  # a worker said the run is done (none to replace)
+
+    @property
+    def busy(self) -> bool:
+        """Workers running, or replacements on their way."""
+        return bool(self.pending or self.placing or self.starting)
+
+    @property
+    def closed(self) -> bool:
+        """No new workers: a stop is asked, or the run is complete."""
+        return bool(self.stop.asked) or self.stopping is not None or self.complete
+
+    def run(self) -> int:
+        """Tick until no worker is left, or a second signal; this command's exit status."""
+        while self.busy and self.tick():
+            pass
+        left = [r.actor for r in (*self.placing.values(), *self.starting.values())]
+        for a in self.actors + left:
+            with contextlib.suppress(Exception):  # any left after a second signal: their
+                self.ray.kill(a)  # children go with them
+        return self.tally.status
+
+    def tick(self) -> bool:
+        """One round: stop the workers once a signal came, tend the replacements, relay the
+        workers' lines and act on their ends. False when the watch must end at once (a
+        second signal, or workers that outlast their stop)."""
+        if self.stop.asked and self.stopping is None:
+            say(f"{self.stop.asked}: stopping {len(self.pending)} workers")
+            self._stop_all()
+        overdue = (
+            self.stopping is not None
+            and time.monotonic() > self.stopping + self.stop_timeout_s + 30
+        )
+        if self.stop.again or overdue:
+            say("killing the workers left" if self.stop.again else "workers did not stop: killing")
+            self.tally.add(ended("", LOST))
+            return False
+        if self.placing or self.starting:
+            self._tend_replacements()
+        if not self.pending:
+            time.sleep(0.5)
+            return True
+        refs = list(self.pending)
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0.5)
+        unread = self._relay(sorted(self.pending.values()))
+        for ref in ready:
+            self._on_end(self.pending.pop(ref), ref, unread)
+        return True
+
+    def _on_end(self, i: int, ref: Any, unread: set[int]) -> None:
+        """Worker i has ended (`ref`: its wait): replace it, or judge its end."""
+        try:
+            status = self.ray.get(ref)
+        except self.ray.exceptions.RayError:
+            status = LOST
+        fate = loss(
+            status,
+            asked=self.stopping is not None,
+            said_finished=FINISHED in self.last[i],
+            lines_read=i not in unread,
+            complete=self.complete,
+            can_replace=self.spare is not None and self.spare.left > 0 and not self.closed,
+        )
+        if fate is not Loss.NONE:
+            with contextlib.suppress(Exception):  # lost is final: a partitioned actor
+                self.ray.kill(self.actors[i])  # that comes back must not run a second worker
+        if fate is Loss.FORGOTTEN:
+            say(f"{self.names[i]} ended after the run completed")
+            return
+        if fate is Loss.REPLACED:
+            self._replace(i, status)
+            return
+        end = ended(self.names[i], status, self.last[i], asked=self.stopping is not None)
+        self.tally.add(end)
+        self.complete = self.complete or (status == 0 and FINISHED in self.last[i])
+        if end.stop_all and self.busy:
+            say(f"{end.message}; stopping the others")
+            self._stop_all()
+        else:
+            say(end.message)
+
+    def _replace(self, i: int, status: int | None) -> None:
+        """Ask Ray to place a worker in place of worker i, lost or stopped (`status`)."""
+        spare = self.spare
+        assert spare is not None
+        spare.left -= 1
+        actor = spare.make()
+        deadline = time.monotonic() + spare.timeout_s
+        self.placing[actor.place.remote()] = _Replacing(actor, deadline, self.names[i], status)
+        how = "was lost with its Ray node or actor" if status is LOST else "stopped"
+        say(
+            f"{self.names[i]} {how}; starting another in its place ({spare.left} replacements left)"
+        )
+
+    def _tend_replacements(self) -> None:
+        """Start those Ray has placed, register those started; give up on those past their
+        deadline, and on all of them once a stop is asked; drop them once the run is
+        complete (their losses no longer matter)."""
+        if self.closed:
+            self._drop_replacements()
+            return
+        ready, _ = self.ray.wait(list(self.placing), num_returns=len(self.placing), timeout=0)
+        for ref in ready:
+            self._placed(self.placing.pop(ref), ref)
+        ready, _ = self.ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
+        for ref in ready:
+            self._started(self.starting.pop(ref), ref)
+        assert self.spare is not None
+        now = time.monotonic()
+        for waiting, why in (
+            (self.placing, f"Ray found no room within {self.spare.timeout_s:g} s"),
+            (self.starting, f"it did not start within {START_S:g} s"),
+        ):
+            for ref, r in list(waiting.items()):
+                if now > r.deadline:
+                    del waiting[ref]
+                    self._give_up(r, why)
+
+    def _drop_replacements(self) -> None:
+        dropped = [*self.placing.values(), *self.starting.values()]
+        self.placing.clear()
+        self.starting.clear()
+        for r in dropped:
+            if self.complete:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(r.actor)
+            else:
+                self._give_up(r, "a stop was asked")
+
+    def _placed(self, r: _Replacing, ref: Any) -> None:
+        """Ray found room for a replacement: start its worker, named after where it is."""
+        spare = self.spare
+        assert spare is not None
+        try:
+            r.node, host, gpus = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            self._give_up(r, f"it could not be placed ({_last_line(exc)})")
+            return
+        self.made += 1
+        on_node = workers_on_node(spare.nodes, self.pending.values(), r.node)
+        on_node += sum(s.node == r.node for s in self.starting.values())  # starting beside it
+        r.name = replacement_name((r.node, host, gpus), spare.base, on_node, self.made)
+        r.deadline = time.monotonic() + START_S
+        self.starting[spare.start(r.actor, r.name, on_node)] = r
+
+    def _started(self, r: _Replacing, ref: Any) -> None:
+        """A replacement's worker started: watch it as one of the workers."""
+        assert self.spare is not None
+        try:
+            self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            self._give_up(r, f"it could not start ({_last_line(exc)})")
+            return
+        self.actors.append(r.actor)
+        self.names.append(r.name)
+        self.last.append("")
+        self.spare.nodes.append(r.node)
+        self.pending[r.actor.wait.remote()] = len(self.actors) - 1
+        say(f"{r.name} started in place of {r.lost}")
+
+    def _give_up(self, r: _Replacing, why: str) -> None:
+        """A loss not made good: it ends as the lost worker did."""
+        with contextlib.suppress(Exception):
+            self.ray.kill(r.actor)
+        say(f"no worker in place of {r.lost}: {why}")
+        self.tally.add(ended(r.lost, r.status))
+
+    def _relay(self, ids: list[int]) -> set[int]:
+        """Print the workers' new lines; the ids whose lines could not be taken."""
+        takes = {self.actors[i].take.remote(): i for i in ids}
+        unread = set()
+        for ref, i in takes.items():
+            try:
+                lines, dropped = self.ray.get(ref, timeout=10)
+            except self.ray.exceptions.RayError:
+                unread.add(i)  # a lost actor (its end says so), or one that did not answer
+                continue
+            if dropped:
+                say(f"{self.names[i]}: {dropped} lines dropped (the driver fell behind)")
+            for line in lines:
+                click.echo(f"[{self.names[i]}] {line}")
+                if line.strip():
+                    self.last[i] = line[:500]
+        return unread
+
+    def _stop_all(self) -> None:
+        for i in self.pending.values():
+            self.actors[i].stop.remote(self.stop_timeout_s)
+        self.stopping = time.monotonic()
+
+
 def _supervise(
     ray: Any,
     actors: list[Any],
@@ -555,168 +788,5 @@ def _supervise(
     stop_timeout_s: float,
     spare: Replacements | None = None,
 ) -> int:
-    """Relay the workers' lines, act on their ends (`ended`) and start lost ones again
-    (`spare`) until none is left."""
-    tally = Tally()
-    last = [""] * len(actors)
-    pending = {a.wait.remote(): i for i, a in enumerate(actors)}
-    stopping: float | None = None  # when this command asked the workers to stop
-    placing: dict[Any, _Replacing] = {}  # by the ref of its placing
-    starting: dict[Any, _Replacing] = {}  # by the ref of its start
-    made, complete = 0, False  # complete: a worker said the run is done (none to replace)
-
-    def closed() -> bool:
-        """No new workers: a stop is asked, or the run is complete."""
-        return bool(stop.asked) or stopping is not None or complete
-
-    def replace(i: int, status: int | None) -> bool:
-        if spare is None or spare.left == 0 or closed():
-            return False
-        spare.left -= 1
-        actor = spare.make()
-        deadline = time.monotonic() + spare.timeout_s
-        placing[actor.place.remote()] = _Replacing(actor, deadline, names[i], status)
-        return True
-
-    def give_up(r: _Replacing, why: str) -> None:
-        """A loss not made good: it ends as the lost worker did."""
-        with contextlib.suppress(Exception):
-            ray.kill(r.actor)
-        say(f"no worker in place of {r.lost}: {why}")
-        tally.add(ended(r.lost, r.status))
-
-    def tend_replacements() -> None:
-        """Start those Ray has placed, register those started; give up on those past their
-        deadline, and on all of them once a stop is asked; drop them once the run is
-        complete (their losses no longer matter). Never blocks: the workers' lines and a
-        second signal wait on no replacement."""
-        nonlocal made
-        assert spare is not None
-        if closed():
-            dropped = [*placing.values(), *starting.values()]
-            placing.clear()
-            starting.clear()
-            for r in dropped:
-                if complete:
-                    with contextlib.suppress(Exception):
-                        ray.kill(r.actor)
-                else:
-                    give_up(r, "a stop was asked")
-            return
-        ready, _ = ray.wait(list(placing), num_returns=len(placing), timeout=0)
-        for ref in ready:
-            r = placing.pop(ref)
-            try:
-                r.node, host, gpus = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                give_up(r, f"it could not be placed ({_last_line(exc)})")
-                continue
-            made += 1
-            on_node = workers_on_node(spare.nodes, pending.values(), r.node)
-            on_node += sum(s.node == r.node for s in starting.values())  # starting beside it
-            r.name = replacement_name((r.node, host, gpus), spare.base, on_node, made)
-            r.deadline = time.monotonic() + START_S
-            starting[spare.start(r.actor, r.name, on_node)] = r
-        ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=0)
-        for ref in ready:
-            r = starting.pop(ref)
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                give_up(r, f"it could not start ({_last_line(exc)})")
-                continue
-            actors.append(r.actor)
-            names.append(r.name)
-            last.append("")
-            spare.nodes.append(r.node)
-            pending[r.actor.wait.remote()] = len(actors) - 1
-            say(f"{r.name} started in place of {r.lost}")
-        now = time.monotonic()
-        for waiting, why in (
-            (placing, f"Ray found no room within {spare.timeout_s:g} s"),
-            (starting, f"it did not start within {START_S:g} s"),
-        ):
-            for ref, r in list(waiting.items()):
-                if now > r.deadline:
-                    del waiting[ref]
-                    give_up(r, why)
-
-    def relay(ids: list[int]) -> set[int]:
-        """Print the workers' new lines; the ids whose lines could not be taken."""
-        takes = {actors[i].take.remote(): i for i in ids}
-        unread = set()
-        for ref, i in takes.items():
-            try:
-                lines, dropped = ray.get(ref, timeout=10)
-            except ray.exceptions.RayError:
-                unread.add(i)  # a lost actor (its end says so), or one that did not answer
-                continue
-            if dropped:
-                say(f"{names[i]}: {dropped} lines dropped (the driver fell behind)")
-            for line in lines:
-                click.echo(f"[{names[i]}] {line}")
-                if line.strip():
-                    last[i] = line[:500]
-        return unread
-
-    def stop_all() -> float:
-        for i in pending.values():
-            actors[i].stop.remote(stop_timeout_s)
-        return time.monotonic()
-
-    while pending or placing or starting:
-        if stop.asked and stopping is None:
-            say(f"{stop.asked}: stopping {len(pending)} workers")
-            stopping = stop_all()
-        overdue = stopping is not None and time.monotonic() > stopping + stop_timeout_s + 30
-        if stop.again or overdue:
-            say("killing the workers left" if stop.again else "workers did not stop: killing")
-            tally.add(ended("", LOST))
-            break
-        if placing or starting:
-            tend_replacements()
-        if not pending:
-            time.sleep(0.5)
-            continue
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
-        unread = relay(sorted(pending.values()))
-        for ref in ready:
-            i = pending.pop(ref)
-            try:
-                status = ray.get(ref)
-            except ray.exceptions.RayError:
-                status = LOST
-            # A clean stop that neither this command asked for nor the run's end explains
-            # came from a signal not ours: most often its node shutting down (a preempted
-            # node's SIGTERM can reach the worker before Ray sees the node lost). Without
-            # its last lines, which may say the run is complete, it is not known to be.
-            signalled = (
-                status == 0 and stopping is None and FINISHED not in last[i] and i not in unread
-            )
-            if status is LOST or signalled:
-                with contextlib.suppress(Exception):  # lost is final: a partitioned actor
-                    ray.kill(actors[i])  # that comes back must not run a second worker
-                if complete:
-                    say(f"{names[i]} ended after the run completed")
-                    continue
-                if replace(i, status):
-                    assert spare is not None
-                    how = "was lost with its Ray node or actor" if status is LOST else "stopped"
-                    say(
-                        f"{names[i]} {how}; starting another in its place "
-                        f"({spare.left} replacements left)"
-                    )
-                    continue
-            end = ended(names[i], status, last[i], asked=stopping is not None)
-            tally.add(end)
-            complete = complete or (status == 0 and FINISHED in last[i])
-            if end.stop_all and (pending or placing or starting):
-                say(f"{end.message}; stopping the others")
-                stopping = stop_all()
-            else:
-                say(end.message)
-    left = [r.actor for r in (*placing.values(), *starting.values())]
-    for a in actors + left:
-        with contextlib.suppress(Exception):  # any left after a second signal: their
-            ray.kill(a)  # children go with them
-    return tally.status
+    """Watch the workers until none is left (`Supervisor`); this command's exit status."""
+    return Supervisor(ray, actors, names, stop, stop_timeout_s, spare).run()
