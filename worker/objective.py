@@ -11,7 +11,7 @@ carries, and what `shared.fitness.mean_score` turns into the step's mean loss or
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from ..shared.prompts import (
 from ..shared.sample import Completions, SampleRequest
 from ..shared.text_codec import TextCodec, data_codec
 from .backend import Backend, ChunkResult
-from .reward import RewardRunner
+from .reward import InProcessRunner, RewardRunner
 
 __all__ = ["NextToken", "Objective", "Reward", "make_objective"]
 
@@ -101,7 +101,11 @@ class Reward:
     """Members continue the step's prompts, the run's reward scores the completions."""
 
     def __init__(
-        self, cfg: RunConfig, prompts: Prompts, runner: RewardRunner, codec: TextCodec
+        self,
+        cfg: RunConfig,
+        prompts: Prompts,
+        runner: RewardRunner | InProcessRunner,
+        codec: TextCodec,
     ) -> None:
         self.cfg, self.prompts, self.runner, self.codec = cfg, prompts, runner, codec
         self.reward_seconds = 0.0  # inside the reward function, for throughput reports
@@ -175,17 +179,31 @@ class Reward:
 
 
 def _next_token(
-    cfg: RunConfig, dataset: Dataset, base: Path, reward_timeout_s: float, codec: TextCodec | None
+    cfg: RunConfig,
+    dataset: Dataset,
+    base: Path,
+    reward_timeout_s: float,
+    codec: TextCodec | None,
+    function: Callable[..., Any] | None,
 ) -> Objective:
     return NextToken()
 
 
 def _reward(
-    cfg: RunConfig, dataset: Dataset, base: Path, reward_timeout_s: float, codec: TextCodec | None
+    cfg: RunConfig,
+    dataset: Dataset,
+    base: Path,
+    reward_timeout_s: float,
+    codec: TextCodec | None,
+    function: Callable[..., Any] | None,
 ) -> Objective:
     codec = codec or data_codec(cfg, dataset)
     prompts = load_prompts(cfg, base, dataset, codec)
-    runner = RewardRunner.of(cfg, base, reward_timeout_s)
+    runner: RewardRunner | InProcessRunner = (
+        RewardRunner.of(cfg, base, reward_timeout_s)
+        if function is None
+        else InProcessRunner(function, cfg.fitness.reward)
+    )
     runner.start()  # a reward file that does not import fails here, not at the first chunk
     return Reward(cfg, prompts, runner, codec)
 
@@ -200,9 +218,11 @@ def make_objective(
     base: Path,
     reward_timeout_s: float = 120.0,
     codec: TextCodec | None = None,
+    function: Callable[..., Any] | None = None,
 ) -> Objective:
     """The run's objective; goal files are read under `base` (GoalError if one is missing
     or not the run's: check them with `shared.pinned.check_files` first; RewardError if the
     reward does not import). Text is the model's own (`codec`: a Hugging Face tokenizer),
-    else the data's vocabulary."""
-    return MAKERS[cfg.fitness.objective](cfg, dataset, base, reward_timeout_s, codec)
+    else the data's vocabulary. `function`: the reward as a Python function (the API's
+    `python:` reward), called in this process."""
+    return MAKERS[cfg.fitness.objective](cfg, dataset, base, reward_timeout_s, codec, function)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from ..shared.objectives.reward import (
     BUILTIN_REWARDS,
     MAX_REWARD,
+    PYTHON,
     RewardPart,
     is_lambda,
     lambda_problem,
@@ -95,6 +96,12 @@ def _load(spec: str, base: Path, sha256: str) -> tuple[Callable[..., Any], str]:
     is `sha256` (the run's pin; "" where nothing pins it): read once, checked, compiled, so
     neither a file changed since nor a stale .pyc runs instead. Modules it imports from its
     folder are not pinned. A lambda is compiled from its text, which the config pins."""
+    if spec.startswith(PYTHON):
+        raise GoalError(
+            f"the run's reward {spec} is a Python function of the process that started it: "
+            "continue it from Python with the same function; workers and commands need a "
+            "reward file, a built-in or a lambda (workers pin a file's bytes and load their copy)"
+        )
     if is_lambda(spec):
         return _lambda(spec)
     try:
@@ -363,3 +370,25 @@ class RewardRunner:
 
     def __del__(self) -> None:
         self.close()
+
+
+class InProcessRunner:
+    """A reward given as a Python function (worker/api.py): called in this process, its
+    answers checked as the child's are. Only a one-process run has one."""
+
+    def __init__(self, function: Callable[..., Any], spec: str) -> None:
+        self.function, self.spec = function, spec
+
+    def start(self) -> None:
+        pass
+
+    def score(
+        self, prompts: list[str], completions: list[str], fields: dict[str, list[Any]]
+    ) -> list[float]:
+        try:
+            return _score([(self.function, self.spec, None)], prompts, completions, fields)
+        except GoalError as exc:
+            raise RewardError(str(exc)) from None
+
+    def close(self) -> None:
+        pass

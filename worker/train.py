@@ -114,6 +114,11 @@ class TrainOptions:
     reward_timeout: float = 120.0
     preset: str | None = None  # the preset named, for the start line and the summary
     config_path: str | None = None
+    # The Python API's: each step's, validation's and sample's record as it is made, and a
+    # reward given as a function (fitness.reward "python:NAME"), called in this process.
+    on_record: Callable[[dict[str, Any]], None] | None = None
+    reward_function: Callable[..., Any] | None = None
+    stop: Callable[[], str] | None = None  # why to stop after the chunk under way ("": go on)
 
     @property
     def max_seconds(self) -> float | None:
@@ -135,6 +140,7 @@ class TrainResult:
     fitness: list[bytes] = field(default_factory=list)  # packed, per step
     validation: Validation | None = None  # the latest
     stopped: str = ""  # the signal that stopped the run early ("" if it was not)
+    summary: dict[str, Any] | None = None  # summary.json's, once the run is done
 
 
 def _point(curve: CurveSink | None, event: str, **fields: Any) -> None:
@@ -389,19 +395,9 @@ def main(
         raise OneLineError(str(exc)) from None
     try:
         cfg, base = run_config(preset_name, config_path, init_from)
-        dataset = load_data_dir(data_dir)
-        factory = get_backend(
-            reference_backend(cfg), threads=threads, goal_dir=base, confined=False
-        )
-    except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
+    except (ConfigError, GoalError) as exc:
         raise click.ClickException(str(exc)) from None
-    if not ARCHS[cfg.model.arch].OWN_TOKENIZER:  # else it reads the data's text with its own
-        mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
-        if mismatch is not None:
-            raise click.ClickException(mismatch)
-        short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
-        if short is not None:
-            raise click.ClickException(f"data in {data_dir}: {short}")
+    dataset, factory = run_inputs(cfg, base, data_dir, threads)
     options = TrainOptions(
         steps or cfg.steps,
         save_dir,
@@ -418,15 +414,37 @@ def main(
     run_training(cfg, base, dataset, factory, options)
 
 
+def run_inputs(
+    cfg: RunConfig, base: Path, data_dir: Path, threads: int | None
+) -> tuple[Dataset, BackendFactory]:
+    """The data and the backend a one-process run of `cfg` needs, checked against each
+    other; click.ClickException with one line."""
+    try:
+        dataset = load_data_dir(data_dir)
+        factory = get_backend(
+            reference_backend(cfg), threads=threads, goal_dir=base, confined=False
+        )
+    except (DataError, BackendUnavailable) as exc:
+        raise click.ClickException(str(exc)) from None
+    if not ARCHS[cfg.model.arch].OWN_TOKENIZER:  # else it reads the data's text with its own
+        mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
+        if mismatch is not None:
+            raise click.ClickException(mismatch)
+        short = data_too_short(cfg, len(dataset.train), len(dataset.valid))
+        if short is not None:
+            raise click.ClickException(f"data in {data_dir}: {short}")
+    return dataset, factory
+
+
 def run_training(
     cfg: RunConfig, base: Path, dataset: Dataset, factory: BackendFactory, options: TrainOptions
-) -> None:
+) -> TrainResult:
     """The run of a command (eggroll-train, eggroll-tune) in this process, up to `steps` in
     all; every failure is one line (click.ClickException). A save directory's writer lock is
     held from before the run is read or made until the command ends."""
     writer = None if options.save_dir is None else _take_save_dir(options.save_dir)
     try:
-        _run(cfg, base, dataset, factory, writer, options)
+        return _run(cfg, base, dataset, factory, writer, options)
     except Exception as exc:
         error = _failure_line(exc, options)
         kept = "" if writer is None else _after_failure(writer, isinstance(exc, OSError))
@@ -502,7 +520,7 @@ def _run(
     factory: BackendFactory,
     writer: RunWriter | None,
     options: TrainOptions,
-) -> None:
+) -> TrainResult:
     """Train and write what main was asked to; a failed write raises OSError naming its file,
     a save directory that cannot be continued SaveDirError, tracking that cannot start
     TrackingError before anything is written, a goal that fails GoalError or RewardError."""
@@ -514,7 +532,9 @@ def _run(
     # The model and the goal first: a prompt too long or a reward that does not import
     # stops the command before it writes anything.
     backend = factory.build(dataset, state)
-    objective = make_objective(cfg, dataset, base, options.reward_timeout, backend.codec)
+    objective = make_objective(
+        cfg, dataset, base, options.reward_timeout, backend.codec, options.reward_function
+    )
     layout = None if writer is None else writer.layout
     try:
         curve = _open_curve(cfg, dataset, layout, options, state.step, run)
@@ -537,7 +557,12 @@ def _run(
 
         # The first SIGINT or SIGTERM stops after the chunk under way, a second one at once
         # (KeyboardInterrupt: the committed steps are kept, without a snapshot of the last).
-        with stop_on_signals(log, STOP_HINT) as stop:
+        with stop_on_signals(log, STOP_HINT) as signalled:
+            asked = options.stop
+
+            def stop() -> str:
+                return signalled() or (asked() if asked is not None else "")
+
             result = train(
                 cfg,
                 backend,
@@ -553,7 +578,8 @@ def _run(
     finally:
         curve.close()
         objective.close()
-    _finish(cfg, dataset, writer, options, result)
+    result.summary = _finish(cfg, dataset, writer, options, result)
+    return result
 
 
 def _open_curve(
@@ -576,7 +602,8 @@ def _open_curve(
         config={"run_id": run_id, **cfg.to_dict()},
         baselines=(meta.baselines, meta.baselines_per_byte),
     )
-    return _Curve(None if layout is None else HistoryLog(layout.history), tracker)
+    history = None if layout is None else HistoryLog(layout.history)
+    return _Curve(history, tracker, options.on_record)
 
 
 def _log_start(cfg: RunConfig, options: TrainOptions, factory: BackendFactory) -> None:
@@ -608,8 +635,9 @@ def _finish(
     writer: RunWriter | None,
     options: TrainOptions,
     result: TrainResult,
-) -> None:
-    """The last snapshot, the summary and the closing line (or the line of a stop)."""
+) -> dict[str, Any] | None:
+    """The last snapshot, the summary and the closing line (or the line of a stop); the
+    summary (None after a stop)."""
     if writer is not None and result.state.step not in writer.snapshot_steps:
         _keep_snapshot(writer, result.state)
     if result.stopped:
@@ -620,7 +648,7 @@ def _finish(
             else "nothing is kept (no --save-dir)"
         )
         echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
-        return
+        return None
     meta = dataset.meta
     summary = _summary(cfg, options.preset, result, meta)
     if writer is not None:  # for eggroll-inspect
@@ -635,6 +663,7 @@ def _finish(
         f"replica digest {summary['replica_digest']}",
         err=True,
     )
+    return summary
 
 
 def _keep_snapshot(writer: RunWriter, state: ReplicaState) -> None:
@@ -648,9 +677,15 @@ class _Curve:
     save directory's history.log (a failed write drops the record and warns once per spell
     of failures, as the coordinator's does) and the tracker."""
 
-    def __init__(self, history: HistoryLog | None, tracker: Tracker | None) -> None:
+    def __init__(
+        self,
+        history: HistoryLog | None,
+        tracker: Tracker | None,
+        listener: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.history = history
         self.tracker = tracker
+        self.listener = listener
         self._failing = False
 
     def __call__(self, point: dict[str, Any]) -> None:
@@ -667,6 +702,8 @@ class _Curve:
             self._failing = error is not None
         if self.tracker is not None:
             self.tracker.record(point)
+        if self.listener is not None:
+            self.listener(dict(point))
 
     def close(self) -> None:
         if self.history is not None:

@@ -307,7 +307,7 @@ def main(
     """Fine-tune the Hugging Face causal LM in MODEL_DIR with EGGROLL, in one process.
     MODEL_DIR is a model directory, or a name ORG/NAME in the local Hugging Face cache."""
     configure_logging(log_format)
-    model_dir = _model_dir(model_dir)
+    model_dir = resolve_model_dir(model_dir)
     settings = TuneSettings(
         model_dir=model_dir,
         reward=reward,
@@ -353,7 +353,7 @@ def main(
     run_training(cfg, base, dataset, factory, options)
 
 
-def _model_dir(given: Path) -> Path:
+def resolve_model_dir(given: Path) -> Path:
     """MODEL_DIR as a directory: itself, or a name's snapshot in the hub cache (said in the
     log, with its revision: the run pins its files as any directory's)."""
     try:

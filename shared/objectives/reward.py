@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 WINDOWS = False  # members continue prompts; the data is read for held-out scores only
 SCORE = "reward"
 BUILTIN = "builtin:"
+# A Python function given to the API (worker/api.py): called in that process only, pinned
+# by the sha256 of its code in fitness.reward_sha256. No worker or command can load it.
+PYTHON = "python:"
 DATA_PROMPTS = "data"
 # Each reward lies within ±MAX_REWARD, and a chunk's sum crosses the wire (RESULT's
 # loss_sum) as an integer in REWARD_UNITs, which stays inside int64 (`check` bounds
@@ -111,6 +114,8 @@ def reward_target(spec: str) -> tuple[str, str]:
         if problem:
             raise ValueError(problem)
         return "", ""
+    if spec.startswith(PYTHON) and spec[len(PYTHON) :]:
+        return "", ""
     if spec.startswith(BUILTIN):
         name = spec[len(BUILTIN) :]
         if name not in BUILTIN_REWARDS:
@@ -159,7 +164,8 @@ def reward_parts(f: FitnessConfig) -> list[RewardPart]:
     without `fitness.rewards`); ValueError with one line for a part that is not valid."""
     if not f.rewards:
         path, _ = reward_target(f.reward)
-        return [RewardPart(f.reward, path, None, f.reward_sha256 if path else "")]
+        pinned = path or f.reward.startswith(PYTHON)  # a file's bytes, or a function's code
+        return [RewardPart(f.reward, path, None, f.reward_sha256 if pinned else "")]
     parts: list[RewardPart] = []
     for part in f.rewards:
         if is_lambda(part) and lambda_problem(part.rpartition(":")[0]) and not lambda_problem(part):
@@ -188,6 +194,13 @@ def check(cfg: RunConfig) -> str | None:
         return "fitness.objective='reward' needs fitness.reward ('file.py:function') or rewards"
     if len(f.rewards) == 1:
         return "fitness.rewards combines two or more rewards: name a single one as fitness.reward"
+    if any(part.startswith(PYTHON) for part in f.rewards):
+        return "a Python function is a run's only reward (fitness.reward), not a part of rewards"
+    if f.reward.startswith(PYTHON) and not f.reward_sha256:
+        return (
+            f"fitness.reward={f.reward!r} is a function of the Python API, which pins its code "
+            "(fitness.reward_sha256): give a file, a built-in or a lambda here"
+        )
     if not f.prompts:
         return "fitness.objective='reward' needs fitness.prompts (a file or 'data')"
     if f.chunk_mean_filter or f.adaptive_threshold:
