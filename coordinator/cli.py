@@ -32,6 +32,7 @@ from ..shared.config import ConfigError, RunConfig
 from ..shared.data import DataError, DataMeta, load_data_dir
 from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError
+from ..shared.run_writer import SNAPSHOTS_KEPT
 from ..shared.save_dir import Layout, baselines_record
 from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
 from .core_types import RunOptions
@@ -237,7 +238,7 @@ def _serve(
 @click.option(
     "--keep-snapshots",
     type=click.IntRange(min=1),
-    default=3,
+    default=SNAPSHOTS_KEPT,
     show_default=True,
     help="Snapshots kept in the save directory, the newest (older ones are deleted).",
 )

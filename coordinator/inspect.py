@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..shared.cli import OneLineError, cannot_write, command
-from ..shared.config import PRESETS, RunConfig
+from ..shared.config import preset_of
 from ..shared.fitness_log import intact_steps
 from ..shared.logs import echo
 from ..shared.replica import CheckpointError, load_checkpoint
@@ -18,12 +18,6 @@ from ..shared.save_dir import SaveDir, SaveDirError
 from .curve import read_curve
 from .plot import PlotError, draw
 from .plot import check_available as check_plot
-
-
-def preset_of(config: RunConfig) -> str | None:
-    """The preset whose config this is, or None for any other config."""
-    digest = config.digest()
-    return next((name for name, cfg in PRESETS.items() if cfg.digest() == digest), None)
 
 
 def history(save_dir: Path, steps: int | None = None) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from ..protocol.security import IDENTITY_PREFIXES, certificate_identity, is_loop
 from ..shared.logs import LISTENING
 from ..shared.progress import Progress
 from ..shared.replica import CheckpointError, decode_checkpoint
+from ..shared.run_writer import SNAPSHOTS_KEPT
 from ..shared.tracking import Tracker
 from . import events
 from .core_types import Output, RunOptions, Send, ServeSnapshot, StoreSnapshot
@@ -78,7 +79,7 @@ class Options:
     # in the checks (workers behind one NAT are machines apart, with a certificate each).
     machine_by_certificate: bool = False
     run: RunOptions = field(default_factory=RunOptions)  # the run's course, for the core
-    keep_snapshots: int = 3
+    keep_snapshots: int = SNAPSHOTS_KEPT
     final_snapshot_timeout_s: float = 120.0
     drain_timeout_s: float = 5.0
     idle_timeout_s: float = 60.0  # a connection silent this long is dropped
@@ -101,7 +102,7 @@ class Executor:
         metrics: Metrics,
         links: dict[int, Link],
         *,
-        keep_snapshots: int = 3,
+        keep_snapshots: int = SNAPSHOTS_KEPT,
         offload: Offload = asyncio.to_thread,
         tracker: Tracker | None = None,
     ) -> None:

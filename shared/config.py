@@ -510,6 +510,12 @@ PRESETS: dict[str, RunConfig] = {
 }
 
 
+def preset_of(config: RunConfig) -> str | None:
+    """The preset whose config this is, or None for any other config."""
+    digest = config.digest()
+    return next((name for name, cfg in PRESETS.items() if cfg.digest() == digest), None)
+
+
 def preset(name: str) -> RunConfig:
     try:
         return PRESETS[name]

@@ -12,8 +12,8 @@ from typing import Any
 
 from helpers import TINY_RUN, command, start_coordinator, start_worker
 
-from eggroll_dist.coordinator.inspect import history, preset_of
-from eggroll_dist.shared.config import preset, resolve_config
+from eggroll_dist.coordinator.inspect import history
+from eggroll_dist.shared.config import preset, preset_of, resolve_config
 from eggroll_dist.shared.fitness_log import FitnessLog
 
 SMALL = """

@@ -25,7 +25,6 @@ from typing import Any
 
 import click
 
-from ..shared.atomic_file import write_atomic
 from ..shared.cli import (
     OneLineError,
     cannot_write,
@@ -37,7 +36,7 @@ from ..shared.cli import (
     threads_option,
     tracking_options,
 )
-from ..shared.config import ConfigError
+from ..shared.config import ConfigError, preset_of
 from ..shared.data import META_FILE, DataError, load_data_dir
 from ..shared.fitness_log import FitnessLog, FitnessLogError
 from ..shared.logs import (
@@ -55,6 +54,7 @@ from ..shared.logs import (
 from ..shared.pinned import GoalError
 from ..shared.progress import YEAR_S, duration_text
 from ..shared.replica import load_checkpoint
+from ..shared.run_writer import run_summary, write_summary
 from ..shared.save_dir import Layout
 from ..shared.tracking import TrackingError, check_available
 from ..shared.vocab import escape
@@ -711,24 +711,23 @@ def _summarise(
     validation = get_backend("numpy").build(dataset, state).validate()
     ran = coordinator.last_step - coordinator.start_step
     base = dataset.meta.baselines
-    summary = {
-        "steps": state.step,
-        "replica_digest": state.digest_hex(),
-        "config_digest": state.config.digest().hex(),
-        # Both held-out metrics, per token and per byte (None: not measured).
-        **{f"valid_{k}": value for k, value in validation.report().items()},
-        "baselines": base,
-        "baselines_per_byte": dataset.meta.baselines_per_byte,
-        "steps_per_second": ran / seconds if ran else 0.0,
-        "seconds": seconds,
-        "save_dir": str(save_dir),
-        "snapshot": str(snapshot),
-    }
-    blob = (json.dumps(summary, indent=2) + "\n").encode()
+    summary = run_summary(
+        steps=state.step,
+        preset=preset_of(state.config),
+        config_digest=state.config.digest().hex(),
+        replica_digest=state.digest_hex(),
+        held_out=validation.report(),
+        baselines=base,
+        baselines_per_byte=dataset.meta.baselines_per_byte,
+        seconds=seconds,
+        steps_per_second=ran / seconds if ran else 0.0,
+        save_dir=save_dir,
+        snapshot=snapshot,
+    )
     try:  # each whole or not at all; the run itself is committed already, so a retry says so
         if summary_json is not None:
-            write_atomic(summary_json, blob)
-        write_atomic(layout.summary, blob)  # for inspect
+            write_summary(summary_json, summary)
+        write_summary(layout.summary, summary)  # for inspect
     except OSError as exc:
         raise cannot_write(exc, layout.summary) from None
     echo(

@@ -38,7 +38,7 @@ from ..shared.cli import (
     threads_option,
     tracking_options,
 )
-from ..shared.config import ConfigError, RunConfig
+from ..shared.config import ConfigError, RunConfig, preset_of
 from ..shared.data import DataError, Dataset, load_data_dir
 from ..shared.fitness import mean_score, member_tokens
 from ..shared.fitness_log import FitnessLog
@@ -612,7 +612,7 @@ def _log_start(cfg: RunConfig, options: TrainOptions, factory: BackendFactory) -
         {"model": m.path, "targets": len(m.matrices), "rank": m.rank}
         if m.path  # a model directory's (shared/hf.py)
         else {
-            "preset": options.preset or ("tiny" if not options.config_path else None),
+            "preset": options.preset or preset_of(cfg) or "none (own config)",
             "layers": m.n_layer,
             "width": m.d_model,
         }
@@ -650,7 +650,7 @@ def _finish(
         echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
         return None
     meta = dataset.meta
-    summary = _summary(cfg, options.preset, result, meta)
+    summary = _summary(cfg, options.preset or preset_of(cfg), result, meta)
     if writer is not None:  # for eggroll-inspect
         writer.write_summary(summary)
     if options.summary_json is not None:
