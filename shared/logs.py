@@ -265,10 +265,15 @@ def held_out_text(fields: dict) -> str:
     return text
 
 
-def baselines_text(per_token: dict, per_byte: dict) -> str:
+def baselines_text(per_token: dict, per_byte: dict, bytes_only: bool = False) -> str:
     """'unigram 4.694, bigram 3.805, gzip -9 2.634 bits/token (2.930, 1.986, 2.634 bits/byte)':
-    the data's baselines, per byte too where meta.json has them."""
+    the data's baselines, per byte too where meta.json has them. `bytes_only`: per byte
+    alone, for a model whose tokens are not the data's (its bits per token compare with
+    no baseline of the data's)."""
     names = ("unigram", "bigram", "gzip9")
+    if bytes_only and all(n in per_byte for n in names):
+        text = ", ".join(f"{n.replace('gzip9', 'gzip -9')} {per_byte[n]:.3f}" for n in names)
+        return text + " bits/byte"
     text = ", ".join(f"{n.replace('gzip9', 'gzip -9')} {per_token[n]:.3f}" for n in names)
     text += " bits/token"
     if all(n in per_byte for n in names):

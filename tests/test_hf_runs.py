@@ -260,3 +260,18 @@ def test_bad_inputs_say_one_line(
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
+
+
+def test_the_done_line_sets_a_models_own_bits_beside_byte_baselines_only(
+    gpt2_run: Path, words_data: Path
+) -> None:
+    """Bits per token of the model's own tokens compare with no per-token baseline of the
+    data: the done line gives the data's baselines per byte alone."""
+    done = run_cli(
+        "eggroll-tune", "model", *REWARD_RUN, "--steps", "1", "--data-dir", words_data,
+        cwd=gpt2_run,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(ln for ln in done.stderr.splitlines() if ln.startswith("done:"))
+    baselines = line.split("(baselines: ")[1]
+    assert "bits/byte)" in baselines and "bits/token" not in baselines, line

@@ -650,6 +650,7 @@ def _finish(
         echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
         return None
     meta = dataset.meta
+    own = ARCHS[cfg.model.arch].OWN_TOKENIZER  # its bits/token are in its own tokens
     summary = _summary(cfg, options.preset or preset_of(cfg), result, meta)
     if writer is not None:  # for eggroll-inspect
         writer.write_summary(summary)
@@ -658,7 +659,7 @@ def _finish(
     echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"held-out {held_out_text(result.validation.log_fields())} "
-        f"(baselines: {baselines_text(meta.baselines, meta.baselines_per_byte)}), "
+        f"(baselines: {baselines_text(meta.baselines, meta.baselines_per_byte, own)}), "
         f"{summary['member_tokens_per_second']:,.0f} member-tokens/s, "
         f"replica digest {summary['replica_digest']}",
         err=True,
