@@ -61,3 +61,16 @@ async def test_a_tls_alert_in_answer_to_hello_names_the_missing_tls_ca() -> None
     (item,) = [link.inbox.get_nowait() for _ in range(link.inbox.qsize())]
     assert isinstance(item, WorkerFatal) and "c:1 answered in TLS" in str(item)
     assert "--tls-ca" in str(item)
+
+
+def test_a_refused_connection_to_another_machine_names_the_loopback_only_coordinator() -> None:
+    from types import SimpleNamespace
+
+    from eggroll_dist.worker.client import WorkerClient
+
+    refused = ConnectionRefusedError(111, "Connection refused")
+    far = WorkerClient._hint(SimpleNamespace(host="10.0.0.5"), refused)  # type: ignore[arg-type]
+    assert "listens on 127.0.0.1 only" in far and "--token-file" in far
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert WorkerClient._hint(SimpleNamespace(host=host), refused) == ""  # type: ignore[arg-type]
+    assert WorkerClient._hint(SimpleNamespace(host="10.0.0.5"), TimeoutError()) == ""  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import random
 import socket
@@ -179,7 +180,10 @@ class WorkerClient:
             # A coordinator that refuses a certificate accepts TCP: refusals must come in a
             # row, not across restarts of a coordinator that was down in between.
             self.tls_refusals = 0
-            return f"cannot connect to {self.host}:{self.port}: {describe(exc)}", 0.0
+            return (
+                f"cannot connect to {self.host}:{self.port}: {describe(exc)}{self._hint(exc)}",
+                0.0,
+            )
         self.resolve_failures = 0
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -202,6 +206,16 @@ class WorkerClient:
             self.tls_refusals += 1
         self._count_divergence(outcome)
         return outcome.reason, outcome.ready_s
+
+    def _hint(self, exc: BaseException) -> str:
+        """The likely cause of a refused connection to another machine: a coordinator
+        started without a token listens on loopback only."""
+        if not isinstance(exc, ConnectionRefusedError) or _is_loopback(self.host):
+            return ""
+        return (
+            " (is a coordinator running there? One started without --token-file listens on "
+            "127.0.0.1 only: give it --token-file, and this worker the same token)"
+        )
 
     def _welcomed(self) -> None:
         self.connections += 1
@@ -233,3 +247,13 @@ class WorkerClient:
                 f"{self.resolve_failures} tries in a row: check its spelling and this host's "
                 "DNS, or give the coordinator's IP address"
             )
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` names this machine (a loopback name or address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
