@@ -368,3 +368,13 @@ def test_builtin_corpus(builtin_dir: tuple[Path, Result]) -> None:
     assert result.stdout.count("\n") == 1  # the one-line summary
     # Byte 0 only ever separates documents: the text has no NULs.
     assert int((data.train == 0).sum()) + int((data.valid == 0).sum()) == meta.documents
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path: Path) -> None:
+    """A read-only or impossible --out is one line at once, not after the corpus is read."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(main, ["prepare", "--builtin", "--out", str(blocker / "d")])
+    assert result.exit_code == 1
+    assert f"cannot write {blocker / 'd'}" in result.output, result.output
+    assert "gathering" not in result.output and "Traceback" not in result.output

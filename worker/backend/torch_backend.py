@@ -258,5 +258,5 @@ def factory(
         log.info("loading model", path=str(path), device=device, dtype=dtype)
         return TorchBackend(dataset, state, path, device, dtype, batch_members)
 
-    cpu_threads = threads if device == "cpu" else None
+    cpu_threads = (threads or torch.get_num_threads()) if device == "cpu" else None
     return BackendFactory(TorchBackend.name, device, build, cpu_threads, FAMILIES["torch"])

@@ -14,6 +14,7 @@ the split, the tokens and the files in ``build.py``.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -86,6 +87,20 @@ def main() -> None:
     meta.json)."""
 
 
+def _check_writable(out: Path) -> None:
+    """Refuse an --out that cannot be written (a read-only file system, no permission)
+    before the work, not after it: a file made and removed where it would go."""
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        exc.filename = None  # the probe's name means nothing to the user
+        raise cannot_write(exc, out) from None
+
+
 @main.command()
 @click.argument("text_files", nargs=-1, type=click.Path(path_type=Path))
 @click.option(
@@ -147,6 +162,7 @@ def prepare(
         )
     if vocab_size is not None and tokenizer_arg != "bpe":
         raise OneLineError("--vocab-size sets the size of a trained BPE: add --tokenizer bpe")
+    _check_writable(out)
     start = time.monotonic()
     try:
         if builtin:
