@@ -77,6 +77,16 @@ class Overprovisioned(Event):
 
 
 @dataclass(frozen=True)
+class NameShared(Event):
+    """A worker joined under the name of one connected already: the logs and metrics of the
+    two cannot be told apart (each is still its own worker to the run)."""
+
+    worker: str
+    address: str
+    other: str  # the address of the one that has the name
+
+
+@dataclass(frozen=True)
 class Left(Event):
     worker: str
     workers: int

@@ -232,6 +232,14 @@ def _record_workers(
                 workers=event.workers,
                 **machine,
             )
+        case events.NameShared():
+            log.warning(
+                "two workers share a name",
+                worker=event.worker,
+                peer=event.address,
+                other=event.other,
+                hint="give each worker its own --name: their lines and metrics mix",
+            )
         case events.Overprovisioned():
             log.warning(
                 "more workers than chunks",

@@ -99,6 +99,7 @@ from .events import (
     Joined,
     Leased,
     Left,
+    NameShared,
     NoSnapshotSource,
     Overprovisioned,
     Progress,
@@ -343,6 +344,12 @@ class RunCore:
         out += self.trust.join(peer)
         peer.broadcast_from = self.step
         out.append(Joined(peer.name, peer.address, self.ready_count(), peer.machine))
+        twin = next(
+            (p for p in self.peers.values() if p.ready and p is not peer and p.name == peer.name),
+            None,
+        )
+        if twin is not None:
+            out.append(NameShared(peer.name, peer.address, twin.address))
         if self.ready_count() == self.cfg.chunks + 1:
             out.append(Overprovisioned(self.ready_count(), self.cfg.chunks, self.cfg.es.chunk_size))
         return [*out, Send(peer.id, welcome)]

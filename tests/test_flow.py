@@ -24,6 +24,7 @@ from eggroll_dist.coordinator.events import (
     ChunkAccepted,
     Joined,
     Leased,
+    NameShared,
     Outvoted,
     Overprovisioned,
     SharedIdentity,
@@ -278,6 +279,17 @@ def test_workers_past_one_a_chunk_are_reported_once(store: RunStore, dataset: Da
     net.run()
     (said,) = [e for e in net.events if isinstance(e, Overprovisioned)]
     assert (said.workers, said.chunks, said.chunk_size) == (3, 2, 8)
+
+
+def test_a_second_worker_of_the_same_name_is_reported(store: RunStore, dataset: Dataset) -> None:
+    net = Network(store, dataset)
+    net.join("w1")
+    net.join("w2")
+    net.join("w1", host="other")
+    net.run()
+    (said,) = [e for e in net.events if isinstance(e, NameShared)]
+    assert said.worker == "w1" and said.address == "other:w1" and said.other == "mem:w1"
+    net.train(1)  # both still work for the run
 
 
 def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Dataset) -> None:
