@@ -239,6 +239,24 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 SHOWN_EVENTS = ("worker joined", "worker left", "snapshot stored", "chunks requeued")
 
 
+def readable(line: str) -> str:
+    """A JSON log line as a person reads it on a terminal ('warning: reconnecting reason=...
+    attempt=2'); any other line as it is."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(event, dict) or "event" not in event:
+        return line
+    level = event.pop("level", "info")
+    event.pop("timestamp", None)
+    head = f"{event.pop('event')}" if level == "info" else f"{level}: {event.pop('event')}"
+    rest = " ".join(
+        f"{k}={v!r}" if isinstance(v, str) and " " in v else f"{k}={v}" for k, v in event.items()
+    )
+    return (head + " " + rest).rstrip().translate(_CONTROLS)
+
+
 def held_out_fields(
     bits: float,
     bits_per_byte: float | None,

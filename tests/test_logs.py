@@ -59,3 +59,16 @@ def test_text_is_key_value(log_format: str, tty: bool) -> None:
 def test_json_otherwise(log_format: str, tty: bool) -> None:
     event = json.loads(_line(log_format, tty))
     assert event["event"] == "step" and event["step"] == 3 and event["worker"] == "w 1"
+
+
+def test_a_json_line_reads_as_text_on_a_terminal() -> None:
+    from eggroll_dist.shared.logs import readable
+
+    line = (
+        '{"reason": "cannot connect", "attempt": 2, "event": "reconnecting", '
+        '"level": "warning", "timestamp": "t"}'
+    )
+    assert readable(line) == "warning: reconnecting reason='cannot connect' attempt=2"
+    assert readable('{"step": 3, "event": "step", "level": "info"}') == "step step=3"
+    assert readable("not json at all") == "not json at all"
+    assert readable('{"event": "x", "text": "\\u001b[2J"}') == "x text=\\x1b[2J"

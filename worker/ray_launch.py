@@ -34,6 +34,7 @@ from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, load_token
 from ..shared.cli import OneLineError, command
+from ..shared.logs import readable
 from .cli import parse_address
 from .exits import FAULTY, KILLED, LOST, LOST_KIND, STOPPED, Tally, exit_policy, killed_by
 from .session import COMPUTES_DIFFERENTLY, FINISHED
@@ -583,6 +584,7 @@ class Supervisor:
         self.ray, self.actors, self.names = ray, actors, names
         self.stop, self.stop_timeout_s, self.spare = stop, stop_timeout_s, spare
         self.tally = Tally()
+        self.tty = sys.stdout.isatty()  # the workers' JSON lines are shown as text there
         self.last = [""] * len(actors)  # each worker's last line
         self.pending: dict[Any, int] = {a.wait.remote(): i for i, a in enumerate(actors)}
         self.placing: dict[Any, _Replacing] = {}  # by the ref of its placing
@@ -768,8 +770,8 @@ class Supervisor:
                 continue
             if dropped:
                 say(f"{self.names[i]}: {dropped} lines dropped (the driver fell behind)")
-            for line in lines:
-                click.echo(f"[{self.names[i]}] {line}")
+            for line in lines:  # JSON lines from the worker; text on a terminal
+                click.echo(f"[{self.names[i]}] {readable(line) if self.tty else line}")
                 if line.strip():
                     self.last[i] = line[:500]
         return unread
