@@ -34,14 +34,7 @@ import numpy as np
 
 from .loss import token_loss, true_bits
 from .matmul import clip8, floor_div
-from .perturb import (
-    INT8,
-    MemberNoise,
-    ParamSpec,
-    int8_settings,
-    perturbed_mm,
-    perturbed_rows,
-)
+from .perturb import INT8, MemberNoise, ParamSpec, int8_settings, perturbed_mm, perturbed_rows
 
 if TYPE_CHECKING:
     from .config import ModelConfig, RunConfig

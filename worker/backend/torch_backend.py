@@ -34,15 +34,7 @@ from ...shared.text_codec import TextCodec
 from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
 from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
-from . import (
-    FAMILIES,
-    BackendFactory,
-    ChunkResult,
-    HeldOut,
-    HostReplica,
-    Validation,
-    check_chunk,
-)
+from . import FAMILIES, BackendFactory, ChunkResult, HeldOut, HostReplica, Validation, check_chunk
 
 log = structlog.get_logger("eggroll.worker")
 
