@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from helpers import SMALL_RUN, command
 
 
@@ -62,3 +63,27 @@ def _check(proc: subprocess.Popen, save: Path) -> None:
     (kept,) = [ln for ln in out.splitlines() if ln.startswith("stopped at step")]
     steps = int(kept.split()[3].rstrip(";"))
     assert steps >= 2 and kept.endswith(f"steps 1..{steps} are kept in {save}: run again to resume")
+
+
+def test_a_workers_long_catch_up_is_shown_not_silent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker replaying the fitness log (or downloading a snapshot) before it trains says
+    so on eggroll-local's console, not only in its log file."""
+    import sys
+
+    from eggroll_dist.worker.local import _copy_output
+
+    lines = [
+        '{"done": 40, "of": 226, "event": "catching up", "level": "info"}',
+        '{"step": 3, "event": "job skipped", "level": "info"}',
+    ]
+    code = "import sys; sys.stdout.write(sys.argv[1])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "\n".join(lines) + "\n"], stdout=subprocess.PIPE, text=True
+    )
+    _copy_output(proc, tmp_path / "w.log", "local-0").join(30)
+    proc.wait(30)
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == ["local-0: catching up done=40 of=226"], shown
+    assert (tmp_path / "w.log").read_text().splitlines() == lines

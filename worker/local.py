@@ -50,6 +50,7 @@ from ..shared.logs import (
     baselines_text,
     echo,
     held_out_text,
+    readable,
 )
 from ..shared.pinned import GoalError
 from ..shared.progress import YEAR_S, duration_text
@@ -191,7 +192,12 @@ class CoordinatorProcess:
         return max(self.total - step, 0) * seconds / max(done, 1)
 
 
-def _copy_output(proc: subprocess.Popen, log_path: Path) -> threading.Thread:
+# A worker's lines shown on the console too: long work before it trains (a replay of the
+# fitness log, a snapshot's download) is not silence.
+WORKER_SHOWN = ('"event": "catching up"', '"event": "downloading snapshot"')
+
+
+def _copy_output(proc: subprocess.Popen, log_path: Path, name: str) -> threading.Thread:
     """A thread that copies a worker's output into its log file until the worker ends. The
     pipe is always drained: a log file that cannot be written drops lines (and says so on
     stderr once) rather than leave the worker blocked on a full pipe."""
@@ -202,6 +208,8 @@ def _copy_output(proc: subprocess.Popen, log_path: Path) -> threading.Thread:
         try:
             for line in proc.stdout:
                 log.write(line)
+                if any(shown in line for shown in WORKER_SHOWN):
+                    echo(f"{name}: {readable(line.rstrip())}")
         finally:
             log.close()
 
@@ -615,7 +623,7 @@ def _train(
                 env=env,
                 start_new_session=True,
             )
-            copiers.append(_copy_output(proc, layout.worker_log(i)))
+            copiers.append(_copy_output(proc, layout.worker_log(i), f"local-{i}"))
         watch = _Watch(children.procs[1:], layout)
         watch.until_done(coordinator.proc)
         coordinator.thread.join(5)
