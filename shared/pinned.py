@@ -111,14 +111,16 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
 def model_dir(cfg: RunConfig, base: Path | None, confined: bool = True) -> Path:
     """Where an hf run's model directory is: `model.path` under `base` (the config's folder,
     or a worker's --goal-dir). A worker's is `confined`: GoalError when it has no --goal-dir,
-    or the path is absolute or climbs out of it (`..`; links inside it are followed)."""
+    or the path is absolute, a home directory's (`~`, which `resolve` would expand), or
+    climbs out of it (`..`); links inside it are followed."""
     if base is None:
         raise GoalError(
             f"the run fine-tunes the model in {cfg.model.path}: start this worker with "
             "--goal-dir DIR, the folder that holds the run's model directory"
         )
     given = Path(cfg.model.path)
-    if confined and (given.is_absolute() or ".." in given.parts):
+    home = bool(given.parts) and given.parts[0].startswith("~")
+    if confined and (given.is_absolute() or home or ".." in given.parts):
         raise GoalError(
             f"the run's model directory {cfg.model.path} is not inside this worker's goal "
             f"directory {base}: a worker reads goal files only under --goal-dir (give the "

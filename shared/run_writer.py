@@ -68,11 +68,13 @@ class RunWriter:
     @classmethod
     def take(cls, path: str | Path) -> RunWriter:
         """Hold the writer lock of the save directory at `path`, made (with its parents) if
-        it is absent. SaveDirBusy while another writer holds it; OSError when the directory
-        or its lock file cannot be made."""
+        it is absent, readable by its owner only. SaveDirBusy while another writer holds
+        it; OSError when the directory or its lock file cannot be made."""
         layout = Layout(Path(path))
         made_dir = not layout.root.exists()
-        layout.root.mkdir(parents=True, exist_ok=True)
+        layout.root.parent.mkdir(parents=True, exist_ok=True)
+        # Its owner's alone: the fitness log and snapshots are the run (a digest, a replica).
+        layout.root.mkdir(mode=0o700, exist_ok=True)
         made_lock = not layout.lock.exists()
         fd = take_lock(layout)
         assert fd is not None  # created when missing

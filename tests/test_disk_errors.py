@@ -297,7 +297,7 @@ def test_worker_output_on_a_full_disk_is_drained_and_said_once(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    thread = _copy_output(proc, disk / "worker-0.log")
+    thread = _copy_output(proc, disk / "worker-0.log", "local-0")
     assert proc.wait(60) == 0
     thread.join(30)
     assert not thread.is_alive()
@@ -413,7 +413,7 @@ def test_exception_fields_name_our_own_classes_fully() -> None:
 def test_copier_thread_is_a_daemon() -> None:
     """eggroll-local must be able to exit while a worker's output is still being copied."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, text=True)
-    thread = _copy_output(proc, Path(os.devnull))
+    thread = _copy_output(proc, Path(os.devnull), "local-0")
     assert isinstance(thread, threading.Thread) and thread.daemon
     proc.wait(30)
     thread.join(10)

@@ -240,7 +240,7 @@ def test_a_workers_model_path_stays_inside_its_goal_dir(tmp_path: Path) -> None:
 
     cfg = _cfg()
     assert model_dir(cfg, tmp_path) == tmp_path / "tiny"
-    for path in ("../tiny", "/etc/tiny", "a/../../tiny"):
+    for path in ("../tiny", "/etc/tiny", "a/../../tiny", "~/tiny", "~root/tiny"):
         bad = cfg.replace(model=replace(cfg.model, path=path))
         with pytest.raises(GoalError, match="not inside this worker's goal directory"):
             model_dir(bad, tmp_path)

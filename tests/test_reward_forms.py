@@ -243,3 +243,23 @@ def test_a_bad_combination_stops_eggroll_train_in_one_line(
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "must end in ':WEIGHT', a number other than 0" in lines[0], lines
+
+
+def test_the_reward_process_does_not_see_the_runs_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from eggroll_dist.worker.reward import RewardRunner
+
+    monkeypatch.setenv("EGGROLL_TOKEN", "s3cret")
+    monkeypatch.setenv("EGGROLL_TOKEN_FILE", "/etc/eggroll/token")
+    monkeypatch.setenv("EGGROLL_OTHER", "kept")
+    spec = (
+        "lambda text: float(__import__('os').environ.get('EGGROLL_TOKEN') is not None)"
+        " + 2 * float('EGGROLL_TOKEN_FILE' in __import__('os').environ)"
+        " + 4 * float(__import__('os').environ.get('EGGROLL_OTHER') == 'kept')"
+    )
+    runner = RewardRunner(spec, tmp_path)
+    try:
+        assert runner.score(["p"], ["c"], {}) == [4.0]
+    finally:
+        runner.close()

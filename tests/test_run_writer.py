@@ -237,3 +237,9 @@ def test_the_summary_schema_of_a_local_run(tmp_path: Path) -> None:
         "snapshot": str(tmp_path / "snapshots" / "step-00000007.ckpt"),
     }
     assert list(summary)[-4:] == ["steps_per_second", "seconds", "save_dir", "snapshot"]
+
+
+def test_a_new_save_directory_is_its_owners_alone(tmp_path: Path) -> None:
+    writer = RunWriter.open(tmp_path / "deep" / "run", CFG, tmp_path)
+    writer.close()
+    assert (tmp_path / "deep" / "run").stat().st_mode & 0o777 == 0o700

@@ -253,6 +253,12 @@ def _child(parts: str, base: str, fd_in: str, fd_out: str) -> None:
             answer({"error": str(exc)})
 
 
+def _reward_env() -> dict[str, str]:
+    """The worker's environment less its secrets: a reward is user code, and the run's
+    token (EGGROLL_TOKEN, or the file EGGROLL_TOKEN_FILE names) is none of its business."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("EGGROLL_TOKEN")}
+
+
 class RewardRunner:
     """The reward function of a run in a child process, started on first use and again after
     a timeout; `score` raises RewardError with one line when the reward fails."""
@@ -295,6 +301,7 @@ class RewardRunner:
             stdin=subprocess.DEVNULL,
             pass_fds=(to_r, from_w),
             start_new_session=True,  # Ctrl-C is the worker's to handle; a kill takes the group
+            env=_reward_env(),
         )
         os.close(to_r)
         os.close(from_w)
