@@ -12,6 +12,8 @@ from ..protocol import Message
 from .events import Event
 
 __all__ = [
+    "LOG_BURST",
+    "LOG_PER_S",
     "Command",
     "Output",
     "Peer",
@@ -24,6 +26,10 @@ __all__ = [
 ]
 
 # --- commands (what the shell carries out) ---------------------------------------------------
+
+
+LOG_BURST = 20  # LOG lines a worker may send at once (a Peer's allowance)
+LOG_PER_S = 1.0  # and then this many a second
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,10 @@ class Peer:
     # asked for work (a hung worker does neither)
     worked: float = 0.0
     stalled: bool = False  # reported as stalled (`Stalled`), until its next RESULT
+    # Its LOG lines: a bucket of LOG_BURST refilled at LOG_PER_S, and those dropped since
+    log_allowance: float = float("inf")  # full at its first line
+    log_at: float = 0.0
+    logs_dropped: int = 0
 
     # What stands for its machine in the checks: its certificate's identity (mutual TLS
     # with --machine-identity certificate), else its address without the port

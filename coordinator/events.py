@@ -311,6 +311,15 @@ class WorkerLog(Event):
 
 
 @dataclass(frozen=True)
+class WorkerLogsDropped(Event):
+    """A worker sent LOG lines faster than the coordinator's log takes them: these were
+    dropped (said with its next line that goes through)."""
+
+    worker: str
+    lines: int
+
+
+@dataclass(frozen=True)
 class WorkerError(Event):
     worker: str
     code: int

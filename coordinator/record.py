@@ -19,6 +19,7 @@ from ..shared.logs import PROGRESS, SAMPLE, STEP, VALIDATION, held_out_fields
 from ..shared.save_dir import DIGESTS_LOG, HISTORY_LOG, RUN_FILE
 from ..shared.tracking import CurveSink
 from . import events
+from .core_types import LOG_PER_S
 from .jobs import Outcome
 from .metrics import Metrics
 
@@ -260,6 +261,13 @@ def _record_workers(
             )
         case events.WorkerLog():
             log.info("worker log", worker=event.worker, level=event.level, text=event.text)
+        case events.WorkerLogsDropped():
+            log.warning(
+                "worker log lines dropped",
+                worker=event.worker,
+                lines=event.lines,
+                hint=f"a worker's LOG lines are kept at {LOG_PER_S:g} a second at most",
+            )
         case events.WorkerError():
             log.warning("worker error", worker=event.worker, code=event.code, text=event.text)
         case _:

@@ -87,7 +87,18 @@ from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
-from .core_types import Output, Peer, RunOptions, Send, ServeSnapshot, Status, StoreSnapshot, Want
+from .core_types import (
+    LOG_BURST,
+    LOG_PER_S,
+    Output,
+    Peer,
+    RunOptions,
+    Send,
+    ServeSnapshot,
+    Status,
+    StoreSnapshot,
+    Want,
+)
 from .events import (
     CatchupServed,
     ChunkAccepted,
@@ -113,6 +124,7 @@ from .events import (
     Validated,
     WorkerError,
     WorkerLog,
+    WorkerLogsDropped,
 )
 from .jobs import ChunkTimer, Clock, Outcome, StepJobs
 from .store import RunStore, WriteFailure
@@ -742,7 +754,20 @@ class RunCore:
         return []
 
     def _on_log(self, peer: Peer, msg: messages.Log) -> list[Output]:
-        return [WorkerLog(peer.name, int(msg.level), msg.text)]
+        """A worker's line for the coordinator's log, within its allowance: a worker must
+        not fill the disk or drown the log (LOG_BURST at once, then LOG_PER_S a second)."""
+        now = self.clock()
+        refill = (now - peer.log_at) * LOG_PER_S
+        peer.log_allowance, peer.log_at = min(LOG_BURST, peer.log_allowance + refill), now
+        if peer.log_allowance < 1:
+            peer.logs_dropped += 1
+            return []
+        peer.log_allowance -= 1
+        out: list[Output] = []
+        if peer.logs_dropped:
+            out.append(WorkerLogsDropped(peer.name, peer.logs_dropped))
+            peer.logs_dropped = 0
+        return [*out, WorkerLog(peer.name, int(msg.level), msg.text)]
 
     def _on_error(self, peer: Peer, msg: messages.Error) -> list[Output]:
         return [WorkerError(peer.name, int(msg.code), msg.message)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
-from helpers import Network, Worker, digest_at, sends, sync_replica
+from helpers import UNIT_CFG, Network, Worker, digest_at, sends, sync_replica, words_data_dir
 
 from eggroll_dist.coordinator import trust as trust_module
 from eggroll_dist.coordinator.core_types import Want
@@ -30,6 +29,8 @@ from eggroll_dist.coordinator.events import (
     SharedIdentity,
     Stalled,
     Undecided,
+    WorkerLog,
+    WorkerLogsDropped,
 )
 from eggroll_dist.coordinator.jobs import STALL_S
 from eggroll_dist.coordinator.metrics import CHECK_RESULTS
@@ -49,7 +50,7 @@ from eggroll_dist.protocol import (
     unpack_ternary,
 )
 from eggroll_dist.protocol.errors import ADDRESS_OUTVOTED
-from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
+from eggroll_dist.shared.config import ESConfig, RunConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.logs import (
     EVENT_FIELDS,
@@ -72,7 +73,6 @@ from eggroll_dist.worker import session as session_module
 from eggroll_dist.worker.backend import ChunkResult, HeldOut
 from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.session import (
     Ended,
     ExportSnapshot,
@@ -83,21 +83,12 @@ from eggroll_dist.worker.session import (
 )
 
 # 16 members in 2 chunks of 8; validation only when a test asks for it.
-CFG = RunConfig(
-    model=ModelConfig(n_layer=1, d_model=16),
-    es=ESConfig(population=16, chunk_size=8, seq_len=8),
-    validation=ValidationConfig(every_steps=0, max_tokens=64),
-)
+CFG = UNIT_CFG.replace(validation=ValidationConfig(every_steps=0, max_tokens=64))
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
-    docs = [" ".join(rng.choice(words) for _ in range(200)).encode() for _ in range(20)]
-    out = tmp_path_factory.mktemp("data")
-    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
-    return load_data_dir(out)
+    return load_data_dir(words_data_dir(tmp_path_factory.mktemp("data"), docs=20, words=200))
 
 
 @pytest.fixture
@@ -290,6 +281,33 @@ def test_a_second_worker_of_the_same_name_is_reported(store: RunStore, dataset: 
     (said,) = [e for e in net.events if isinstance(e, NameShared)]
     assert said.worker == "w1" and said.address == "other:w1" and said.other == "mem:w1"
     net.train(1)  # both still work for the run
+
+
+def test_a_workers_log_lines_are_kept_within_an_allowance(
+    store: RunStore, dataset: Dataset
+) -> None:
+    """A worker flooding LOG lines gets LOG_BURST through at once and LOG_PER_S a second
+    after that; the rest are dropped and counted with its next line that goes through."""
+    from eggroll_dist.coordinator.core_types import LOG_BURST, LOG_PER_S
+
+    net = Network(store, dataset)
+    w = net.join("chatty")
+    net.run()
+
+    def say(n: int) -> list:
+        out = []
+        for i in range(n):
+            out += net.core.receive(w.peer, messages.Log(messages.LogLevel.INFO, f"line {i}"))
+        return out
+
+    first = say(LOG_BURST + 80)
+    assert [type(e) for e in first] == [WorkerLog] * LOG_BURST
+    net.clock.now += 2 / LOG_PER_S  # room for two more
+    later = say(5)
+    assert isinstance(later[0], WorkerLogsDropped) and later[0].lines == 80
+    assert [type(e) for e in later[1:]] == [WorkerLog, WorkerLog]
+    dropped = [e for e in say(1) if isinstance(e, WorkerLogsDropped)]
+    assert dropped == []  # nothing through, nothing said: the 3 of `later` wait for the next
 
 
 def test_commit_is_logged_before_any_step_is_sent(store: RunStore, dataset: Dataset) -> None:
