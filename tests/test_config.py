@@ -14,6 +14,7 @@ from eggroll_dist.shared.config import (
     PRESETS,
     ConfigError,
     ESConfig,
+    FitnessConfig,
     ModelConfig,
     RunConfig,
     config_difference,
@@ -173,3 +174,19 @@ def test_a_weighted_reward_combination_round_trips(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as err:
             load_config(path)
         assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_reward_chunk_too_large_to_hold_is_refused() -> None:
+    """A config a coordinator sends must not make a worker allocate what no machine has
+    (8,786 members x 1,024 prompts x 4,096 tokens was 275 GiB in one array)."""
+    fitness = FitnessConfig(
+        objective="reward",
+        reward="builtin:letter_e",
+        prompts="data",
+        prompts_per_step=1024,
+        completion_tokens=4096,
+    )
+    with pytest.raises(ConfigError, match="tokens a chunk; the limit is 67,108,864"):
+        RunConfig(es=ESConfig(population=17572, chunk_size=8786), fitness=fitness)
+    small = dataclasses.replace(fitness, prompts_per_step=8, completion_tokens=64)
+    RunConfig(es=ESConfig(population=17572, chunk_size=8786), fitness=small)

@@ -47,6 +47,7 @@ DATA_PROMPTS = "data"
 # Each reward lies within ±MAX_REWARD, and a chunk's sum crosses the wire (RESULT's
 # loss_sum) as an integer in REWARD_UNITs, which stays inside int64 (`check` bounds
 # chunk_size * prompts_per_step).
+MAX_CHUNK_TOKENS = 1 << 26  # completion tokens of one chunk (512 MiB as int64)
 MAX_REWARD = 1e6
 REWARD_UNIT = 1e-6
 
@@ -218,6 +219,14 @@ def check(cfg: RunConfig) -> str | None:
         value = getattr(f, name)
         if not lo <= value <= hi:
             return f"fitness.{name}={value} must be {lo}..{hi}"
+    # What a worker holds for one chunk's completions (members x prompts x tokens): a
+    # config from a coordinator must not make it allocate what no machine has.
+    generated = cfg.es.chunk_size * f.prompts_per_step * f.completion_tokens
+    if generated > MAX_CHUNK_TOKENS:
+        return (
+            f"es.chunk_size * fitness.prompts_per_step * fitness.completion_tokens is "
+            f"{generated:,} tokens a chunk; the limit is {MAX_CHUNK_TOKENS:,}"
+        )
     # A chunk's reward sum crosses the wire in millionths of at most 1e6 each.
     if cfg.es.chunk_size * f.prompts_per_step >= 9_000_000:
         return "es.chunk_size * fitness.prompts_per_step must be below 9,000,000 completions"
