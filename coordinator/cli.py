@@ -23,9 +23,15 @@ from ..shared.cli import (
     OneLineError,
     command,
     config_options,
+    data_dir_option,
+    every_option,
     init_from_option,
     log_format_option,
+    metrics_port_option,
+    pem_option,
     run_config,
+    save_dir_option,
+    token_file_option,
     tracking_options,
 )
 from ..shared.config import ConfigError, RunConfig
@@ -195,12 +201,7 @@ def _serve(
 
 
 @command()
-@click.option(
-    "--save-dir",
-    default=None,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Run directory: created for a new run, resumed when it holds one.",
-)
+@save_dir_option(None, "Run directory: created for a new run, resumed when it holds one.")
 @click.option(
     "--host",
     default="0.0.0.0",
@@ -221,19 +222,13 @@ def _serve(
     default=None,
     help="Once this many steps are committed: final snapshot, exit 0.",
 )
-@click.option(
-    "--snapshot-every",
-    type=click.IntRange(min=0),
-    default=100,
-    show_default=True,
-    help="Snapshot the replica state every K steps (0: only at the end).",
+@every_option(
+    "--snapshot-every", 100, "Snapshot the replica state every K steps (0: only at the end)."
 )
-@click.option(
+@every_option(
     "--sample-every",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Log a sample of the model's writing every N steps, written by an idle worker (0: never).",
+    0,
+    "Log a sample of the model's writing every N steps, written by an idle worker (0: never).",
 )
 @click.option(
     "--keep-snapshots",
@@ -262,49 +257,25 @@ def _serve(
     "machine is checked from then on. 1: every chunk twice, so that no result counts "
     "without a second machine's; 0: off.",
 )
-@click.option(
-    "--metrics-port",
-    default=12346,
-    show_default=True,
-    type=click.IntRange(0, 65535),
-    help="Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off).",
-)
+@metrics_port_option("Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off).")
 @click.option(
     "--metrics-host",
     default="127.0.0.1",
     show_default=True,
     help="Address of the metrics endpoint (it has no token: open it to a trusted network only).",
 )
-@click.option(
-    "--token-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help=f"File holding the shared secret workers must present (mode 600; or ${TOKEN_ENV}). "
-    "Without one, only this machine may connect.",
+@token_file_option(
+    f"File holding the shared secret workers must present (mode 600; or ${TOKEN_ENV}). "
+    "Without one, only this machine may connect."
 )
 @click.option(
     "--new-token",
     is_flag=True,
     help="Print a fresh token and the commands that use it, then exit.",
 )
-@click.option(
-    "--tls-cert",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="Serve TLS with this certificate (PEM; with --tls-key).",
-)
-@click.option(
-    "--tls-key",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="The private key of --tls-cert (PEM).",
-)
-@click.option(
-    "--tls-client-ca",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="Require worker certificates signed by this CA (mutual TLS).",
-)
+@pem_option("--tls-cert", "Serve TLS with this certificate (PEM; with --tls-key).")
+@pem_option("--tls-key", "The private key of --tls-cert (PEM).")
+@pem_option("--tls-client-ca", "Require worker certificates signed by this CA (mutual TLS).")
 @click.option(
     "--machine-identity",
     type=click.Choice(["address", "certificate"]),
@@ -315,12 +286,11 @@ def _serve(
     "for machines behind one NAT or with several addresses. Give each machine a "
     "certificate of its own: machines sharing one count as one.",
 )
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="The run's data directory, if this host has it: workers must hold the same data "
+@data_dir_option(
+    None,
+    "The run's data directory, if this host has it: workers must hold the same data "
     "(and its baselines go into history.log and the tracked curves).",
+    exists=True,
 )
 @click.option(
     "--data-digest",

@@ -16,6 +16,11 @@ from .pinned import pin
 
 F = TypeVar("F", bound=Callable[..., object])
 
+METRICS_PORT = 12346  # the coordinator's Prometheus endpoint
+DATA_DIR_HELP = (
+    "Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare)."
+)
+
 
 class OneLineError(click.ClickException):
     """A setting that can never work as given (a refused worker, a bad token file, a usage
@@ -30,6 +35,16 @@ def cannot_write(exc: OSError, where: str | Path) -> click.ClickException:
     (shared.atomic_file names the file being replaced, not its temporary), else `where`."""
     path = exc.filename if exc.filename is not None else where
     return click.ClickException(f"cannot write {path}: {os_error_text(exc)}")
+
+
+def _option(
+    flag: str, kind: click.ParamType, default: Any, help: str, metavar: str | None = None
+) -> Callable[[F], F]:
+    """An option whose default, where it has one, shows in --help."""
+    shown = None if default is None else True  # None: click's own rule (nothing to show)
+    return click.option(
+        flag, type=kind, default=default, show_default=shown, metavar=metavar, help=help
+    )
 
 
 def config_options(what: str = "") -> Callable[[F], F]:
@@ -126,25 +141,73 @@ def threads_option(f: F) -> F:
 
 def init_from_option(f: F) -> F:
     """`--init-from FILE` (passed as init_from): start a new run from a trained replica."""
-    return click.option(
+    return _option(
         "--init-from",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help="Start a new run from this checkpoint or snapshot's weights (fine-tuning, e.g. "
-        "with a reward); the run config records it and its replica digest.",
+        click.Path(dir_okay=False, path_type=Path),
+        None,
+        "Start a new run from this checkpoint or snapshot's weights (fine-tuning, e.g. with a "
+        "reward); the run config records it and its replica digest.",
     )(f)
 
 
 def reward_timeout_option(f: F) -> F:
     """`--reward-timeout SECONDS` (passed as reward_timeout): the reward's time per chunk."""
-    return click.option(
+    return _option(
         "--reward-timeout",
-        type=click.FloatRange(min=0, min_open=True),
-        default=120.0,
-        show_default=True,
-        help="Seconds the reward function may take on one chunk's completions before it is "
+        click.FloatRange(min=0, min_open=True),
+        120.0,
+        "Seconds the reward function may take on one chunk's completions before it is "
         "stopped (reward runs).",
     )(f)
+
+
+def data_dir_option(
+    default: Path | None, help: str, *, exists: bool = False, file_okay: bool = False
+) -> Callable[[F], F]:
+    """`--data-dir DIR` (passed as data_dir): a data directory of `eggroll-data prepare`."""
+    kind = click.Path(file_okay=file_okay, exists=exists, path_type=Path)
+    return _option("--data-dir", kind, default, help)
+
+
+def save_dir_option(default: Path | None, help: str) -> Callable[[F], F]:
+    """`--save-dir DIR` (passed as save_dir): the run directory, resumed when it holds a run."""
+    return _option("--save-dir", click.Path(file_okay=False, path_type=Path), default, help)
+
+
+def steps_option(default: int | None, help: str) -> Callable[[F], F]:
+    """`--steps N` (passed as steps): the steps of the run in all."""
+    return _option("--steps", click.IntRange(min=1), default, help)
+
+
+def every_option(flag: str, default: int, help: str) -> Callable[[F], F]:
+    """An every-N-steps option such as `--snapshot-every` (0 turns it off)."""
+    return _option(flag, click.IntRange(min=0), default, help)
+
+
+def metrics_port_option(help: str) -> Callable[[F], F]:
+    """`--metrics-port PORT` (passed as metrics_port): the coordinator's Prometheus endpoint."""
+    return _option("--metrics-port", click.IntRange(0, 65535), METRICS_PORT, help)
+
+
+def summary_json_option(f: F) -> F:
+    """`--summary-json FILE` (passed as summary_json): where the run summary goes."""
+    kind = click.Path(dir_okay=False, path_type=Path)
+    return _option("--summary-json", kind, None, "Write the run summary here as JSON.")(f)
+
+
+def max_minutes_option(help: str) -> Callable[[F], F]:
+    """`--max-minutes M` (passed as max_minutes): a wall-time limit of the run."""
+    return _option("--max-minutes", click.FloatRange(min=0, min_open=True), None, help)
+
+
+def token_file_option(help: str) -> Callable[[F], F]:
+    """`--token-file FILE` (passed as token_file): the file holding the run's token."""
+    return _option("--token-file", click.Path(dir_okay=False, path_type=Path), None, help)
+
+
+def pem_option(flag: str, help: str) -> Callable[[F], F]:
+    """A TLS file option such as `--tls-cert` (an existing PEM file, or None)."""
+    return _option(flag, click.Path(dir_okay=False, exists=True, path_type=Path), None, help)
 
 
 def run_config(
@@ -163,18 +226,18 @@ def run_config(
 def tracking_options(f: F) -> F:
     """`--tensorboard DIR` and `--wandb-project NAME` (passed as tensorboard, wandb_project):
     experiment tracking, off unless asked for (shared/tracking.py)."""
-    f = click.option(
+    f = _option(
         "--wandb-project",
-        default=None,
-        metavar="NAME",
-        help="Log the curves to this W&B project (the run resumes with its save directory; "
+        click.STRING,
+        None,
+        "Log the curves to this W&B project (the run resumes with its save directory; "
         "WANDB_MODE=offline keeps it local). Needs the track extra.",
+        metavar="NAME",
     )(f)
-    return click.option(
+    return _option(
         "--tensorboard",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=None,
+        click.Path(file_okay=False, path_type=Path),
+        None,
+        "Write TensorBoard event files of the curves into this directory. Needs the track extra.",
         metavar="DIR",
-        help="Write TensorBoard event files of the curves into this directory. Needs the track "
-        "extra.",
     )(f)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import shlex
 import signal
 import subprocess
@@ -16,23 +15,16 @@ from typing import Any
 
 import pytest
 
-from eggroll_dist.worker.data.build import prepare_data_dir
-
 # Test files share `helpers.py` (pytest's importlib mode puts no test folder on the path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import command
+from helpers import command, words_data_dir
 
 
 @pytest.fixture(scope="session")
 def words_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level data directory with some structure to learn."""
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
-    docs = [" ".join(rng.choice(words) for _ in range(400)).encode() for _ in range(40)]
-    out = tmp_path_factory.mktemp("words")
-    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
-    return out
+    return words_data_dir(tmp_path_factory.mktemp("words"))
 
 
 class Proc:

@@ -38,12 +38,19 @@ from eggroll_dist.protocol import (
     messages,
     unpack_ternary,
 )
-from eggroll_dist.shared.config import load_config
+from eggroll_dist.shared.config import (
+    ESConfig,
+    ModelConfig,
+    RunConfig,
+    ValidationConfig,
+    load_config,
+)
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.save_dir import SaveDir
 from eggroll_dist.worker.backend import BackendFactory
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
+from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.link import Executor as WorkerExecutor
 from eggroll_dist.worker.replica import Replica
 from eggroll_dist.worker.session import Ended, Identity, Phase, Session, WorkerFatal
@@ -98,9 +105,36 @@ max_tokens = 200
 """
 
 
+# A run in one process: 16 members in 2 chunks of 8, a layer of 16, validation at the end only.
+UNIT_CFG = RunConfig(
+    model=ModelConfig(n_layer=1, d_model=16),
+    es=ESConfig(population=16, chunk_size=8, seq_len=8),
+    validation=ValidationConfig(every_steps=0, max_tokens=256),
+)
+
+
 def command(name: str) -> str:
     """A console script of the installation under test."""
     return str(Path(sys.executable).with_name(name))
+
+
+def words_data_dir(out: Path, docs: int = 40, words: int = 400) -> Path:
+    """A byte-level data directory in `out` of `docs` documents, each `words` words drawn
+    (seeded) from ten: some structure to learn."""
+    rng = random.Random(0)
+    vocab = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
+    texts = [" ".join(rng.choice(vocab) for _ in range(words)).encode() for _ in range(docs)]
+    prepare_data_dir(texts, out, "test:words", valid_fraction=0.2)
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has ended: its parent has not reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 _PORTS_GIVEN: set[int] = set()

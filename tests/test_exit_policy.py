@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, command
+from helpers import TINY_RUN, command, running
 
 from eggroll_dist.worker.exits import (
     FAILED,
@@ -115,14 +115,6 @@ def _local(
     return done, [int(p) for p in pids.read_text().split()]
 
 
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_a_worker_that_computes_differently_ends_alone(words_data: Path, tmp_path: Path) -> None:
     """local-1 exits with 3: local-0 trains the run to its end, and eggroll-local's status is
     3 (the run is complete, but one worker computes differently)."""
@@ -138,7 +130,7 @@ def test_a_worker_that_refuses_the_run_stops_it(words_data: Path, tmp_path: Path
     done, pids = _local(tmp_path, words_data, 2, workers=2, steps=1_000_000)
     assert done.returncode == 2, done.stdout
     assert "Error: worker 1 exited with code 2; see " in done.stdout
-    assert not [pid for pid in pids if _running(pid)]
+    assert not [pid for pid in pids if running(pid)]
 
 
 def test_with_no_worker_left_the_coordinator_is_stopped(words_data: Path, tmp_path: Path) -> None:

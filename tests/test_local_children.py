@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, command
+from helpers import TINY_RUN, command, running
 
 from eggroll_dist.worker.local import _dies_with
 
@@ -43,15 +43,6 @@ local.main()
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie has ended: its parent has not reaped it yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid`."""
     found = []
@@ -68,7 +59,7 @@ def _children(pid: int) -> list[int]:
 def _kill_all(pids: list[int]) -> None:
     """Only after a failed test: leave nothing running."""
     for pid in pids:
-        if _running(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -103,7 +94,7 @@ def test_ctrl_c_as_a_child_is_made_stops_it_too(
             timeout=120,
         )
     started = [int(p) for p in pids.read_text().split()]
-    left = [pid for pid in started if _running(pid)]
+    left = [pid for pid in started if running(pid)]
     _kill_all(left)
     text = (tmp_path / "out").read_text()
     assert proc.returncode == 130, text
@@ -132,9 +123,9 @@ def test_children_of_a_killed_eggroll_local_stop(words_data: Path, tmp_path: Pat
         proc.kill()
         proc.wait(30)
         deadline = time.monotonic() + 60
-        while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        while any(running(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [pid for pid in children if _running(pid)], out_path.read_text()
+        assert not [pid for pid in children if running(pid)], out_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

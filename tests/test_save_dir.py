@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import UNIT_CFG
 
 from eggroll_dist.coordinator.store import RunStore
 from eggroll_dist.protocol.ternary import pack_ternary, unpack_ternary
-from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, ValidationConfig
+from eggroll_dist.shared.config import ESConfig
 from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
 from eggroll_dist.shared.replica import ReplicaState, replay, save_checkpoint
@@ -32,12 +33,7 @@ from eggroll_dist.shared.save_dir import (
 )
 from eggroll_dist.worker.train import main as train_main
 
-CFG = RunConfig(
-    model=ModelConfig(n_layer=1, d_model=16),
-    es=ESConfig(population=16, chunk_size=8, seq_len=8),
-    validation=ValidationConfig(every_steps=0, max_tokens=256),
-    steps=3,
-)
+CFG = UNIT_CFG.replace(steps=3)
 STEPS = 6
 
 

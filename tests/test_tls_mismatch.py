@@ -10,14 +10,18 @@ from typing import Any
 from helpers import TINY_RUN, start_coordinator, start_worker
 
 
+def _coordinator(spawn: Callable[..., Any], tmp_path: Path, *tls: Path | str) -> tuple[Any, int]:
+    """eggroll-coordinator of a tiny run (TLS with `tls` flags); it and its port."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_RUN)
+    return start_coordinator(spawn, tmp_path / "run", config, *tls)
+
+
 def test_a_plain_worker_at_a_tls_coordinator_is_told_to_give_tls_ca(
     spawn: Callable[..., Any], words_data: Path, tmp_path: Path, tls_certs: dict
 ) -> None:
     ca = tls_certs["ca"]
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_RUN)
-    tls = ("--tls-cert", ca["srv.pem"], "--tls-key", ca["srv.key"])
-    _, port = start_coordinator(spawn, tmp_path / "run", config, *tls)
+    _, port = _coordinator(spawn, tmp_path, "--tls-cert", ca["srv.pem"], "--tls-key", ca["srv.key"])
     worker = start_worker(spawn, port, words_data)
     assert worker.wait(90) == 2, "\n".join(worker.lines[-10:])
     last = worker.lines[-1]
@@ -27,11 +31,8 @@ def test_a_plain_worker_at_a_tls_coordinator_is_told_to_give_tls_ca(
 def test_a_tls_worker_at_a_plain_coordinator_is_told_it_serves_plain_tcp(
     spawn: Callable[..., Any], words_data: Path, tmp_path: Path, tls_certs: dict
 ) -> None:
-    ca = tls_certs["ca"]
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_RUN)
-    coord, port = start_coordinator(spawn, tmp_path / "run", config)
-    worker = start_worker(spawn, port, words_data, "w", "--tls-ca", str(ca["ca.pem"]))
+    coord, port = _coordinator(spawn, tmp_path)
+    worker = start_worker(spawn, port, words_data, "w", "--tls-ca", str(tls_certs["ca"]["ca.pem"]))
     assert worker.wait(90) == 2, "\n".join(worker.lines[-10:])
     assert "answered without TLS: it serves plain TCP" in worker.lines[-1], worker.lines[-1]
     said = coord.wait_for(lambda e: e.get("event") == "protocol error", 30, "protocol error")

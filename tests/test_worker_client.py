@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import structlog
+from helpers import words_data_dir
 
 from eggroll_dist.protocol import (
     LATEST_SNAPSHOT,
@@ -52,7 +52,6 @@ from eggroll_dist.worker.backend import (
 )
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import DIVERGED_ATTEMPTS, WorkerClient, WorkerFatal
-from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.link import TLS_REFUSALS, Link, LinkOptions
 from eggroll_dist.worker.replica import Replica
 from eggroll_dist.worker.session import Ended, Identity
@@ -86,12 +85,7 @@ def state_at(step: int) -> ReplicaState:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "eggroll", "int8", "worker"]
-    docs = [" ".join(rng.choice(words) for _ in range(200)).encode() for _ in range(20)]
-    out = tmp_path_factory.mktemp("data")
-    prepare_data_dir(docs, out, "test:words", valid_fraction=0.2)
-    return out
+    return words_data_dir(tmp_path_factory.mktemp("data"), docs=20, words=200)
 
 
 @pytest.fixture(scope="module")

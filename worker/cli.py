@@ -26,11 +26,15 @@ from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, client_tls_context, load_token
 from ..shared.cli import (
+    DATA_DIR_HELP,
     OneLineError,
     command,
+    data_dir_option,
     log_format_option,
+    pem_option,
     reward_timeout_option,
     threads_option,
+    token_file_option,
 )
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
@@ -95,13 +99,7 @@ async def _serve(client: WorkerClient) -> None:
     show_default=True,
     help="Coordinator port; a port in HOST:PORT wins.",
 )
-@click.option(
-    "--data-dir",
-    type=click.Path(path_type=Path),
-    default=Path("data"),
-    show_default=True,
-    help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
-)
+@data_dir_option(Path("data"), DATA_DIR_HELP, file_okay=True)
 @click.option(
     "--backend",
     type=click.Choice(["auto", "numpy", "cupy", "torch"]),
@@ -115,30 +113,15 @@ async def _serve(client: WorkerClient) -> None:
     default=None,
     help="Name in the coordinator's logs and metrics [default: HOSTNAME-PID].",
 )
-@click.option(
-    "--token-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="File holding the coordinator's token (mode 600; or the EGGROLL_TOKEN variable).",
+@token_file_option(
+    "File holding the coordinator's token (mode 600; or the EGGROLL_TOKEN variable)."
 )
-@click.option(
-    "--tls-ca",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="Connect with TLS, trusting this CA for the coordinator's certificate.",
-)
-@click.option(
+@pem_option("--tls-ca", "Connect with TLS, trusting this CA for the coordinator's certificate.")
+@pem_option(
     "--tls-cert",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="This worker's certificate, for a coordinator that requires one (with --tls-key).",
+    "This worker's certificate, for a coordinator that requires one (with --tls-key).",
 )
-@click.option(
-    "--tls-key",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="The private key of --tls-cert (PEM).",
-)
+@pem_option("--tls-key", "The private key of --tls-cert (PEM).")
 @log_format_option
 @click.option(
     "--batch-members",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from ..shared.cli import cannot_write, command
+from ..shared.cli import cannot_write, command, data_dir_option
 from ..shared.data import BYTE_VOCAB_SIZE, TOKENIZER_FILE, DataError, read_meta
 from ..shared.hf_dir import ModelDirError, check_model_dir, require_hf
 from ..shared.logs import echo
@@ -112,12 +112,8 @@ def _check_out(out: Path, source: Path, force: bool) -> None:
     "model.safetensors, config.json (and tokenizer.json), or an hf run's model or adapter.",
 )
 @click.option("--step", type=int, default=None, help="Step to export (default: the last).")
-@click.option(
-    "--data-dir",
-    default=Path("data"),
-    show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="The run's data directory: its tokenizer.json, for a BPE vocabulary.",
+@data_dir_option(
+    Path("data"), "The run's data directory: its tokenizer.json, for a BPE vocabulary."
 )
 @click.option(
     "--model-dir",

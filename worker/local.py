@@ -30,9 +30,15 @@ from ..shared.cli import (
     cannot_write,
     command,
     config_options,
+    data_dir_option,
+    every_option,
     init_from_option,
+    metrics_port_option,
     reward_timeout_option,
     run_config,
+    save_dir_option,
+    steps_option,
+    summary_json_option,
     threads_option,
     tracking_options,
 )
@@ -282,12 +288,7 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     type=click.IntRange(1, 64),
     help="Workers to start; they share this machine's cores.",
 )
-@click.option(
-    "--steps",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Train until this many steps are committed in total (default: the config's).",
-)
+@steps_option(None, "Train until this many steps are committed in total (default: the config's).")
 @click.option(
     "--more",
     type=click.IntRange(min=1),
@@ -295,47 +296,14 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     help="Train this many steps beyond those the run already has (instead of --steps).",
 )
 @config_options()
-@click.option(
-    "--save-dir",
-    default=Path("checkpoints/local"),
-    show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Run directory (resumed if it holds a run).",
+@save_dir_option(Path("checkpoints/local"), "Run directory (resumed if it holds a run).")
+@data_dir_option(Path("data"), "Data directory (the built-in corpus is prepared there if missing).")
+@every_option("--snapshot-every", 100, "Steps between snapshots (0: only the final one).")
+@every_option(
+    "--sample-every", 100, "Print a sample of the model's writing every N steps (0: never)."
 )
-@click.option(
-    "--data-dir",
-    default=Path("data"),
-    show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Data directory (the built-in corpus is prepared there if missing).",
-)
-@click.option(
-    "--snapshot-every",
-    default=100,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Steps between snapshots (0: only the final one).",
-)
-@click.option(
-    "--sample-every",
-    default=100,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Print a sample of the model's writing every N steps (0: never).",
-)
-@click.option(
-    "--metrics-port",
-    default=12346,
-    show_default=True,
-    type=click.IntRange(0, 65535),
-    help="The coordinator's Prometheus endpoint (0: off).",
-)
-@click.option(
-    "--summary-json",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the run summary here as JSON.",
-)
+@metrics_port_option("The coordinator's Prometheus endpoint (0: off).")
+@summary_json_option
 @init_from_option
 @reward_timeout_option
 @tracking_options

@@ -26,6 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import click
@@ -33,7 +34,7 @@ import click
 from ..protocol import DEFAULT_PORT
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..protocol.security import TokenError, load_token
-from ..shared.cli import OneLineError, command
+from ..shared.cli import OneLineError, command, token_file_option
 from ..shared.logs import readable
 from .cli import parse_address
 from .exits import FAULTY, KILLED, LOST, LOST_KIND, STOPPED, Tally, exit_policy, killed_by
@@ -319,13 +320,9 @@ def _plan(ray: Any, device: str, workers: int | None, cpus_per_worker: float) ->
     "several nodes, NAME-gpu0-0, NAME-gpu0-1, ... numbered across them) [default: each "
     "node's short host name].",
 )
-@click.option(
-    "--token-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="EGGROLL_TOKEN_FILE",
-    help="File holding the coordinator's token, read here (mode 600; or the EGGROLL_TOKEN "
-    "variable); the workers get it in their environment, not on their command line.",
+@token_file_option(
+    "File holding the coordinator's token, read here (mode 600; or the EGGROLL_TOKEN "
+    "variable); the workers get it in their environment, not on their command line."
 )
 @click.option(
     "--start-timeout-s",
@@ -360,7 +357,7 @@ def main(
     workers: int | None,
     cpus_per_worker: float,
     name: str | None,
-    token_file: str | None,
+    token_file: Path | None,
     start_timeout_s: float,
     replace_lost: int,
     stop_timeout_s: float,

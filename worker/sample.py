@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from ..shared.cli import command
+from ..shared.cli import command, data_dir_option
 from ..shared.data import (
     DECODING_FILE,
     META_FILE,
@@ -80,12 +80,9 @@ def _terminal_styles() -> tuple[str, str]:
 
 @command()
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option(
-    "--data-dir",
-    default=Path("data"),
-    show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Data directory of the run: its vocabulary (and held-out prompts); checked against "
+@data_dir_option(
+    Path("data"),
+    "Data directory of the run: its vocabulary (and held-out prompts); checked against "
     "the data digest the run records.",
 )
 @click.option(

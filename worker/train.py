@@ -27,14 +27,21 @@ import structlog
 from ..protocol.ternary import pack_ternary, unpack_ternary
 from ..shared.atomic_file import naming
 from ..shared.cli import (
+    DATA_DIR_HELP,
     OneLineError,
     cannot_write,
     command,
     config_options,
+    data_dir_option,
+    every_option,
     init_from_option,
     log_format_option,
+    max_minutes_option,
     reward_timeout_option,
     run_config,
+    save_dir_option,
+    steps_option,
+    summary_json_option,
     threads_option,
     tracking_options,
 )
@@ -317,52 +324,25 @@ def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta:
 
 
 @command()
-@click.option(
-    "--data-dir",
-    default=Path("data"),
-    show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Directory with input.bin, valid.bin, decoding.bin, meta.json (eggroll-data prepare).",
-)
+@data_dir_option(Path("data"), DATA_DIR_HELP)
 @config_options()
-@click.option(
-    "--steps",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Steps to train (default: the config's).",
-)
-@click.option(
-    "--summary-json",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the run summary here as JSON.",
-)
-@click.option(
-    "--save-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Keep the fitness log and the final snapshot here; a run already there continues "
+@steps_option(None, "Steps to train (default: the config's).")
+@summary_json_option
+@save_dir_option(
+    None,
+    "Keep the fitness log and the final snapshot here; a run already there continues "
     "up to --steps.",
 )
-@click.option(
-    "--max-minutes",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Stop after the step during which this much wall time has passed (then validate).",
+@max_minutes_option(
+    "Stop after the step during which this much wall time has passed (then validate)."
 )
-@click.option(
-    "--sample-every",
-    type=click.IntRange(min=0),
-    default=100,
-    show_default=True,
-    help="Log a sample of the model's writing every N steps (0 = never).",
+@every_option(
+    "--sample-every", 100, "Log a sample of the model's writing every N steps (0 = never)."
 )
-@click.option(
+@every_option(
     "--snapshot-every",
-    type=click.IntRange(min=0),
-    default=100,
-    show_default=True,
-    help="With --save-dir: snapshot the replica every K steps, keeping the newest "
+    100,
+    "With --save-dir: snapshot the replica every K steps, keeping the newest "
     f"{SNAPSHOTS_KEPT}, so a resume replays at most K steps (0: only at the end).",
 )
 @init_from_option

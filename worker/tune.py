@@ -20,8 +20,13 @@ import structlog
 from ..shared.cli import (
     OneLineError,
     command,
+    data_dir_option,
     log_format_option,
+    max_minutes_option,
     reward_timeout_option,
+    save_dir_option,
+    steps_option,
+    summary_json_option,
     threads_option,
     tracking_options,
 )
@@ -184,13 +189,7 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     help="Module names of the matrices that learn (repeatable; fnmatch globs such as "
     "'*.mlp.*') [default: every linear layer of the blocks].",
 )
-@click.option(
-    "--steps",
-    type=click.IntRange(min=1),
-    default=50,
-    show_default=True,
-    help="Steps in all: the same command with more continues a run in --save-dir.",
-)
+@steps_option(50, "Steps in all: the same command with more continues a run in --save-dir.")
 @click.option(
     "--seed",
     type=click.IntRange(min=0),
@@ -198,18 +197,12 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     show_default=True,
     help="Seed of the run's noise and of its data's order.",
 )
-@click.option(
-    "--save-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Keep the fitness log and snapshots here; the same command run again continues.",
+@save_dir_option(
+    None, "Keep the fitness log and snapshots here; the same command run again continues."
 )
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("data"),
-    show_default=True,
-    help="Data directory (eggroll-data prepare) whose text the perplexity objective and "
+@data_dir_option(
+    Path("data"),
+    "Data directory (eggroll-data prepare) whose text the perplexity objective and "
     "the held-out score read, tokenized with the model's tokenizer.",
 )
 @click.option(
@@ -254,18 +247,8 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     show_default=True,
     help="Score the held-out data every N steps, and at the end (0: at the end only).",
 )
-@click.option(
-    "--summary-json",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the run summary here as JSON.",
-)
-@click.option(
-    "--max-minutes",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Stop after the step during which this much wall time has passed.",
-)
+@summary_json_option
+@max_minutes_option("Stop after the step during which this much wall time has passed.")
 @click.option(
     "--print-config",
     is_flag=True,

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import click
 
-from ...shared.cli import OneLineError, cannot_write, command
+from ...shared.cli import F, OneLineError, cannot_write, command
 from ...shared.data import DataError, DataMeta, load_data_dir
 from ...shared.logs import echo
 from ...shared.progress import Progress
@@ -101,6 +102,17 @@ def _check_writable(out: Path) -> None:
         raise cannot_write(exc, out) from None
 
 
+def _valid_fraction_option(help: str) -> Callable[[F], F]:
+    """`--valid-fraction` (passed as valid_fraction): the share held out in valid.bin."""
+    return click.option(
+        "--valid-fraction",
+        type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+        default=DEFAULT_VALID_FRACTION,
+        show_default=True,
+        help=help,
+    )
+
+
 @main.command()
 @click.argument("text_files", nargs=-1, type=click.Path(path_type=Path))
 @click.option(
@@ -115,12 +127,8 @@ def _check_writable(out: Path) -> None:
     is_flag=True,
     help="Use the built-in corpus (Python's pydoc topics and stdlib docstrings).",
 )
-@click.option(
-    "--valid-fraction",
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    default=DEFAULT_VALID_FRACTION,
-    show_default=True,
-    help="Share of documents held out in valid.bin (chosen by a hash of their text).",
+@_valid_fraction_option(
+    "Share of documents held out in valid.bin (chosen by a hash of their text)."
 )
 @click.option(
     "--tokenizer",
@@ -230,13 +238,7 @@ def _summary(out: Path, meta: DataMeta, elapsed: float) -> None:
     help="Data directory to write [default: DIRECTORY itself; its input.bin then keeps only "
     "the train part].",
 )
-@click.option(
-    "--valid-fraction",
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    default=DEFAULT_VALID_FRACTION,
-    show_default=True,
-    help="Share of the tokens held out in valid.bin, cut from the end of input.bin.",
-)
+@_valid_fraction_option("Share of the tokens held out in valid.bin, cut from the end of input.bin.")
 def import_(directory: Path, out: Path | None, valid_fraction: float) -> None:
     """Make a d-eggs data directory (input.bin + decoding.bin) an eggroll one: check the ids,
     cut valid.bin from the end of input.bin, write meta.json with the baselines."""
