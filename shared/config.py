@@ -373,11 +373,6 @@ def _check_fitness(cfg: RunConfig) -> None:
         value = getattr(f, name)
         _check(not value or _is_hex(value, 64), f"fitness.{name} must be 64 hex digits")
     _check(
-        not f.rewards or f.objective == "reward",
-        f"fitness.rewards is set but fitness.objective is {f.objective!r}: set objective = "
-        "'reward' to train for it",
-    )
-    _check(
         all(_is_hex(v, 64) for v in f.rewards_sha256),
         "fitness.rewards_sha256 must be digests of 64 hex digits",
     )

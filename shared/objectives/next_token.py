@@ -23,7 +23,7 @@ SCORE = "loss_bits"
 
 def check(cfg: RunConfig) -> str | None:
     """The reward's settings are refused here: they would silently do nothing."""
-    for name in ("reward", "prompts"):
+    for name in ("reward", "rewards", "prompts"):
         if getattr(cfg.fitness, name):
             return (
                 f"fitness.{name} is set but fitness.objective is 'next_token': "
