@@ -325,8 +325,13 @@ def test_a_failing_reward_stops_with_one_line(words_data: Path, tmp_path: Path, 
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: ") and "Traceback" not in done.stderr
     assert re.search(message, last), last
-    # Nothing lost: the run's files are whole, at step 0.
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["run_id"]
+    # Nothing half-made: a new run that failed before its first step leaves no save
+    # directory, so the command with the reward fixed starts afresh.
+    assert not (tmp_path / "run").exists()
+    if case == "raises":
+        (tmp_path / "score.py").write_text("def score(text):\n    return 1.0\n")
+        fixed = bad_reward_run(words_data, tmp_path, reward="score.py:score")
+        assert fixed.returncode == 0, fixed.stderr
 
 
 @pytest.mark.parametrize(

@@ -475,15 +475,16 @@ def _after_failure(writer: RunWriter, write_failed: bool) -> str:
     """What a failed run leaves in its save directory, as the end of its error line.
     Committed steps are the fitness log's, and after a failed write (a full disk, EIO) the
     same command run again once there is room continues from them to the digest of an
-    undisturbed run. A new run that a write failed before its first step is cleared instead,
-    so that nothing half-made is mistaken for a run; one that wrote nothing yet leaves the
-    directory as it found it."""
+    undisturbed run. A new run that failed before its first step (a write, a reward that
+    raises) is cleared instead, so that nothing half-made is mistaken for a run and the
+    corrected command starts afresh; one that wrote nothing yet leaves the directory as it
+    found it."""
     if writer.found_run:
         kept = f"; the steps of {writer.root} are kept: run again once there is room"
         return kept if write_failed else ""
-    if writer.created and not write_failed:
-        return ""  # its files are whole, at its last commit
     committed = writer.steps_on_disk() if writer.created else 0
+    if writer.created and not write_failed and committed:
+        return ""  # its files are whole, at its last commit
     if committed:
         return (
             f"; {committed} steps are kept in {writer.root}: "
