@@ -161,9 +161,11 @@ def _history_line(info: dict[str, Any]) -> str:
     if h["train_reward"] is not None:
         train = f"last train reward {h['train_reward']:.4f}, held-out reward "
         train += _number(h["held_out_reward"], ".4f")
+    # A reward run without data scores no held-out text: its reward is its held-out score.
+    if h["valid_bits_per_token"] is not None or h["held_out_reward"] is None:
+        train += f", held-out {valid}"
     return (
-        f"{head}; {train}, "
-        f"held-out {valid}, step time {_number(h['step_s_mean'], '.2f')} s mean "
+        f"{head}; {train}, step time {_number(h['step_s_mean'], '.2f')} s mean "
         f"/ {_number(h['step_s_last'], '.2f')} s last over {h['steps_timed']} steps "
         f"(from {h['source']})"
     )
@@ -198,7 +200,7 @@ def main(save_dir: Path, as_json: bool, last: int, plot: Path | None) -> None:
     else:
         click.echo(
             f"run {info['run_id']}  config {info['config_digest'][:16]}  "
-            f"data {str(info['data_digest'])[:16]}"
+            f"data {(info['data_digest'] or 'none')[:16]}"
         )
         click.echo(_history_line(info))
         state = "ok" if info["log_ok"] else f"BROKEN: {info['log_error']}"

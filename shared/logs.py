@@ -258,7 +258,7 @@ def readable(line: str) -> str:
 
 
 def held_out_fields(
-    bits: float,
+    bits: float | None,
     bits_per_byte: float | None,
     stream_bits: float | None,
     stream_bits_per_byte: float | None,
@@ -272,7 +272,10 @@ def held_out_fields(
 
 def held_out_text(fields: dict) -> str:
     """'4.374 bits/token, 4.374 bits/byte; long streams 4.357 bits/token, 4.357 bits/byte'
-    from the HELD_OUT_FIELDS of an event (a part not measured is left out)."""
+    from the HELD_OUT_FIELDS of an event (a part not measured is left out; a run without
+    data measures none)."""
+    if fields.get("valid_bits") is None:
+        return "no text scores (no data)"
     text = f"{fields['valid_bits']:.3f} bits/token"
     if fields.get("valid_bits_per_byte") is not None:
         text += f", {fields['valid_bits_per_byte']:.3f} bits/byte"

@@ -136,10 +136,16 @@ def _document_starts(tokens: np.ndarray, limit: int) -> list[tuple[int, ...]]:
 
 
 def load_prompts(
-    cfg: RunConfig, base: Path, dataset: Dataset, codec: TextCodec | None = None
+    cfg: RunConfig, base: Path, dataset: Dataset | None, codec: TextCodec | None = None
 ) -> Prompts:
-    """The run's prompts, tokenized with `codec` (default: the data's vocabulary); a prompt
-    longer than the model's context is refused, naming it."""
+    """The run's prompts, tokenized with `codec` (default: the data's vocabulary; a run
+    without data, `dataset` None, gives its model's); a prompt longer than the model's
+    context is refused, naming it."""
+    if dataset is None and (codec is None or cfg.fitness.prompts == DATA_PROMPTS):
+        raise GoalError(
+            "a run without a data directory needs a prompts file and a model with its own "
+            f"tokenizer (fitness.prompts={cfg.fitness.prompts!r})"
+        )
     codec = codec or data_codec(cfg, dataset)
     if cfg.fitness.prompts == DATA_PROMPTS:
         limit = min(DATA_PROMPT_TOKENS, codec.context)

@@ -302,3 +302,47 @@ def test_the_readmes_example_model_visibly_learns(tmp_path: Path, words_data: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     rewards = json.loads((tmp_path / "s.json").read_text())["train_rewards"]
     assert rewards[0] < 0.1 and np.mean(rewards[-3:]) > 0.3, rewards
+
+
+def test_a_reward_run_without_data_scores_its_held_out_prompts_and_continues(
+    tmp_path: Path,
+) -> None:
+    """A reward run in a folder without ./data (--data-dir left at its default) reads no
+    text: its held-out score is the reward's, it draws no baselines, and it continues."""
+    save_model(tmp_path / "model", "gpt2", initializer_range=0.3)
+    (tmp_path / "prompts.txt").write_text(PROMPTS)
+    flags = (
+        "--reward", "builtin:letter_e", "--prompts", "prompts.txt", "--population", "8",
+        "--rank", "2", "--sigma", "0.05", "--lr", "2", "--completion-tokens", "4",
+        "--prompts-per-step", "2", "--validate-every", "2", "--threads", "1",
+    )  # fmt: skip
+    done = run_cli(
+        "eggroll-tune", "model", *flags, "--steps", "3", "--save-dir", "run",
+        "--summary-json", "s.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no data directory" in done.stderr, done.stderr[-3000:]
+    line = next(ln for ln in done.stderr.splitlines() if ln.startswith("done:"))
+    assert "held-out reward" in line and "no data" in line and "(baselines:" not in line, line
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [p["step"] for p in summary["curve"]] == [2, 3]
+    assert all(p["held_out_reward"] is not None for p in summary["curve"])
+    assert summary["valid_bits_per_token"] is None and summary["baselines"] == {}
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["data_digest"] is None
+    history = (tmp_path / "run" / "history.log").read_text()
+    assert "baselines" not in history
+    more = run_cli(
+        "eggroll-tune", "model", *flags, "--steps", "4", "--save-dir", "run", cwd=tmp_path
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert SaveDir.open(tmp_path / "run").steps == 4
+    assert f"{digest_at(tmp_path / 'run', 3):016x}" == summary["replica_digest"]
+    inspect = run_cli("eggroll-inspect", "run", cwd=tmp_path)
+    assert inspect.returncode == 0 and "held-out reward" in inspect.stdout, inspect.stdout
+    missing = run_cli(
+        "eggroll-tune", "model", *flags, "--steps", "1", "--data-dir", "missing", cwd=tmp_path
+    )
+    lines = missing.stderr.strip().splitlines()
+    assert missing.returncode == 1 and len(lines) == 1, lines
+    assert "data directory missing does not exist" in lines[0], lines

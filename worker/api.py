@@ -182,7 +182,7 @@ class _Run:
 
     config: RunConfig
     base: Path
-    data_dir: Path
+    data_dir: Path | None  # None: ./data, which a reward run of an hf model may go without
     steps: int
     save_dir: Path | None
     threads: int | None
@@ -204,8 +204,11 @@ class _Run:
             if on_record is not None:
                 on_record(point)
 
+        given = self.data_dir is not None
         dataset, factory = _one_line(
-            lambda: run_inputs(self.config, self.base, self.data_dir, self.threads)
+            lambda: run_inputs(
+                self.config, self.base, self.data_dir or Path("data"), self.threads, given
+            )
         )
         options = TrainOptions(
             self.steps,
@@ -306,7 +309,8 @@ class Trainer(_Run):
 class Tuner(_Run):
     """A Hugging Face model fine-tuned by a reward (eggroll-tune): the model's directory
     (or ORG/NAME of the local Hugging Face cache), the reward and its prompts, the settings
-    of eggroll-tune's flags."""
+    of eggroll-tune's flags (data_dir None: ./data, which a reward run goes without when
+    it is absent, as eggroll-tune does)."""
 
     def __init__(
         self,
@@ -328,7 +332,7 @@ class Tuner(_Run):
         temperature: float = 1.0,
         valid_tokens: int = 4096,
         validate_every: int = 25,
-        data_dir: str | Path = "data",
+        data_dir: str | Path | None = None,
         save_dir: str | Path | None = None,
         threads: int | None = None,
         reward_timeout: float = 120.0,
@@ -368,7 +372,7 @@ class Tuner(_Run):
         super().__init__(
             _one_line(lambda: pin(cfg, base)),
             base,
-            Path(data_dir),
+            None if data_dir is None else Path(data_dir),
             steps,
             None if save_dir is None else Path(save_dir),
             threads,

@@ -184,7 +184,7 @@ def _next_token(*_: object) -> Objective:
 
 def _reward(
     cfg: RunConfig,
-    dataset: Dataset,
+    dataset: Dataset | None,
     base: Path,
     reward_timeout_s: float,
     codec: TextCodec | None,
@@ -207,7 +207,7 @@ MAKERS = {"next_token": _next_token, "reward": _reward}
 
 def make_objective(
     cfg: RunConfig,
-    dataset: Dataset,
+    dataset: Dataset | None,
     base: Path,
     reward_timeout_s: float = 120.0,
     codec: TextCodec | None = None,
@@ -216,6 +216,7 @@ def make_objective(
     """The run's objective; goal files are read under `base` (GoalError if one is missing
     or not the run's: check them with `shared.pinned.check_files` first; RewardError if the
     reward does not import). Text is the model's own (`codec`: a Hugging Face tokenizer),
-    else the data's vocabulary. `function`: the reward as a Python function (the API's
+    else the data's vocabulary (`dataset` None: a run without data, whose reward reads
+    its prompts file with `codec`). `function`: the reward as a Python function (the API's
     `python:` reward), called in this process."""
     return MAKERS[cfg.fitness.objective](cfg, dataset, base, reward_timeout_s, codec, function)

@@ -501,14 +501,14 @@ class Session:
         return [InstallSnapshot(state)]
 
     def validated(self, step: int, v: Score, seconds: float) -> list[Command]:
+        w, s = (m or HeldOut(0, 0, 0.0, 0.0) for m in (v.windows, v.streams))  # 0 tokens: none
         log.info(
             "validation",
             step=step,
             **v.log_fields(),
-            tokens=v.windows.tokens,
+            tokens=w.tokens,
             seconds=round(seconds, 3),
         )
-        w, s = v.windows, v.streams or HeldOut(0, 0, 0.0, 0.0)  # 0 tokens: no stream metric
         message = messages.Validation(
             step,
             tokens=w.tokens,

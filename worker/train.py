@@ -23,6 +23,7 @@ from typing import Any
 import click
 import numpy as np
 import structlog
+from click.core import ParameterSource
 
 from ..protocol.ternary import pack_ternary, unpack_ternary
 from ..shared.atomic_file import naming
@@ -46,7 +47,7 @@ from ..shared.cli import (
     tracking_options,
 )
 from ..shared.config import ConfigError, RunConfig, preset_of
-from ..shared.data import DataError, Dataset, load_data_dir
+from ..shared.data import DataError, DataMeta, Dataset, load_data_dir
 from ..shared.fitness import mean_score, member_tokens
 from ..shared.fitness_log import FitnessLog
 from ..shared.hf_dir import ModelDirError
@@ -62,6 +63,7 @@ from ..shared.logs import (
 )
 from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
+from ..shared.objectives.reward import DATA_PROMPTS
 from ..shared.pinned import GoalError
 from ..shared.replica import ReplicaState, encode_checkpoint
 from ..shared.run_writer import SNAPSHOTS_KEPT, RunWriter, run_summary, write_summary
@@ -101,6 +103,7 @@ from .source import replay_progress
 from .stop_signal import stop_on_signals
 
 log = structlog.get_logger("eggroll.train")
+NO_TOKENS = np.zeros(0, dtype=np.uint8)  # the held-out split of a run without data
 
 PROGRESS_S = 10.0  # a step that takes longer than this logs its progress this often
 STOP_HINT = "after the chunk under way; the steps committed are kept (again: at once)"
@@ -170,7 +173,7 @@ def _validate(
         step=backend.step,
         **v.log_fields(),
         **{k: round(x, 4) for k, x in extra.items()},
-        tokens=v.windows.tokens,
+        tokens=0 if v.windows is None else v.windows.tokens,
     )
     return v
 
@@ -304,15 +307,17 @@ def _evaluate_step(
     return fitness, loss_sum
 
 
-def _summary(cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: Any) -> dict:
+def _summary(
+    cfg: RunConfig, preset_name: str | None, result: TrainResult, meta: DataMeta | None
+) -> dict:
     return run_summary(
         steps=result.state.step,
         preset=preset_name,
         config_digest=cfg.digest().hex(),
         replica_digest=result.state.digest_hex(),
         held_out=result.curve[-1],
-        baselines=meta.baselines,
-        baselines_per_byte=meta.baselines_per_byte,
+        baselines={} if meta is None else meta.baselines,
+        baselines_per_byte={} if meta is None else meta.baselines_per_byte,
         seconds=result.seconds,
         train_losses=result.scores.get("loss_bits", []),
         train_rewards=result.scores.get("reward", []),
@@ -377,7 +382,10 @@ def main(
         cfg, base = run_config(preset_name, config_path, init_from)
     except (ConfigError, GoalError) as exc:
         raise click.ClickException(str(exc)) from None
-    dataset, factory = run_inputs(cfg, base, data_dir, threads)
+    given = click.get_current_context().get_parameter_source("data_dir")
+    dataset, factory = run_inputs(
+        cfg, base, data_dir, threads, given is not ParameterSource.DEFAULT
+    )
     options = TrainOptions(
         steps or cfg.steps,
         save_dir,
@@ -395,18 +403,19 @@ def main(
 
 
 def run_inputs(
-    cfg: RunConfig, base: Path, data_dir: Path, threads: int | None
-) -> tuple[Dataset, BackendFactory]:
-    """The data and the backend a one-process run of `cfg` needs, checked against each
-    other; click.ClickException with one line."""
+    cfg: RunConfig, base: Path, data_dir: Path, threads: int | None, given: bool = True
+) -> tuple[Dataset | None, BackendFactory]:
+    """The data (None: a run that goes without, `run_data`) and the backend a one-process
+    run of `cfg` needs, checked against each other; click.ClickException with one line."""
     try:
-        dataset = load_data_dir(data_dir)
+        dataset = run_data(cfg, data_dir, given)
         factory = get_backend(
             reference_backend(cfg), threads=threads, goal_dir=base, confined=False
         )
     except (DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
-    if not ARCHS[cfg.model.arch].OWN_TOKENIZER:  # else it reads the data's text with its own
+    # A model with its own tokenizer reads the data's text with it (or goes without data).
+    if dataset is not None and not ARCHS[cfg.model.arch].OWN_TOKENIZER:
         mismatch = vocabulary_mismatch(data_dir, dataset.meta.vocab_size, cfg.model.vocab_size)
         if mismatch is not None:
             raise click.ClickException(mismatch)
@@ -416,8 +425,32 @@ def run_inputs(
     return dataset, factory
 
 
+def run_data(cfg: RunConfig, data_dir: Path, given: bool = True) -> Dataset | None:
+    """The data directory's data; None for a run that reads no text when the directory
+    was not `given` (a default) and does not exist: a reward on the model's own tokens
+    whose prompts are a file. DataError otherwise, with one line."""
+    needs = (
+        not ARCHS[cfg.model.arch].OWN_TOKENIZER  # int8 models: their vocabulary is the data's
+        or objective_of(cfg).WINDOWS
+        or cfg.fitness.prompts == DATA_PROMPTS
+    )
+    if needs or given or data_dir.exists():
+        return load_data_dir(data_dir)
+    log.info(
+        "no data directory",
+        data_dir=str(data_dir),
+        note="the held-out score is the reward's on the held-out prompts alone; no text "
+        "scores or baselines",
+    )
+    return None
+
+
 def run_training(
-    cfg: RunConfig, base: Path, dataset: Dataset, factory: BackendFactory, options: TrainOptions
+    cfg: RunConfig,
+    base: Path,
+    dataset: Dataset | None,
+    factory: BackendFactory,
+    options: TrainOptions,
 ) -> TrainResult:
     """The run of a command (eggroll-train, eggroll-tune) in this process, up to `steps` in
     all; every failure is one line (click.ClickException). A save directory's writer lock is
@@ -497,7 +530,7 @@ def _after_failure(writer: RunWriter, write_failed: bool) -> str:
 def _run(
     cfg: RunConfig,
     base: Path,
-    dataset: Dataset,
+    dataset: Dataset | None,
     factory: BackendFactory,
     writer: RunWriter | None,
     options: TrainOptions,
@@ -506,9 +539,10 @@ def _run(
     a save directory that cannot be continued SaveDirError, tracking that cannot start
     TrackingError before anything is written, a goal that fails GoalError or RewardError."""
     state = initial_state(cfg, base)
-    run = new_run(cfg, dataset.digest)  # eggroll-sample checks the data digest
+    digest = None if dataset is None else dataset.digest
+    run = new_run(cfg, digest)  # eggroll-sample checks the data digest
     if writer is not None and writer.found_run:
-        state = _resume(writer, cfg, dataset.digest)
+        state = _resume(writer, cfg, digest)
         run = writer.run
     # The model and the goal first: a prompt too long or a reward that does not import
     # stops the command before it writes anything.
@@ -526,10 +560,13 @@ def _run(
         if writer is not None:
             if not writer.found_run:
                 writer.create(cfg, base, run)
-            meta = dataset.meta  # for eggroll-inspect --plot
-            curve(baselines_record(meta.baselines, meta.baselines_per_byte))
+            if dataset is not None:  # for eggroll-inspect --plot
+                meta = dataset.meta
+                curve(baselines_record(meta.baselines, meta.baselines_per_byte))
         _log_start(cfg, options, factory)
-        samples = TrainingSamples(options.sample_every, dataset.valid, dataset.decoding)
+        # Without data a run's samples are its reward's (a held-out prompt's completion).
+        valid, pieces = (NO_TOKENS, []) if dataset is None else (dataset.valid, dataset.decoding)
+        samples = TrainingSamples(options.sample_every, valid, pieces)
 
         def committed(backend: Backend) -> None:
             every = options.snapshot_every
@@ -565,7 +602,7 @@ def _run(
 
 def _open_curve(
     cfg: RunConfig,
-    dataset: Dataset,
+    dataset: Dataset | None,
     layout: Layout | None,
     options: TrainOptions,
     step: int,
@@ -573,7 +610,7 @@ def _open_curve(
 ) -> _Curve:
     """history.log and the tracker (TrackingError when it cannot start)."""
     run_id = None if layout is None else run.get("run_id")  # the W&B run's, across resumes
-    meta = dataset.meta
+    meta = None if dataset is None else dataset.meta
     tracker = open_tracker(
         options.tensorboard,
         options.wandb_project,
@@ -581,7 +618,7 @@ def _open_curve(
         run_id=run_id,
         name=None if layout is None else layout.root.name,
         config={"run_id": run_id, **cfg.to_dict()},
-        baselines=(meta.baselines, meta.baselines_per_byte),
+        baselines=None if meta is None else (meta.baselines, meta.baselines_per_byte),
     )
     history = None if layout is None else HistoryLog(layout.history)
     return _Curve(history, tracker, options.on_record)
@@ -612,7 +649,7 @@ def _log_start(cfg: RunConfig, options: TrainOptions, factory: BackendFactory) -
 
 def _finish(
     cfg: RunConfig,
-    dataset: Dataset,
+    dataset: Dataset | None,
     writer: RunWriter | None,
     options: TrainOptions,
     result: TrainResult,
@@ -630,8 +667,7 @@ def _finish(
         )
         echo(f"stopped at step {result.state.step} ({result.stopped}): {kept}", err=True)
         return None
-    meta = dataset.meta
-    own = ARCHS[cfg.model.arch].OWN_TOKENIZER  # its bits/token are in its own tokens
+    meta = None if dataset is None else dataset.meta
     summary = _summary(cfg, options.preset or preset_of(cfg), result, meta)
     if writer is not None:  # for eggroll-inspect
         writer.write_summary(summary)
@@ -639,13 +675,24 @@ def _finish(
         write_summary(options.summary_json, summary)
     echo(
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, "
-        f"held-out {held_out_text(result.validation.log_fields())} "
-        f"(baselines: {baselines_text(meta.baselines, meta.baselines_per_byte, own)}), "
+        f"held-out {_held_out_line(cfg, result, meta)}, "
         f"{summary['member_tokens_per_second']:,.0f} member-tokens/s, "
         f"replica digest {summary['replica_digest']}",
         err=True,
     )
     return summary
+
+
+def _held_out_line(cfg: RunConfig, result: TrainResult, meta: DataMeta | None) -> str:
+    """The done line's held-out scores: the text's beside the data's baselines, or a run
+    without data's held-out reward alone."""
+    if meta is None:
+        reward = result.curve[-1].get("held_out_reward")
+        score = "unknown" if reward is None else f"{reward:.4f}"
+        return f"reward {score} (the run has no data: no text scores or baselines)"
+    own = ARCHS[cfg.model.arch].OWN_TOKENIZER  # its bits/token are in its own tokens
+    baselines = baselines_text(meta.baselines, meta.baselines_per_byte, own)
+    return f"{held_out_text(result.validation.log_fields())} (baselines: {baselines})"
 
 
 def _keep_snapshot(writer: RunWriter, state: ReplicaState) -> None:
@@ -694,10 +741,10 @@ class _Curve:
             self.tracker.close()
 
 
-def _resume(writer: RunWriter, cfg: RunConfig, data_digest: bytes) -> ReplicaState:
+def _resume(writer: RunWriter, cfg: RunConfig, data_digest: bytes | None) -> ReplicaState:
     """The run in the save directory, to continue: run.json checked against the config and
-    the data, its fitness log opened for appending (a torn last record cut off), and the
-    replica state at its last committed step."""
+    the data (None: a run without data checks none), its fitness log opened for appending
+    (a torn last record cut off), and the replica state at its last committed step."""
     writer.load(cfg, data_digest)
     fitness_log, stored = writer.fitness_log, writer.config
     assert fitness_log is not None and stored is not None  # loaded

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 import structlog
+from click.core import ParameterSource
 
 from ..shared.cli import (
     OneLineError,
@@ -40,13 +41,13 @@ from ..shared.config import (
     UpdateConfig,
     ValidationConfig,
 )
-from ..shared.data import DataError, load_data_dir
+from ..shared.data import DataError
 from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError, pin
 from ..shared.tracking import TrackingError, check_available
 from .backend import BackendUnavailable, get_backend
 from .hub_cache import HubCacheError, local_or_cached
-from .train import TrainOptions, run_training
+from .train import TrainOptions, run_data, run_training
 
 PERPLEXITY = "perplexity"
 
@@ -203,7 +204,8 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
 @data_dir_option(
     Path("data"),
     "Data directory (eggroll-data prepare) whose text the perplexity objective and "
-    "the held-out score read, tokenized with the model's tokenizer.",
+    "the held-out score read, tokenized with the model's tokenizer. A reward run goes "
+    "without when the default is absent: its held-out score is the reward's alone.",
 )
 @click.option(
     "--seq-len",
@@ -317,7 +319,8 @@ def main(
         check_available(tensorboard is not None, wandb_project is not None)
         base = Path.cwd()
         cfg = pin(cfg, base)
-        dataset = load_data_dir(data_dir)
+        given = click.get_current_context().get_parameter_source("data_dir")
+        dataset = run_data(cfg, data_dir, given is not ParameterSource.DEFAULT)
         factory = get_backend("torch", threads=threads, goal_dir=base, confined=False)
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None

@@ -66,7 +66,9 @@ class HeldOut:
 class Validation:
     """Both held-out metrics over the same target tokens of valid.bin (`shared.window`)."""
 
-    windows: HeldOut  # windows of seq_len + 1 tokens from a zero state, as in training
+    # Windows of seq_len + 1 tokens from a zero state, as in training; None for a run
+    # without data (a reward's on the model's own tokens: it scores no text)
+    windows: HeldOut | None
     # Long streams read token by token with the recurrent state carried across each one;
     # None for a model that carries no state from token to token.
     streams: HeldOut | None
@@ -188,7 +190,7 @@ class BackendFactory:
 
     name: str
     device: str
-    build: Callable[[Dataset, ReplicaState], Backend]
+    build: Callable[[Dataset | None, ReplicaState], Backend]  # None: no data (hf rewards)
     threads: int | None = None
     families: tuple[str, ...] = ("int8",)  # the architectures' FAMILYs it evaluates
 
@@ -214,7 +216,7 @@ def _by_family(int8: BackendFactory, hf: Callable[[], BackendFactory]) -> Backen
     backend (made on its first run, so hosts without torch never import it)."""
     made: list[BackendFactory] = []
 
-    def build(dataset: Dataset, state: ReplicaState) -> Backend:
+    def build(dataset: Dataset | None, state: ReplicaState) -> Backend:
         if ARCHS[state.config.model.arch].FAMILY in int8.families:
             return int8.build(dataset, state)
         if not made:

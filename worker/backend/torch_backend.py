@@ -57,13 +57,14 @@ def retokenize(tokens: np.ndarray, pieces: Sequence[bytes], tokenizer: Any) -> n
 
 
 class TorchBackend(HostReplica):
-    """Holds one hf replica (accumulators), its model on a device, and the data's text."""
+    """Holds one hf replica (accumulators), its model on a device, and the data's text (None:
+    a reward run without data, which scores no text)."""
 
     name = "torch"
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset | None,
         state: ReplicaState,
         path: Path,
         device: str,
@@ -92,7 +93,8 @@ class TorchBackend(HostReplica):
         # The data in the model's tokens, made now so that data too short for the run stops
         # it here with one line, not in the middle of a step.
         self._splits: dict[str, np.ndarray] = {}
-        self.split("valid")
+        if dataset is not None:
+            self.split("valid")
         if windows:
             self.split("train")
 
@@ -126,6 +128,8 @@ class TorchBackend(HostReplica):
 
     def split(self, name: str) -> np.ndarray:
         """The train or valid split in the model's tokens (made once, on first use)."""
+        if self.dataset is None:
+            raise HFModelError(f"the run has no data directory: it has no {name} text")
         if name not in self._splits:
             tokens = self.dataset.train if name == "train" else self.dataset.valid
             ids = retokenize(tokens, self.dataset.decoding, self.tokenizer)
@@ -158,7 +162,9 @@ class TorchBackend(HostReplica):
 
     def validate(self, rows_per_batch: int = 64) -> Validation:
         """The unperturbed model's bits per token (and per byte of their text) on the
-        held-out windows of the valid split in the model's tokens."""
+        held-out windows of the valid split in the model's tokens (none without data)."""
+        if self.dataset is None:
+            return Validation(None, None)
         torch = self.lm.torch
         windows = validation_windows(self.config, self.split("valid"))
         nats = []
@@ -243,7 +249,7 @@ def factory(
         torch.set_num_threads(threads)
     dtype = "bfloat16" if device == "cuda" else "float32"
 
-    def build(dataset: Dataset, state: ReplicaState) -> TorchBackend:
+    def build(dataset: Dataset | None, state: ReplicaState) -> TorchBackend:
         path = model_dir(state.config, goal_dir, confined)
         if confined:  # hashing a large model takes a while: off the event loop, here
             check_model(state.config, path)
