@@ -151,6 +151,14 @@ def check_files(cfg: RunConfig, base: Path | None) -> None:
     must lie inside `base`, its --goal-dir (None: it was given none, so it reads no goal
     file), so that a coordinator can never point it at other code or files on the machine,
     however it pins them."""
+    code = objective_of(cfg).inline_code(cfg)
+    if code is not None:  # the coordinator's text, not a file this machine holds
+        shown = code if len(code) <= 60 else code[:60] + "..."
+        raise GoalError(
+            f"the run's reward {shown!r} is code in its config: a worker runs only reward "
+            "files it holds under --goal-dir, never code a coordinator sends (give the run a "
+            "reward file)"
+        )
     files = _files(cfg)
     if cfg.model.init_from:
         files.append(GoalFile("model.init_digest", cfg.model.init_from, "", "model.init_from"))

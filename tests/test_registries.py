@@ -108,6 +108,7 @@ def test_a_registered_objective_pins_its_file_and_trains(
                 "fitness.prompts_sha256", cfg.fitness.prompts, cfg.fitness.prompts_sha256, "labels"
             )
         ],
+        inline_code=next_token.inline_code,
         member_tokens=next_token.member_tokens,
         mean_score=lambda cfg, total: -total / 16 / cfg.es.population,
         loss_range=next_token.loss_range,

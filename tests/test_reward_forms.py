@@ -213,19 +213,22 @@ def combined_config(tmp: Path, rewards: str) -> Path:
 
 
 def test_a_combination_over_workers_matches_one_process(words_data: Path, tmp_path: Path) -> None:
-    """A TOML combination of a bare file, a lambda and a built-in: two workers over the
-    coordinator (reading the file under their --goal-dir) reach eggroll-train's digest."""
+    """A TOML combination of a bare file, a file's function and a built-in: two workers over
+    the coordinator (reading the files under their --goal-dir) reach eggroll-train's digest."""
     (tmp_path / "bare.py").write_text(BARE)
+    (tmp_path / "a.py").write_text(
+        "def share(text):\n    return text.count('a') / max(1, len(text))\n"
+    )
     config = combined_config(
         tmp_path,
         """[
     "bare.py:0.5",
-    "lambda text: text.count('a') / max(1, len(text)):0.3",
+    "a.py:share:0.3",
     "builtin:brackets:0.2",
 ]""",
     )
     cfg = pin(load_config(config), tmp_path)
-    assert len(cfg.fitness.rewards) == 3 and len(cfg.fitness.rewards_sha256) == 1
+    assert len(cfg.fitness.rewards) == 3 and len(cfg.fitness.rewards_sha256) == 2
     common = ("--data-dir", words_data, "--config", config)
     one = run_cli("eggroll-train", *common, "--save-dir", tmp_path / "one")
     assert one.returncode == 0, one.stderr
@@ -263,3 +266,18 @@ def test_the_reward_process_does_not_see_the_runs_token(
         assert runner.score(["p"], ["c"], {}) == [4.0]
     finally:
         runner.close()
+
+
+def test_a_worker_runs_no_reward_code_a_coordinator_sends(tmp_path: Path) -> None:
+    """A lambda (alone or as a part) is code in the config: fine for eggroll-train and
+    eggroll-tune, refused by a worker, whatever its --goal-dir holds."""
+    for fitness in (
+        {"reward": "lambda text: 0.0"},
+        {"rewards": ("builtin:letter_e:0.5", "lambda text: 1.0:0.5")},
+    ):
+        cfg = RunConfig(
+            fitness=FitnessConfig(objective="reward", prompts="data", **fitness)  # type: ignore[arg-type]
+        )
+        for goal_dir in (None, tmp_path):
+            with pytest.raises(GoalError, match="never code a coordinator sends"):
+                check_files(cfg, goal_dir)

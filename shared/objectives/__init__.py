@@ -5,6 +5,8 @@ An objective is one module in this folder (next_token.py, reward.py) with
     WINDOWS                      whether members read the train split's windows
     check(cfg)                   None, or one line naming its first invalid setting
     files(cfg)                   the goal files it reads (`GoalFile`), pinned by the config
+    inline_code(cfg)             code the config itself carries (a lambda reward), or None:
+                                 a worker runs none that a coordinator sends
     member_tokens(cfg, members)  the tokens `members` members score or write in a step
     mean_score(cfg, total)       a step's mean score from the sum of its chunks' integers
     loss_range(cfg)              inclusive bounds of one chunk's integer sum
@@ -35,6 +37,8 @@ class Objective(Protocol):
     def check(self, cfg: RunConfig) -> str | None: ...
 
     def files(self, cfg: RunConfig) -> list[GoalFile]: ...
+
+    def inline_code(self, cfg: RunConfig) -> str | None: ...
 
     def member_tokens(self, cfg: RunConfig, members: int) -> int: ...
 

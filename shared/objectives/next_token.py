@@ -36,6 +36,10 @@ def files(cfg: RunConfig) -> list[GoalFile]:
     return []  # the data is checked by its own digest (shared/data.py)
 
 
+def inline_code(cfg: RunConfig) -> str | None:
+    return None
+
+
 def member_tokens(cfg: RunConfig, members: int) -> int:
     """Tokens `members` members score in a step: seq_len each."""
     return members * cfg.es.seq_len

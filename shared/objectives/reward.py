@@ -252,6 +252,13 @@ def files(cfg: RunConfig) -> list[GoalFile]:
     return out
 
 
+def inline_code(cfg: RunConfig) -> str | None:
+    """The first reward the config carries as code rather than names (a lambda, or the
+    Python API's function): fine in the process that wrote it, refused by a worker."""
+    specs = [p.rpartition(":")[0] for p in cfg.fitness.rewards] or [cfg.fitness.reward]
+    return next((s for s in specs if is_lambda(s) or s.startswith(PYTHON)), None)
+
+
 def member_tokens(cfg: RunConfig, members: int) -> int:
     """The tokens `members` members generate in a step: prompts_per_step completions each."""
     f = cfg.fitness
