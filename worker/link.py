@@ -359,12 +359,14 @@ class Link:
         without TLS a clean close before any byte (`silent_plain`) is how a TLS coordinator
         ends a handshake that never began: after a few in a row, give up."""
         if not self.options.tls and silent_plain and not self.bytes_read:
+            # A TLS coordinator ends a plain handshake so; so does a tunnel or a load
+            # balancer whose coordinator is down: say the likely cause, and go on trying.
             self.tls_refused = True  # counted as the TLS refusals are
             if self.options.tls_refusals + 1 >= TLS_REFUSALS:
-                return WorkerFatal(
-                    f"{self.options.identity.coordinator} closed {TLS_REFUSALS} connections in "
-                    "a row before saying anything: it may serve TLS (started with --tls-cert); "
-                    "then give this worker --tls-ca with the CA that signed it"
+                return Ended(
+                    f"{otherwise} before saying anything, {TLS_REFUSALS} times or more in a "
+                    "row: if it serves TLS (started with --tls-cert), give this worker "
+                    "--tls-ca with the CA that signed it"
                 )
             return Ended(otherwise)
         if not self.options.tls or self.conn.messages_received:
