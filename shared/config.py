@@ -12,7 +12,7 @@ a TOML file whose tables mirror the dataclasses below:
              token_noise_rows, sigma (arch "hf")
     [fitness] chunk_mean_filter, adaptive_threshold,
              objective, reward, prompts, prompts_per_step, completion_tokens, temperature,
-             min_p, held_out_prompts, rewards (the reward objective: shared/goal.py)
+             min_p, held_out_prompts, rewards (the reward objective: shared/objectives/reward.py)
     [update] rule, alpha, alpha_decay_steps, momentum_shift,
              lr, lr_halve_steps, lr_halvings, beta1, beta2, weight_decay
     [data]   data_seed
@@ -57,7 +57,7 @@ class ModelConfig:
     head_bias: str = "none"
     # Start from a trained replica instead of init_seed's weights: a checkpoint or snapshot
     # file (relative to the config file, or a worker's --goal-dir), recorded with its replica
-    # digest; only its weights are taken (shared/goal.py)
+    # digest; only its weights are taken (shared/start.py)
     init_from: str = ""
     init_digest: str = ""  # 16 hex digits, filled in when the config is loaded
     # arch "hf" (shared/hf.py): a Hugging Face causal LM directory (relative to the config
@@ -102,7 +102,7 @@ class FitnessConfig:
     chunk_mean_filter: bool = False  # d-eggs: add sign(m)|m|^1.2 of the chunk mean diff
     adaptive_threshold: bool = False  # d-eggs: zero where |diff| < 0.1 * chunk mean |diff|
     # "next_token": the loss of the data's windows; "reward": every member continues the
-    # step's prompts and a reward function scores the text (shared/goal.py)
+    # step's prompts and a reward function scores the text (shared/objectives/reward.py)
     objective: str = "next_token"
     # "file.py:function" or "file.py" (relative to the config file), "builtin:NAME", or
     # "lambda text: ..." (shared/objectives/reward.py)

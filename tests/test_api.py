@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,11 +99,14 @@ def test_a_reward_given_as_a_function_moves_and_stays_in_this_process(
     run = trainer.run()
     first, last = np.mean(run.scores[:3]), np.mean(run.scores[-3:])
     assert last > 4 * first and last > 0.1, run.scores
-    # The same reward as a lambda's text gives a config for workers; a function does not.
+    # A named reward gives a config for workers; a function or a lambda's text does not.
     with pytest.raises(RunError, match="a run with workers needs a reward file"):
         trainer.coordinator_config(tmp_path / "run.toml")
     text = "lambda text: text.lower().count('e') / len(text) if text else 0.0"
-    spec = Trainer(EASY, data_dir=words_data, reward=text, prompts="data")
+    inline = Trainer(EASY, data_dir=words_data, reward=text, prompts="data")
+    with pytest.raises(RunError, match="a run with workers needs a reward file"):
+        inline.coordinator_config(tmp_path / "run.toml")
+    spec = Trainer(EASY, data_dir=words_data, reward="builtin:letter_e", prompts="data")
     written = spec.coordinator_config(tmp_path / "run.toml")
     assert load_config(written).digest() == spec.config.digest()
     # A function's code pins it: another function is another config.
@@ -123,6 +127,8 @@ def test_prompts_as_a_list_are_pinned_by_their_content(
     assert path.read_text().splitlines()[1:3] == ["a line\\nwith a newline", "back\\\\slash"]
     c = Trainer(EASY, data_dir=words_data, reward="builtin:letter_e", prompts=prompts[:-1])
     assert c.config.digest() != a.config.digest()
+    with pytest.raises(RunError, match="workers read goal files only under their --goal-dir"):
+        a.coordinator_config(tmp_path / "run.toml")  # a list's file lies in the cache
     with pytest.raises(RunError, match="a reward needs prompts"):
         Trainer(EASY, data_dir=words_data, reward="builtin:letter_e")
 
@@ -162,3 +168,45 @@ def test_a_tuner_reaches_eggroll_tunes_digest(
     assert run.digest == cli and len(run.scores) == 2
     by_function = Tuner("model", letter_e, prompts, steps=1, **common).run()
     assert by_function.steps == 1 and by_function.config.fitness.reward == "python:letter_e"
+
+
+def test_a_functions_pin_is_the_same_in_every_process_and_follows_its_values() -> None:
+    """Sets are hashed in an order of their own in each process: the pin must not be."""
+    import functools
+    import sys
+
+    code = (
+        "from eggroll_dist.worker.api import function_digest\n"
+        "def score(text):\n    return float(text[:1] in {'a', 'e', 'i', 'o', 'u', 'y'})\n"
+        "print(function_digest(score))\n"
+    )
+    pins = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in (1, 2, 3, 4)
+    }
+    assert len(pins) == 1 and len(pins.pop().strip()) == 64
+
+    def scaled(k: float) -> Callable[[str], float]:
+        return lambda text: k * len(text)
+
+    assert function_digest(scaled(1.0)) != function_digest(scaled(2.0))  # closed-over values
+    with pytest.raises(RunError, match="must be a Python function"):
+        function_digest(functools.partial(letter_e))
+
+
+def test_a_score_with_an_optional_parameter_is_the_one_text_form(tmp_path: Path) -> None:
+    from eggroll_dist.worker.reward import _batched
+
+    def score(text: str, scale: float = 1.0) -> float:
+        return scale * len(text)
+
+    def batched(prompts: list, completions: list, **fields: list) -> list:
+        return [0.0] * len(completions)
+
+    assert not _batched(score) and _batched(batched) and not _batched(letter_e)

@@ -65,19 +65,33 @@ class RunError(Exception):
 
 
 def function_digest(function: Callable[..., Any]) -> str:
-    """The sha256 of a function's code (its bytecode, constants, names; not where it stands
-    in its file), which pins a reward given as a function."""
-
-    def parts(code: types.CodeType) -> tuple[Any, ...]:
-        consts = tuple(
-            parts(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts
-        )
-        return (code.co_code.hex(), consts, code.co_names, code.co_varnames, code.co_freevars)
-
+    """The sha256 of a function's code (bytecode, constants, names, defaults and the values
+    it closes over; not where it stands in its file), which pins a reward given as a
+    function. The same in every process: sets are written sorted, not in hash order."""
     code = getattr(function, "__code__", None)
-    if code is None:  # a callable object: its __call__
-        code = type(function).__call__.__code__  # type: ignore[operator]
-    return hashlib.sha256(repr(parts(code)).encode()).hexdigest()
+    if not isinstance(code, types.CodeType):
+        raise RunError(
+            f"a reward given as a function must be a Python function (def or lambda), not "
+            f"{type(function).__name__}: wrap it in one"
+        )
+    cells = tuple(_stable(c.cell_contents) for c in function.__closure__ or ())
+    defaults = (_stable(function.__defaults__), _stable(function.__kwdefaults__))
+    return hashlib.sha256(repr((_stable(code), cells, defaults)).encode()).hexdigest()
+
+
+def _stable(value: Any) -> Any:
+    """`value` as a structure whose repr is the same in every process (code objects by their
+    parts, sets sorted by the repr of their elements)."""
+    if isinstance(value, types.CodeType):
+        parts = (value.co_code.hex(), value.co_names, value.co_varnames, value.co_freevars)
+        return (*parts, tuple(_stable(c) for c in value.co_consts))
+    if isinstance(value, frozenset | set):
+        return ("set", sorted(repr(_stable(v)) for v in value))
+    if isinstance(value, tuple | list):
+        return tuple(_stable(v) for v in value)
+    if isinstance(value, dict):
+        return ("dict", sorted((repr(k), repr(_stable(v))) for k, v in value.items()))
+    return repr(value)
 
 
 def _prompts_file(prompts: Sequence[str]) -> Path:
@@ -247,7 +261,11 @@ class _Run:
                 yield item
         finally:
             leaving.set()
-            thread.join()
+            while thread.is_alive():  # it stops after the chunk under way: never leave it
+                try:  # writing the save directory behind the caller's back
+                    thread.join()
+                except KeyboardInterrupt:
+                    continue
         if outcome and isinstance(outcome[0], BaseException):
             raise outcome[0]
 
@@ -299,7 +317,7 @@ class Trainer(_Run):
     def coordinator_config(self, path: str | Path) -> Path:
         """The run as a TOML file for `eggroll-coordinator --config` (workers read the
         reward and prompts files under their --goal-dir)."""
-        _refuse_function(self.function)
+        _refuse_function(self.function, self.config)
         data = self.config.to_dict()
         data.pop("format", None)
         Path(path).write_text(_toml(data))
@@ -383,17 +401,27 @@ class Tuner(_Run):
     def coordinator_config(self, path: str | Path) -> Path:
         """The run as eggroll-tune --print-config writes it, for `eggroll-coordinator
         --config` with `eggroll-worker --backend torch --goal-dir DIR` workers."""
-        _refuse_function(self.function)
+        _refuse_function(self.function, self.config)
         Path(path).write_text(config_toml(self.config, self.steps))
         return Path(path)
 
 
-def _refuse_function(function: Callable[..., Any] | None) -> None:
-    if function is not None:
+def _refuse_function(function: Callable[..., Any] | None, cfg: RunConfig) -> None:
+    """A config for workers names its goal files as they find them: relative to their
+    --goal-dir, and files, not code."""
+    if function is not None or objective_of(cfg).inline_code(cfg) is not None:
         raise RunError(
-            "a reward given as a Python function runs in this process only: a run with "
-            "workers needs a reward file (each worker pins its bytes and loads its own copy)"
+            "a reward given as a Python function or a lambda runs in this process only: a "
+            "run with workers needs a reward file (each worker pins its bytes and loads its "
+            "own copy)"
         )
+    for what, path in (("prompts", cfg.fitness.prompts), ("model", cfg.model.path)):
+        if path and Path(path).is_absolute():
+            raise RunError(
+                f"the run's {what} is at {path}: workers read goal files only under their "
+                "--goal-dir, so a run for them names it relative to its config (a prompts "
+                "file instead of a list; a model directory instead of a cached name)"
+            )
 
 
 def _int8_config(

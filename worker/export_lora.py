@@ -130,6 +130,12 @@ def write_lora(
     adapter_config.json goes first and the new one comes last, so a failed write (OSError)
     never leaves a directory that PEFT reads as a whole adapter."""
     check_rank(state, rank)
+    names = {entry.split(" ")[0] for entry in state.config.model.matrices}
+    if conv1d and conv1d != names:  # PEFT's config has one fan_in_fan_out for every target
+        raise LoraError(
+            f"the run's targets mix GPT-2 Conv1D layers ({len(conv1d)}) and linear layers "
+            f"({len(names - conv1d)}): one LoRA adapter cannot hold both; export the merged model"
+        )
     alpha = hf.weight_scale(state.config)
     tensors: dict[str, np.ndarray] = {}
     targets: dict[str, dict[str, Any]] = {}

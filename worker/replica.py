@@ -110,7 +110,7 @@ class Replica:
         self.factory = factory
         self.threaded = threaded
         # The worker's --goal-dir, the only place it reads a run's goal files from (None:
-        # it reads none, shared/pinned.py); a run with none reads from the current folder.
+        # it reads none, shared/pinned.py: a run without goal files needs no folder at all).
         self.goal_dir = goal_dir
         self.reward_timeout_s = reward_timeout_s
         self.objective: Objective = NextToken()

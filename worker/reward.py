@@ -159,12 +159,13 @@ def _batched(function: Callable[..., Any]) -> bool:
         params = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: one text at a time
         return False
-    positional = [
+    # Those a call must fill: `def score(text, scale=1.0)` is the one-text form.
+    required = [
         p
         for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
-    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+    return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def _shown(text: str, limit: int = 60) -> str:

@@ -122,6 +122,7 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     """The settings of an hf run config as TOML (the pinned digests are left out: whoever
     loads it pins them again from its own files)."""
     pinned = {("model", "files"), ("model", "matrices")}
+    pinned |= {("fitness", k) for k in ("reward_sha256", "prompts_sha256", "rewards_sha256")}
     lines = [f"# eggroll-coordinator --config FILE --max-steps {steps}"]
     defaults = RunConfig().to_dict()
     for section, values in cfg.to_dict().items():
