@@ -346,3 +346,26 @@ def test_a_reward_run_without_data_scores_its_held_out_prompts_and_continues(
     lines = missing.stderr.strip().splitlines()
     assert missing.returncode == 1 and len(lines) == 1, lines
     assert "data directory missing does not exist" in lines[0], lines
+
+
+def test_a_torch_worker_stopped_mid_chunk_exits_0(
+    spawn: Callable[..., Any], gpt2_run: Path, words_data: Path, tmp_path: Path
+) -> None:
+    """SIGTERM while PyTorch is inside a chunk is a clean stop (exit 0): the interpreter's
+    finalization under the running backend thread aborted with 134, which supervisors
+    took for a crash."""
+    import signal
+
+    for name in ("model", "prompts.txt"):
+        src = gpt2_run / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    flags = (*REWARD_RUN, "--population", "64", "--completion-tokens", "32")
+    printed = run_cli("eggroll-tune", "model", *flags, "--print-config", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    (tmp_path / "run.toml").write_text(printed.stdout)
+    coord, port = start_coordinator(spawn, tmp_path / "run", tmp_path / "run.toml")
+    goal = ("--backend", "torch", "--goal-dir", str(tmp_path), "--threads", "1")
+    worker = start_worker(spawn, port, words_data, "w", *goal)
+    coord.wait_for(lambda e: e.get("event") == "step" and e.get("step", 0) >= 1, 240, "step 1")
+    worker.proc.send_signal(signal.SIGTERM)  # it is scoring step 2's chunk by now
+    assert worker.wait(60) == 0, "\n".join(worker.lines[-5:])

@@ -61,6 +61,7 @@ class _BackendThread(concurrent.futures.Executor):
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
+        self.busy = False  # a call under way
         self._thread = threading.Thread(target=self._loop, name="eggroll-backend", daemon=True)
         self._thread.start()
 
@@ -78,10 +79,13 @@ class _BackendThread(concurrent.futures.Executor):
             future, fn, args, kwargs = job
             if not future.set_running_or_notify_cancel():
                 continue
+            self.busy = True
             try:
                 future.set_result(fn(*args, **kwargs))
             except BaseException as exc:  # handed to the awaiting coroutine
                 future.set_exception(exc)
+            finally:
+                self.busy = False
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._closed = True
@@ -119,6 +123,9 @@ class Replica:
         self.digest = 0  # of backend.state, refreshed after every change
         self.weights_changed = 0  # by the update that produced the replica; 0 when unknown
         self._thread: _BackendThread | None = None
+        # Closed with a backend call still under way (a chunk nobody will read): the process
+        # must then end without the interpreter's finalization (worker/cli.py).
+        self.left_running = False
         self.watch_s, self.hung_s = watch_s, hung_s
         self._pass_s: deque[float] = deque(maxlen=16)  # the last passes' times
 
@@ -149,6 +156,7 @@ class Replica:
     def close(self) -> None:
         self.objective.close()
         if self._thread is not None:
+            self.left_running = self._thread.busy
             self._thread.shutdown(wait=False)
             self._thread = None
 
