@@ -53,7 +53,8 @@ from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.data.build import prepare_data_dir
 from eggroll_dist.worker.link import Executor as WorkerExecutor
 from eggroll_dist.worker.replica import Replica
-from eggroll_dist.worker.session import Ended, Identity, Phase, Session, WorkerFatal
+from eggroll_dist.worker.session import Session
+from eggroll_dist.worker.session_types import Ended, Identity, Phase, WorkerFatal
 from eggroll_dist.worker.train import train
 
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from eggroll_dist.worker.exits import (
     Tally,
     exit_policy,
 )
-from eggroll_dist.worker.session import COMPUTES_DIFFERENTLY
+from eggroll_dist.worker.session_types import COMPUTES_DIFFERENTLY
 
 KILL, TERM = signal.SIGKILL, signal.SIGTERM
 

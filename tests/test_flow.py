@@ -73,7 +73,7 @@ from eggroll_dist.worker import session as session_module
 from eggroll_dist.worker.backend import ChunkResult, HeldOut
 from eggroll_dist.worker.backend import Validation as Score
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
-from eggroll_dist.worker.session import (
+from eggroll_dist.worker.session_types import (
     Ended,
     ExportSnapshot,
     PeerViolation,

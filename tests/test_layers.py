@@ -29,6 +29,7 @@ PURE = (
     "coordinator/jobs.py",
     "coordinator/trust.py",
     "worker/session.py",
+    "worker/session_types.py",
 )
 
 

@@ -42,7 +42,7 @@ from eggroll_dist.worker.ray_launch import (
     worker_names,
     workers_on_node,
 )
-from eggroll_dist.worker.session import FINISHED
+from eggroll_dist.worker.session_types import FINISHED
 
 SHORT_HOST = socket.gethostname().split(".")[0]
 

@@ -60,7 +60,7 @@ class _AlertReader:
 
 async def test_a_tls_alert_in_answer_to_hello_names_the_missing_tls_ca() -> None:
     from eggroll_dist.worker.link import Link, LinkOptions
-    from eggroll_dist.worker.session import Identity, WorkerFatal
+    from eggroll_dist.worker.session_types import Identity, WorkerFatal
 
     identity = Identity("w", b"t" * 32, "numpy", "cpu", b"\0" * 32, 256, 1000, "c:1")
     link = Link(LinkOptions(identity), None, _AlertReader(), None)  # type: ignore[arg-type]

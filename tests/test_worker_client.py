@@ -54,7 +54,7 @@ from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.client import DIVERGED_ATTEMPTS, WorkerClient, WorkerFatal
 from eggroll_dist.worker.link import TLS_REFUSALS, Link, LinkOptions
 from eggroll_dist.worker.replica import Replica
-from eggroll_dist.worker.session import Ended, Identity
+from eggroll_dist.worker.session_types import Ended, Identity
 
 CFG = RunConfig(
     model=ModelConfig(n_layer=1, d_model=16), es=ESConfig(population=16, chunk_size=8, seq_len=8)

@@ -42,7 +42,7 @@ from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
 from .client import WorkerClient, WorkerFatal, default_worker_name
-from .session import RunFinished
+from .session_types import RunFinished
 
 log = structlog.get_logger("eggroll.worker")
 

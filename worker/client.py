@@ -24,11 +24,10 @@ from ..protocol import (
 )
 from ..protocol.messages import MAX_WORKER_NAME_BYTES
 from ..shared.data import Dataset
-from . import session as flow
 from .backend import Backend, BackendFactory, get_backend
 from .link import PLAIN_REPLIES, Link, LinkOptions, Outcome, describe
 from .replica import Replica
-from .session import COMPUTES_DIFFERENTLY, WorkerFatal
+from .session_types import COMPUTES_DIFFERENTLY, Identity, WorkerFatal
 
 __all__ = ["WorkerClient", "WorkerFatal", "default_worker_name"]
 
@@ -99,7 +98,7 @@ class WorkerClient:
         factory = backend or get_backend("numpy")
         self.name = default_worker_name() if name is None else name
         where = f"{host}:{port}"
-        self.identity = flow.Identity.of(self.name, token, factory, dataset, where)
+        self.identity = Identity.of(self.name, token, factory, dataset, where)
         self.replica = Replica(
             dataset, factory, goal_dir=goal_dir, reward_timeout_s=reward_timeout_s
         )

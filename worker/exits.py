@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass
 from typing import Protocol
 
-from .session import COMPUTES_DIFFERENTLY
+from .session_types import COMPUTES_DIFFERENTLY
 
 LOST = None  # the status of a worker whose Ray actor died with its node (eggroll-ray)
 SHELL_SIGNAL = 128  # a shell reports a death by signal N as 128 + N

@@ -41,9 +41,10 @@ from ..shared.hf_dir import ModelDirError
 from ..shared.pinned import GoalError
 from ..shared.replica import ReplicaState
 from . import session as flow
+from . import session_types as cmd
 from .backend import BackendUnavailable, ChunkResult, Validation
 from .reward import RewardError
-from .session import Ended, Identity, PeerViolation, Phase, ReplicaView, WorkerFatal
+from .session_types import Ended, Identity, PeerViolation, Phase, ReplicaView, WorkerFatal
 
 __all__ = ["Executor", "Link", "LinkOptions", "Outcome", "ReplicaCalls", "describe"]
 
@@ -90,14 +91,14 @@ class Executor:
         self.send = send
         self.clock = clock
 
-    async def carry_out(self, commands: list[flow.Command]) -> None:
+    async def carry_out(self, commands: list[cmd.Command]) -> None:
         session, replica = self.session, self.replica
         for command in commands:
             t0 = self.clock()
             match command:
-                case flow.Send(msg=msg):
+                case cmd.Send(msg=msg):
                     await self.send(msg)
-                case flow.Evaluate(jobs=jobs):
+                case cmd.Evaluate(jobs=jobs):
                     chunks = [(job.first_member, job.member_count) for job in jobs]
                     try:
                         results = await replica.evaluate(jobs[0].step, chunks)
@@ -105,11 +106,11 @@ class Executor:
                         await self.carry_out(session.evaluation_failed(jobs, str(exc)))
                         continue
                     await self.carry_out(session.evaluated(jobs, results, self.clock() - t0))
-                case flow.Apply(fitness=fitness):
+                case cmd.Apply(fitness=fitness):
                     await replica.apply(fitness)
-                case flow.DropReplica():
+                case cmd.DropReplica():
                     replica.drop()
-                case flow.StartReplica(config=config, run_id=run_id):
+                case cmd.StartReplica(config=config, run_id=run_id):
                     try:
                         await replica.start(config, run_id)
                     except BackendUnavailable as exc:  # e.g. a model this device cannot run
@@ -120,20 +121,20 @@ class Executor:
                         ) from None
                     except (GoalError, RewardError, ModelDirError) as exc:  # a prompt too long
                         raise WorkerFatal(str(exc), ErrorCode.CONFIG_MISMATCH, tell=True) from None
-                case flow.DecodeSnapshot(blob=blob, step=step):
+                case cmd.DecodeSnapshot(blob=blob, step=step):
                     state, error = await replica.decode(blob)
                     await self.carry_out(session.snapshot_decoded(step, state, error))
-                case flow.InstallSnapshot(state=state):
+                case cmd.InstallSnapshot(state=state):
                     await replica.load(state)
-                case flow.ExportSnapshot(requested=requested):
+                case cmd.ExportSnapshot(requested=requested):
                     step, blob = await replica.encode()
                     for chunk in iter_snapshot_chunks(step, blob):
                         await self.send(chunk)
                     log.info("snapshot sent", step=step, requested=requested, bytes=len(blob))
-                case flow.RunValidation(step=step):
+                case cmd.RunValidation(step=step):
                     score = await replica.validate()
                     await self.carry_out(session.validated(step, score, self.clock() - t0))
-                case flow.RunSample(request=request):
+                case cmd.RunSample(request=request):
                     prompt, text = await replica.sample(request)
                     seconds = self.clock() - t0
                     await self.carry_out(session.sampled(request, prompt, text, seconds))

@@ -38,7 +38,7 @@ from ..shared.cli import OneLineError, command, token_file_option
 from ..shared.logs import readable
 from .cli import parse_address
 from .exits import FAULTY, KILLED, LOST, LOST_KIND, STOPPED, Tally, exit_policy, killed_by
-from .session import COMPUTES_DIFFERENTLY, FINISHED
+from .session_types import COMPUTES_DIFFERENTLY, FINISHED
 
 PROG = "eggroll-ray"
 # The driver's EGGROLL_* settings reach the workers, as run-workers.sh's do, except these:
