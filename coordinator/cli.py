@@ -18,6 +18,7 @@ from ..protocol.security import (
     load_token,
     new_token,
     server_tls_context,
+    worker_credential,
 )
 from ..shared.cli import (
     OneLineError,
@@ -43,9 +44,16 @@ from ..shared.save_dir import Layout, baselines_record
 from ..shared.tracking import Tracker, TrackingError, check_available, open_tracker
 from .core_types import RunOptions
 from .metrics import Metrics
-from .run import Fatal
+from .run import Fatal, Halted
 from .server import Coordinator, Listener, Options
 from .store import RunStore, StoreError
+
+
+class HaltedError(click.ClickException):
+    """Workers' results differ where no machine can decide (`Halted`): one line, exit
+    status 3, every committed step kept for the restart that resumes."""
+
+    exit_code = 3
 
 
 def _data(data_dir: Path | None, hex_digest: str | None) -> tuple[bytes | None, DataMeta | None]:
@@ -73,6 +81,29 @@ def _print_join(host: str, port: int, tls: bool) -> None:
         f"(umask 077 && echo {token} > eggroll.token)\n"
         "eggroll-coordinator --save-dir ./checkpoints/run1 --token-file eggroll.token\n"
         f"eggroll-worker {where}:{port} --token-file eggroll.token{tls_flag}"
+    )
+
+
+def _enrol(name: str, token_file: Path | None, host: str, port: int) -> None:
+    """Print the credential of worker `name` and the command that uses it."""
+    try:
+        token = load_token(token_file)
+    except (TokenError, OSError) as exc:
+        raise OneLineError(str(exc)) from None
+    if not token:
+        raise OneLineError(
+            "--enrol derives the credential from the run's token: give --token-file or "
+            "EGGROLL_TOKEN"
+        )
+    credential = worker_credential(token, name)
+    if credential is None:
+        raise OneLineError(f"--enrol {name!r}: a name is 1 to 64 letters, digits, '.', '_', '-'")
+    where = host if host not in ("0.0.0.0", "::") else "COORDINATOR_HOST"
+    click.echo(
+        f"{credential.decode()}\n\n"
+        f"# on the worker host of {name}, in a file only its user can read:\n"
+        f"(umask 077 && echo {credential.decode()} > {name}.credential)\n"
+        f"eggroll-worker {where}:{port} --name {name} --token-file {name}.credential"
     )
 
 
@@ -190,6 +221,8 @@ def _serve(
         _run(open_store, options, metrics, start_tracking)
     except (Fatal, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
+    except Halted as exc:
+        raise HaltedError(str(exc)) from None
     except TrackingError as exc:
         raise OneLineError(str(exc)) from None
     except OSError as exc:
@@ -238,6 +271,15 @@ def _serve(
     help="Snapshots kept in the save directory, the newest (older ones are deleted).",
 )
 @click.option(
+    "--final-snapshot-timeout-s",
+    type=click.FloatRange(min=0.0),
+    default=120.0,
+    show_default=True,
+    help="At --max-steps, how long to wait for a worker to send the final snapshot (a "
+    "restarted finished run whose snapshot is gone waits this long for a worker to rebuild "
+    "it); then it stops without it, exit 0: the fitness log holds every step.",
+)
+@click.option(
     "--chunk-timeout-s",
     "--chunk-timeout",
     type=click.FloatRange(min=0.1),
@@ -272,6 +314,15 @@ def _serve(
     "--new-token",
     is_flag=True,
     help="Print a fresh token and the commands that use it, then exit.",
+)
+@click.option(
+    "--enrol",
+    "enrol_name",
+    metavar="NAME",
+    default=None,
+    help="Print the credential of the worker NAME (derived from the token), to give that "
+    "worker instead of the token, with --name NAME; then exit. Its connections count as one "
+    "machine in the checks, whatever their addresses.",
 )
 @pem_option("--tls-cert", "Serve TLS with this certificate (PEM; with --tls-key).")
 @pem_option("--tls-key", "The private key of --tls-cert (PEM).")
@@ -339,12 +390,14 @@ def main(
     snapshot_every: int,
     sample_every: int,
     keep_snapshots: int,
+    final_snapshot_timeout_s: float,
     chunk_timeout_s: float | None,
     verify_fraction: float,
     metrics_port: int,
     metrics_host: str,
     token_file: Path | None,
     new_token: bool,
+    enrol_name: str | None,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -364,9 +417,18 @@ def main(
 
     Every flag can also be set as EGGROLL_<FLAG> (e.g. EGGROLL_SAVE_DIR); the token comes
     from --token-file or EGGROLL_TOKEN, never from a command line.
+
+    Exit status: 0 when --max-steps is reached or on SIGINT/SIGTERM; 1 when the save
+    directory cannot be used (a failed commit); 2 for a setting that cannot work; 3 when
+    workers compute different fitness for a chunk and no machine can decide (a reward or
+    objective that is not deterministic): every committed step is kept, fix it and start
+    the coordinator again to resume.
     """
     if new_token:
         _print_join(host, port, tls_cert is not None)
+        return
+    if enrol_name is not None:
+        _enrol(enrol_name, token_file, host, port)
         return
     if save_dir is None:
         raise click.UsageError("Missing option '--save-dir'.")
@@ -397,6 +459,7 @@ def main(
         handshake_timeout_s=handshake_timeout_s,
         write_timeout_s=write_timeout_s,
         keep_snapshots=keep_snapshots,
+        final_snapshot_timeout_s=final_snapshot_timeout_s,
     )
     metrics = _serve_metrics(metrics_port, metrics_host)
     start_tracking = _tracking(save_dir, meta, tensorboard, wandb_project)

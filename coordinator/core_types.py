@@ -1,22 +1,26 @@
 """The run core's data (`run.py`): what it is told (`RunOptions`), what it keeps of each
 connected worker (`Peer`) and of each request/reply pair it starts (`Want`), what the shell's
-gauges read of it (`Status`), and the commands it hands the shell to carry out (`Send`,
-`ServeSnapshot`, `StoreSnapshot`). Plain data, no I/O.
+gauges read of it (`Status`), the commands it hands the shell to carry out (`Send`,
+`ServeSnapshot`, `StoreSnapshot`), and what it raises (`Refused`, `Fatal`, `Halted`). Plain
+data, no I/O.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..protocol import Message
+from ..protocol import ErrorCode, Message
 from .events import Event
 
 __all__ = [
     "LOG_BURST",
     "LOG_PER_S",
     "Command",
+    "Fatal",
+    "Halted",
     "Output",
     "Peer",
+    "Refused",
     "RunOptions",
     "Send",
     "ServeSnapshot",
@@ -57,6 +61,31 @@ class StoreSnapshot:
 Command = Send | ServeSnapshot | StoreSnapshot
 
 Output = Command | Event
+
+
+# --- what the core raises ---------------------------------------------------------------------
+
+
+class Fatal(Exception):
+    """The run cannot go on safely (a failed fitness-log append): stop the coordinator.
+    str() is one line that says what happened and what to do."""
+
+
+class Halted(Exception):
+    """The run cannot go on as it is set up (results that differ where no machine can decide:
+    a reward that is not deterministic): the coordinator stops, every committed step kept,
+    and a restart resumes. str() is one line that says why and what to do."""
+
+
+class Refused(Exception):
+    """The peer breaks a rule of the run: send ERROR(code, message) and close. `events` are
+    what happened on the way (the refusal itself last but for what a caller adds)."""
+
+    def __init__(self, code: ErrorCode, message: str, events: list[Event] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.events: list[Event] = events if events is not None else []
 
 
 # --- the core's state ---------------------------------------------------------------------------

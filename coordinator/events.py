@@ -27,6 +27,7 @@ __all__ = [
     "Leased",
     "Left",
     "NoSnapshotSource",
+    "Nondeterministic",
     "Outvoted",
     "Overprovisioned",
     "Progress",
@@ -188,6 +189,20 @@ class Undecided(Event):
     step: int
     chunk: int
     hosts: tuple[str, ...]  # the machines (addresses or certificates) whose results differ
+
+
+@dataclass(frozen=True)
+class Nondeterministic(Event):
+    """Honest-looking machines compute different fitness for the same chunk and no machine
+    can decide (`undecided`), or no one machine differs in every dispute of the recent
+    steps: the likeliest cause is a reward or objective that is not a pure function of its
+    inputs. The coordinator stops, every committed step kept; `message` is its one line."""
+
+    step: int
+    chunk: int
+    workers: tuple[str, ...]  # the workers whose results differ (names, else machines)
+    undecided: bool
+    message: str
 
 
 @dataclass(frozen=True)

@@ -177,9 +177,16 @@ def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveS
                 step=event.step,
                 chunk=event.chunk,
                 machines=",".join(event.hosts),
-                hint="the step waits until a worker on another machine scores the chunk: "
-                "start one (a CPU worker on this host will do); then compare the two "
-                "machines' installs and hardware",
+                hint="the run stops (its next line says why): a reward that is not "
+                "deterministic, or a faulty machine; a worker on a third machine would decide",
+            )
+        case events.Nondeterministic():
+            log.error(
+                "results differ: the run stops",
+                step=event.step,
+                chunk=event.chunk,
+                workers=",".join(event.workers),
+                reason=event.message,
             )
         case events.Stalled():
             metrics.workers_stalled.inc()
@@ -198,9 +205,9 @@ def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveS
                 "one certificate from several addresses",
                 machine=event.machine,
                 addresses=",".join(event.addresses),
-                hint="machines that share a certificate (or its common name) count as one "
-                "in the checks: give each machine its own (ignore this for one machine with "
-                "several addresses)",
+                hint="machines that share a certificate (or its common name), or a worker "
+                "credential, count as one in the checks: give each machine its own (ignore "
+                "this for one machine with several addresses)",
             )
         case events.DataDigestAgreed():
             log.info("data digest agreed", digest=event.digest.hex()[:16], workers=event.workers)

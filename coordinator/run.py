@@ -81,6 +81,7 @@ from ..protocol import (
     messages,
     verify_mac,
 )
+from ..protocol.security import CREDENTIAL_PREFIX, worker_credential
 from ..shared.fitness import chunk_loss_range, mean_score, member_tokens
 from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
@@ -90,8 +91,11 @@ from ..shared.vocab import escape
 from .core_types import (
     LOG_BURST,
     LOG_PER_S,
+    Fatal,
+    Halted,
     Output,
     Peer,
+    Refused,
     RunOptions,
     Send,
     ServeSnapshot,
@@ -111,6 +115,7 @@ from .events import (
     Leased,
     Left,
     NameShared,
+    Nondeterministic,
     NoSnapshotSource,
     Overprovisioned,
     Progress,
@@ -126,32 +131,16 @@ from .events import (
     WorkerLog,
     WorkerLogsDropped,
 )
-from .jobs import ChunkTimer, Clock, Outcome, StepJobs
+from .jobs import INEXACT_AGREEMENT, ChunkTimer, Clock, Outcome, StepJobs
 from .store import RunStore, WriteFailure
 from .trust import Distrusted, Trust
 
-__all__ = ["CATCHUP_STEPS", "WAIT_MS", "Fatal", "Refused", "RunCore"]
+__all__ = ["CATCHUP_STEPS", "WAIT_MS", "Fatal", "Halted", "Refused", "RunCore"]
 
 CATCHUP_STEPS = 4096  # most steps per FITNESS_RANGE (also bounded by the frame size)
 WAIT_MS = 1000  # how long an idle worker waits before asking again (unless pushed a job)
 PROGRESS_S = 10.0  # a step open this long (since its first lease) logs its progress this often
 _DEFAULT_OPTIONS = RunOptions()  # frozen: one instance serves every default
-
-
-class Fatal(Exception):
-    """The run cannot go on safely (a failed fitness-log append): stop the coordinator.
-    str() is one line that says what happened and what to do."""
-
-
-class Refused(Exception):
-    """The peer breaks a rule of the run: send ERROR(code, message) and close. `events` are
-    what happened on the way (the refusal itself last but for what a caller adds)."""
-
-    def __init__(self, code: ErrorCode, message: str, events: list[Event] | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.events: list[Event] = events if events is not None else []
 
 
 class RunCore:
@@ -176,9 +165,12 @@ class RunCore:
         self.clock = clock
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
-        # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): nothing
-        # to compare, so no checks; every other run's is a pure function of the replica.
+        # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): its loss
+        # is compared pair by pair (jobs.INEXACT_AGREEMENT), a reward's sampled text not at
+        # all; every other run's is a pure function of the replica, compared byte for byte.
         self.exact = ARCHS[self.cfg.model.arch].EXACT
+        loss = objective_of(self.cfg).SCORE == "loss_bits"
+        self.agreement = None if self.exact or not loss else INEXACT_AGREEMENT
         self.peers: dict[int, Peer] = {}
         self.trust = Trust(store, self.peers, clock)  # groups, quorum, waivers, convictions
         self._ids = itertools.count(1)
@@ -209,6 +201,12 @@ class RunCore:
         ):
             return False
         return not self.sample.pending(self.step) and not self.validation.pending(self.step)
+
+    @property
+    def halted(self) -> Nondeterministic | None:
+        """Results differ where no machine can decide, or no one machine explains them (a
+        reward or objective that is not deterministic): the run must stop (trust.py)."""
+        return self.trust.halt
 
     def ready_count(self) -> int:
         return sum(1 for p in self.peers.values() if p.ready)
@@ -337,11 +335,16 @@ class RunCore:
 
     def _on_auth(self, peer: Peer, msg: messages.Auth) -> list[Output]:
         if not verify_mac(self.options.token, peer.nonce, msg.mac):
-            raise self.refuse(
-                peer,
-                ErrorCode.AUTH_FAILED,
-                "wrong token: give the coordinator's token (--token-file or EGGROLL_TOKEN)",
-            )
+            # Not the run's token: an enrolled worker's credential, which names its machine.
+            credential = worker_credential(self.options.token, peer.name)
+            if credential is None or not verify_mac(credential, peer.nonce, msg.mac):
+                raise self.refuse(
+                    peer,
+                    ErrorCode.AUTH_FAILED,
+                    "wrong token: give the coordinator's token, or the credential enrolled "
+                    "for this --name (--token-file or EGGROLL_TOKEN)",
+                )
+            peer.machine = peer.machine or CREDENTIAL_PREFIX + peer.name  # a certificate's wins
         out: list[Output] = list(self.trust.check_data_digest(peer))
         snapshot = self.store.latest_snapshot
         welcome = messages.Welcome(
@@ -489,6 +492,8 @@ class RunCore:
             out.append(ChunkChecked("disputed", msg.step, (msg.chunk,)))
         elif outcome is not Outcome.VOTED:
             out.append(dropped)
+        if outcome in (Outcome.ACCEPTED, Outcome.DISPUTED, Outcome.OUTVOTED):
+            out += self.trust.note_dispute(self.jobs, self.step, msg.chunk)  # before convict
         out += self.trust.convict(self.jobs, self.step) + self.trust.waive(self.jobs, self.step)
         out += self._push_jobs()
         return out + self._commit() if self.jobs.complete else out
@@ -545,7 +550,7 @@ class RunCore:
             self.validation.step = self.step
 
     def _open_step(self, step: int) -> StepJobs:
-        share = self.options.verify_fraction if self.exact else 0.0
+        share = self.options.verify_fraction if self.exact or self.agreement else 0.0
         return StepJobs(
             step,
             self.cfg.chunks,
@@ -555,6 +560,7 @@ class RunCore:
             loss_range=self.loss_range,
             verify=[c for c in range(self.cfg.chunks) if self._draw.random() < share],
             exact=self.exact,
+            agreement=self.agreement,
             group=self.trust.group,
         )
 

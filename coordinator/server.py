@@ -55,7 +55,7 @@ from .jobs import Clock
 from .link import Link
 from .metrics import Metrics
 from .record import record
-from .run import Fatal, Refused, RunCore
+from .run import Fatal, Halted, Refused, RunCore
 from .store import RunStore, SnapshotWriteError
 
 __all__ = ["Coordinator", "Executor", "Listener", "Options"]
@@ -312,7 +312,8 @@ class Coordinator:
 
     async def run(self, listener: Listener | None = None) -> None:
         """Serve on `listener` (bound here if None) until stopped by a signal or by reaching
-        --max-steps, then shut down. Raises Fatal after a failed commit."""
+        --max-steps, then shut down. Raises Fatal after a failed commit, Halted when results
+        differ where no machine can decide (trust.py)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
@@ -364,6 +365,7 @@ class Coordinator:
         )
         self.executor.record(self.core.store_events())  # e.g. run.json at start
         self._check_finish()
+        self._say_finished_wait(listener)
         deadlines = asyncio.create_task(self._watch_deadlines())
         try:
             await self.stopping.wait()
@@ -374,11 +376,31 @@ class Coordinator:
             await self._shutdown()
         if self.fatal is not None:
             raise self.fatal
+        if self.core.halted is not None:
+            raise Halted(self.core.halted.message)
 
     def request_stop(self) -> None:
         if not self.stopping.is_set():
             self.stopping.set()
             log.info("stopping", step=self.step)
+
+    def _say_finished_wait(self, listener: Listener) -> None:
+        """A run restarted past --max-steps whose final snapshot (or held-out score) is
+        missing, a snapshot deleted or unusable: only a worker can rebuild it, so say so
+        rather than wait in silence."""
+        core = self.core
+        if not core.finished or core.done:
+            return
+        wanted = "snapshot" if core.snapshot.pending(self.step) else "held-out score"
+        log.warning(
+            "run finished: waiting for a worker",
+            step=self.step,
+            wants=f"final {wanted}",
+            seconds=self.opt.final_snapshot_timeout_s,
+            hint=f"every step is in the fitness log; a worker (eggroll-worker "
+            f"{listener.host}:{listener.port}) rebuilds the final {wanted} from it, else the "
+            "coordinator stops without it when the time is up (exit 0, nothing lost)",
+        )
 
     def _check_finish(self) -> None:
         """--max-steps: stop once the final snapshot is in, or after a bounded wait for it."""
@@ -399,7 +421,11 @@ class Coordinator:
             return
         if not self.core.finished and self.store.latest_snapshot != self.step:
             await self._final_snapshot(timeout_s=10.0)
+        if self.core.finished and not self.core.done and self.store.latest_snapshot != self.step:
+            self._no_final_snapshot()
         message = RUN_COMPLETE if self.core.finished else "coordinator shutting down"
+        if self.core.halted is not None:  # the workers wait for the restart that resumes
+            message = "coordinator stopped: workers' results differ (see its log)"
         for link in list(self.links.values()):
             with contextlib.suppress(Exception):
                 link.writer.write(link.conn.send_error(ErrorCode.SHUTTING_DOWN, message))
@@ -433,11 +459,14 @@ class Coordinator:
                         await asyncio.wait_for(self._snapshot_stored.wait(), 0.2)
                     self._snapshot_stored.clear()
         if self.store.latest_snapshot != self.step:
-            log.warning(
-                "no final snapshot",
-                step=self.step,
-                hint="nothing is lost: the fitness log holds every step",
-            )
+            self._no_final_snapshot()
+
+    def _no_final_snapshot(self) -> None:
+        log.warning(
+            "no final snapshot",
+            step=self.step,
+            hint="nothing is lost: the fitness log holds every step",
+        )
 
     async def _watch_deadlines(self) -> None:
         """Re-queue expired leases at their deadline; woken when a lease may have changed."""
@@ -564,3 +593,5 @@ class Coordinator:
             self._snapshot_stored.set()  # `_final_snapshot` checks which step it was
         self._changed.set()
         self._check_finish()
+        if self.core.halted is not None:  # said once, by the core's event: stop
+            self.request_stop()

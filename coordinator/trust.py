@@ -3,9 +3,9 @@ check is waived, and who is convicted. Pure code with an injected clock: no asyn
 sockets, no logging; what the run agreed is kept through the `Ledger` it is handed (the
 store), and every call returns the events it caused (`events.py`).
 
-- Groups: a vote is cast by a worker's group, its machine (its address, or its
-  certificate's identity with --machine-identity certificate) while workers of two
-  machines are connected, else its connection (a run on one machine). A machine's
+- Groups: a vote is cast by a worker's group, its machine (its address, `worker:NAME` for
+  a worker enrolled with a credential, or its certificate's identity with
+  --machine-identity certificate) while workers of two machines are connected, else its connection (a run on one machine). A machine's
   connections never confirm each other, nor one that comes back; groups are worked out
   when votes are counted, so all of them count the same way.
 - Quorum: the run's data digest (unless the operator gave it) and each step's replica
@@ -21,6 +21,11 @@ store), and every call returns the events it caused (`events.py`).
 - Convictions: the group of a worker whose result lost a vote goes (every connection of
   its machine, and its votes of the step); its machine is suspect from then on (kept in
   run.json), so every result from it waits for another group's check.
+- Non-determinism: an `Undecided` dispute, or disputes of the last DIGEST_WINDOW steps that
+  no one machine explains (no machine is alone against agreeing others in every one), is
+  named `Nondeterministic` (`halt`): honest machines that disagree run a reward or
+  objective that is not a pure function of its inputs, and waiting would not end it. The
+  core's shell stops the run on it, every committed step kept.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .events import (
     DigestMismatch,
     DigestsDisagree,
     Event,
+    Nondeterministic,
     Outvoted,
     Requeued,
     SharedIdentity,
@@ -52,6 +58,14 @@ __all__ = ["DIGEST_WINDOW", "Distrusted", "Group", "Ledger", "Member", "Trust"]
 DIGEST_WINDOW = 64
 
 Group = tuple[str, ...]  # whose vote a worker casts: (machine,) or (machine, connection)
+
+# The likely cause when honest machines disagree, and what to do (the run's one line).
+NONDETERMINISM = (
+    "a reward or objective that is not a pure function of its inputs (a clock, random "
+    "numbers, Python's hash()) gives this: make it deterministic (or, if one machine is "
+    "faulty, start a worker on another) and restart the coordinator: it resumes where it "
+    "stopped"
+)
 
 
 class Member(Protocol):
@@ -123,6 +137,10 @@ class Trust:
         # one entry per certificate identity, which the CA issues)
         self.departed: dict[int, str] = {}  # the machine of each worker gone in this step
         self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
+        # (step, chunk) -> the machines each of which alone could be wrong in its dispute,
+        # and the workers whose results differed: DIGEST_WINDOW steps of disputes at most
+        self.disputes: dict[tuple[int, int], tuple[frozenset[str], tuple[str, ...]]] = {}
+        self.halt: Nondeterministic | None = None  # the run must stop: said once
 
     # ------------------------------------------------------------------ machines
 
@@ -153,6 +171,8 @@ class Trust:
         for old in [s for s in self.tallies if s < step - DIGEST_WINDOW]:
             del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
         self.disagreed = {s for s in self.disagreed if s >= step - DIGEST_WINDOW}
+        for key in [k for k in self.disputes if k[0] < step - DIGEST_WINDOW]:
+            del self.disputes[key]
 
     def host(self, worker: int) -> str:
         peer = self.peers.get(worker)
@@ -262,8 +282,10 @@ class Trust:
         for chunk in self.undecided(jobs, groups):  # reported once a step
             if chunk not in self.undecided_said:
                 self.undecided_said.add(chunk)
-                hosts = {self.host(w) for ws in jobs.votes[chunk].values() for w in ws}
+                workers = [w for ws in jobs.votes[chunk].values() for w in ws]
+                hosts = {self.host(w) for w in workers}
                 out.append(Undecided(step, chunk, tuple(sorted(hosts))))
+                out += self._stop(step, chunk, self._names(workers), undecided=True)
         waived = [c for c in jobs.waivable() if groups <= jobs.voted(c)]
         if not waived:
             return out
@@ -304,6 +326,57 @@ class Trust:
         votes = jobs.votes
         return [c for c in jobs.checks if len(votes[c]) > 1 and groups <= jobs.voted(c)]
 
+    # ------------------------------------------------------------------ non-determinism
+
+    def note_dispute(self, jobs: StepJobs, step: int, chunk: int) -> list[Event]:
+        """Record which machines could each alone explain `chunk`'s differing results (call
+        before `convict`, which drops the loser's votes). When no machine is in every
+        dispute's set of the last DIGEST_WINDOW steps, no one machine explains them: a
+        liar or a faulty device is alone against the others' agreement, chunk after chunk,
+        while a non-deterministic reward sets honest machines against each other."""
+        votes = jobs.votes.get(chunk, {})
+        if len(votes) < 2:
+            return []
+        by_group = {self.group(w): key for key, ws in votes.items() for w in ws}
+        alone = set()
+        for group, key in by_group.items():
+            others = {k for g, k in by_group.items() if g != group}
+            if len(others) == 1 and key not in others:  # it alone against agreeing others
+                alone.add(group[0])  # its machine (a run on one machine: that machine)
+        workers = [w for ws in votes.values() for w in ws]
+        self.disputes[(step, chunk)] = (frozenset(alone), self._names(workers))
+        if frozenset.intersection(*(a for a, _ in self.disputes.values())):
+            return []
+        names = sorted({n for _, ns in self.disputes.values() for n in ns})
+        return self._stop(step, chunk, tuple(names), undecided=False)
+
+    def _names(self, workers: list[int]) -> tuple[str, ...]:
+        """The workers' names (their machines' once they have left), for the run's line."""
+        peers = self.peers
+        return tuple(sorted({peers[w].name if w in peers else self.host(w) for w in workers}))
+
+    def _stop(
+        self, step: int, chunk: int, workers: tuple[str, ...], undecided: bool
+    ) -> list[Event]:
+        """Name the non-determinism once: the shell stops the run on `halt`."""
+        if self.halt is not None:
+            return []
+        who = _listed(workers)
+        if undecided:
+            what = (
+                f"workers {who} computed different fitness for chunk {chunk} of step {step} "
+                "and no third machine can decide"
+            )
+        else:
+            steps = sorted({s for s, _ in self.disputes})
+            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+            what = (
+                f"workers {who} computed different fitness for chunks of {span} and no one "
+                "machine differs from the others in every dispute"
+            )
+        self.halt = Nondeterministic(step, chunk, workers, undecided, f"{what}; {NONDETERMINISM}")
+        return [self.halt]
+
     def convict(self, jobs: StepJobs, step: int) -> list[Event]:
         """Workers whose results lost a vote: dropped with their results of the step, their
         address checked from now on, refused at their next message."""
@@ -338,6 +411,13 @@ class Trust:
                     if first:
                         out.append(Outvoted(peer.name, peer.address, step, chunk))
         return out
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    if len(names) < 2:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _forget(votes: dict, peer_id: int) -> None:

@@ -27,6 +27,7 @@ import stat
 from pathlib import Path
 
 __all__ = [
+    "CREDENTIAL_PREFIX",
     "MIN_TOKEN_BYTES",
     "TOKEN_ENV",
     "TokenError",
@@ -38,6 +39,7 @@ __all__ = [
     "new_token",
     "server_tls_context",
     "verify_mac",
+    "worker_credential",
 ]
 
 MIN_TOKEN_BYTES = 16
@@ -78,6 +80,22 @@ def auth_mac(token: bytes, nonce: bytes) -> bytes:
 def verify_mac(token: bytes, nonce: bytes, mac: bytes) -> bool:
     """Constant-time check of an AUTH mac against the expected one."""
     return hmac.compare_digest(auth_mac(token, nonce), mac)
+
+
+CREDENTIAL_PREFIX = "worker:"  # the machine a worker credential stands for: worker:NAME
+_CREDENTIAL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def worker_credential(token: bytes, name: str) -> bytes | None:
+    """The credential the operator hands the worker enrolled as `name` instead of the run's
+    token: HMAC-SHA256(token, "worker:" + name) in hex, used as that worker's token. It
+    proves the name (the coordinator derives it again from the HELLO's worker name) and not
+    the token, which it does not reveal. None for a name that cannot be enrolled (not 1 to
+    64 letters, digits, `.`, `_`, `-`) or without a token (protected mode)."""
+    if not token or not _CREDENTIAL_NAME.fullmatch(name):
+        return None
+    message = (CREDENTIAL_PREFIX + name).encode()
+    return hmac.new(token, message, hashlib.sha256).hexdigest().encode()
 
 
 def load_token(token_file: str | Path | None, environ: dict[str, str] | None = None) -> bytes:

@@ -1220,8 +1220,8 @@ def test_a_dispute_no_connected_machine_can_decide_is_reported_until_one_joins(
     store4: RunStore, dataset: Dataset, tmp_path: Path
 ) -> None:
     """Two machines, one of them lying: their results differ and neither can outvote the
-    other. Each such chunk is reported once, and counted on a gauge, until a third
-    machine joins and decides."""
+    other. Each such chunk is reported once, and counted on a gauge; the core names it
+    for the shell to stop the run, and a third machine that joins decides."""
     net = Network(store4, dataset, verify_fraction=1.0)
     net.join("liar", host="10.0.0.9", replica=Liar(sync_replica(dataset)))
     net.join("a", host="10.0.0.1")
@@ -1234,6 +1234,7 @@ def test_a_dispute_no_connected_machine_can_decide_is_reported_until_one_joins(
     assert len({e.chunk for e in undecided}) == len(undecided)  # once a chunk
     assert all(e.hosts == ("10.0.0.1", "10.0.0.9") and e.step == 0 for e in undecided)
     assert net.core.status().undecided == len(undecided)
+    assert net.core.halted is not None and net.core.halted.chunk == undecided[0].chunk
     net.join("b", host="10.0.0.2")
     net.train(2)
     assert net.core.status().undecided == 0

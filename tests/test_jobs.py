@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eggroll_dist.coordinator.jobs import STALL_S, ChunkTimer, Outcome, StepJobs
+from eggroll_dist.coordinator.jobs import INEXACT_AGREEMENT, STALL_S, ChunkTimer, Outcome, StepJobs
 from eggroll_dist.protocol import pack_ternary, unpack_ternary
 
 
@@ -281,6 +281,32 @@ def test_a_run_whose_fitness_is_not_exact_compares_nothing() -> None:
     assert _settle(jobs, "a", 0, 1) is Outcome.ACCEPTED
     assert _settle(jobs, "c", 0, 3) is Outcome.COPY
     assert jobs.results[0] == _fit(1) and jobs.take_outvoted() == []
+
+
+def test_an_inexact_run_agrees_on_most_pairs_and_outvotes_a_sign_flipper() -> None:
+    """Hugging Face results (float32 beside bfloat16) agree when at least the agreement
+    share of their pairs is equal, whatever their loss sums; a worker that flips the signs
+    agrees with nobody and loses the vote."""
+    pairs = 16
+    jobs = StepJobs(7, 2, 2 * pairs, FakeClock(), ChunkTimer(fixed_s=30.0), exact=False)
+    jobs.agreement, jobs.verify = INEXACT_AGREEMENT, {0, 1}
+    honest = np.random.default_rng(0).choice([-1, 1], size=pairs)
+    near = honest.copy()
+    near[: int(pairs * (1 - INEXACT_AGREEMENT))] *= -1  # the most pairs that may differ
+    far = near.copy()
+    far[int(pairs * (1 - INEXACT_AGREEMENT))] *= -1  # one more
+
+    def result(worker: str, values: np.ndarray, loss: int, chunk: int = 0) -> Outcome:
+        assert jobs.lease(worker) == chunk
+        return jobs.complete_chunk(worker, 7, chunk, pack_ternary(values), pairs, loss)
+
+    assert result("fp32", honest, 100) is Outcome.VOTED
+    assert result("liar", -honest, 100) is Outcome.DISPUTED
+    assert result("bf16", near, 101) is Outcome.ACCEPTED  # agrees with fp32: two to one
+    assert jobs.results[0] == pack_ternary(honest) and jobs.losses[0] == 100
+    assert jobs.take_outvoted() == [("liar", 0)]
+    assert result("fp32", honest, 100, chunk=1) is Outcome.VOTED
+    assert result("bf16", far, 100, chunk=1) is Outcome.DISPUTED  # one pair too many
 
 
 def test_a_group_votes_once_whatever_its_connections_say() -> None:

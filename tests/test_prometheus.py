@@ -322,8 +322,6 @@ tests:
         values: '0 0 1 1 1 1'
       - series: 'eggroll_replica_digest_mismatches_total{{job="eggroll",instance="a"}}'
         values: '0 0 0 2 2 2'
-      - series: 'eggroll_checks_undecided{{job="eggroll",instance="a"}}'
-        values: '0 1 1 1 1 1 1 1 0 0'
       - series: 'eggroll_workers_stalled_total{{job="eggroll",instance="a"}}'
         values: '0 0 0 0 1 1'
       - series: 'eggroll_workers_connected{{job="eggroll",instance="a"}}'
@@ -366,10 +364,6 @@ def test_the_alerts_fire_when_and_only_when_they_should(tmp_path: Path) -> None:
         "A worker's replica digest differed from the agreed one on a (the worker resyncs; a "
         "repeat points at its host)."
     )
-    undecided = (
-        "Results differ on a and no connected machine can decide: start a worker on another "
-        "machine (a CPU worker will do); the step waits until then."
-    )
     stalled = (
         "A worker of a has done no work for 5 minutes while connected (a hung GPU?): see "
         "the coordinator's log for which, and restart it."
@@ -382,9 +376,6 @@ def test_the_alerts_fire_when_and_only_when_they_should(tmp_path: Path) -> None:
         alert_case("EggrollSaveDirWriteFailing", 1),
         alert_case("EggrollSaveDirWriteFailing", 3, write, file="run"),
         alert_case("EggrollReplicaDiverged", 4, diverged),
-        alert_case("EggrollChecksUndecided", 5),  # from 1m, for 5m
-        alert_case("EggrollChecksUndecided", 6, undecided, severity="critical"),
-        alert_case("EggrollChecksUndecided", 9),  # decided at 8m
         alert_case("EggrollWorkerStalled", 3),
         alert_case("EggrollWorkerStalled", 5, stalled),
         alert_case("EggrollNoWorkers", 10),  # none from 1m, for 10m

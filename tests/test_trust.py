@@ -13,6 +13,7 @@ from eggroll_dist.coordinator.events import (
     DataDigestAgreed,
     DigestMismatch,
     DigestsDisagree,
+    Nondeterministic,
     Outvoted,
     Requeued,
     SharedIdentity,
@@ -208,7 +209,8 @@ def test_a_dispute_is_never_waived_and_is_said_undecided_once() -> None:
     run.open_step(verify=(0,))
     assert run.score(a, 0, 1) is Outcome.VOTED
     assert run.score(b, 0, 2) is Outcome.DISPUTED
-    assert run.trust.waive(run.jobs, STEP) == [Undecided(STEP, 0, ("10.0.0.1", "10.0.0.2"))]
+    said = run.trust.waive(run.jobs, STEP)
+    assert said == [Undecided(STEP, 0, ("10.0.0.1", "10.0.0.2")), run.trust.halt]
     assert run.trust.waive(run.jobs, STEP) == [] and 0 not in run.jobs.results
     run.trust.next_step(STEP + 1)
     assert run.trust.undecided_said == set()
@@ -266,3 +268,70 @@ def test_a_suspect_machine_is_read_from_the_ledger() -> None:
     run.join("10.0.0.2:5000")
     assert run.trust.suspect(suspect)
     assert run.score(suspect, 0, 1) is Outcome.VOTED  # not drawn for a check, still checked
+
+
+def test_a_dispute_no_machine_can_decide_names_non_determinism_once() -> None:
+    """Two machines whose results differ, with no third to decide: waiting would not end it
+    (a reward that is not deterministic sets honest machines apart), so it is named, once,
+    with both workers and the chunk, and the run is to stop."""
+    run = Run()
+    a, b = run.join("10.0.0.1:5000"), run.join("10.0.0.2:5000")
+    run.open_step(verify=(2,))
+    run.jobs.queue.rotate(-2)  # chunk 2 first
+    assert run.score(a, 2, 1) is Outcome.VOTED
+    assert run.score(b, 2, 2) is Outcome.DISPUTED
+    assert run.trust.halt is None
+    run.clock.now += 1.0
+    said = run.trust.waive(run.jobs, STEP)
+    assert said[0] == Undecided(STEP, 2, ("10.0.0.1", "10.0.0.2"))
+    halt = said[1]
+    assert isinstance(halt, Nondeterministic) and halt is run.trust.halt
+    assert (halt.step, halt.chunk, halt.undecided) == (STEP, 2, True)
+    assert halt.workers == (a.name, b.name)
+    assert halt.message.startswith(
+        f"workers {a.name} and {b.name} computed different fitness for chunk 2 of step {STEP} "
+        "and no third machine can decide; "
+    )
+    assert "Python's hash()" in halt.message and "make it deterministic" in halt.message
+    assert run.trust.waive(run.jobs, STEP) == []  # said once
+
+
+def score_key(run: Run, worker: Worker, chunk: int, seed: int) -> list:
+    """`worker` scores `chunk` (a check copy or the queue's next) with the fitness of `seed`;
+    the events of noting a dispute, then of convicting."""
+    run.score(worker, chunk, seed)
+    return run.trust.note_dispute(run.jobs, STEP, chunk) + run.trust.convict(run.jobs, STEP)
+
+
+def test_one_liar_explains_every_dispute_and_is_convicted_without_a_halt() -> None:
+    run = Run()
+    liar, b, c = (run.join(f"10.0.0.{i}:5000") for i in (9, 2, 3))
+    run.open_step(verify=(0, 1, 2, 3))
+    for chunk, first, second in ((0, liar, b), (1, b, liar)):
+        score_key(run, first, chunk, 100 if first is liar else 1)
+        score_key(run, second, chunk, 100 if second is liar else 1)
+    assert run.trust.disputes[(STEP, 0)][0] == {"10.0.0.9", "10.0.0.2"}
+    events = score_key(run, c, 0, 1)  # c decides chunk 0: the liar alone differs
+    assert [type(e) for e in events] == [Outvoted]
+    assert run.trust.disputes[(STEP, 0)][0] == {"10.0.0.9"} and run.trust.halt is None
+
+
+def test_disputes_no_one_machine_explains_name_non_determinism() -> None:
+    """Three honest machines with a reward that is not deterministic: c sides with a against
+    b on one chunk, then a and c differ on another. No machine is alone in both: not one
+    machine's fault, but the run's."""
+    run = Run()
+    a, b, c = (run.join(f"10.0.0.{i}:5000") for i in (1, 2, 3))
+    run.open_step(verify=(0, 1, 2, 3))
+    score_key(run, a, 0, 1)
+    score_key(run, b, 0, 2)
+    assert [type(e) for e in score_key(run, c, 0, 1)] == [Outvoted]  # b loses this one
+    score_key(run, a, 1, 3)
+    events = score_key(run, c, 1, 4)
+    assert [type(e) for e in events] == [Nondeterministic]
+    halt = events[0]
+    assert not halt.undecided and halt.workers == (a.name, b.name, c.name)
+    assert f"chunks of step {STEP} and no one machine differs" in halt.message
+    # Old disputes go with the digest window.
+    run.trust.next_step(STEP + DIGEST_WINDOW + 1)
+    assert run.trust.disputes == {}
