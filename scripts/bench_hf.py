@@ -1,23 +1,25 @@
 """Benchmark a Hugging Face causal LM's population batch: member-tokens/s and peak memory of
-EGGROLL members (worker/hf_model.py, low-rank hooks) against the same model's plain batched
-inference on the same rows.
+EGGROLL members (worker/hf_engine.py: device factors, the fused pass, the static-cache
+decode) against the same model's plain batched inference on the same rows.
 
 Three variants over the same prompts, rows (population x prompts) and completion length
 (greedy, no stop at end-of-text, so every variant writes rows x tokens member-tokens):
-  generate     transformers' `model.generate` on the same left-padded rows: plain inference,
-               the reference
-  unperturbed  `PopulationLM.complete`'s own generation loop with the hooks idle (what the
-               loop costs against generate's)
-  population   `PopulationLM.complete` with members [0, population): base matmuls shared,
-               each member's rank-r correction added by the hooks, its factors generated
-               at the start of the call (timed, and also shown on their own)
+  generate     transformers' `model.generate` on the same left-padded rows
+  plain        `PopulationLM.complete` with the population off: our decode engine (one
+               prefill, a static cache, on CUDA a replayed CUDA graph per token) on the same
+               rows, the reference every figure is given against
+  population   `PopulationLM.complete` with members [0, population): the same engine with
+               base matmuls shared and each member's rank-r correction added by the fused
+               pass; each run is a new step, so its factors are made on the device in the
+               call (timed, and also shown on their own)
 
 Speed: one untimed warm-up of each variant, then `--repeats` rounds that run the three one
 after the other (so a busy machine slows all of them alike). Each variant's best wall time
-gives its member-tokens/s and its ratio to generate, and the median wall time is shown
-beside it. On a CPU the same ratio is also taken from the process's CPU seconds (best of
-the rounds): with `--threads 1` that is the figure other processes on a shared machine
-disturb least. Ratios are to generate measured in the same run.
+gives its member-tokens/s and its ratios to plain and to generate, and the median wall time
+is shown beside it. On a CPU the ratio to plain is also taken from the process's CPU seconds
+(best of the rounds): with `--threads 1` that is the figure other processes on a shared
+machine disturb least. Ratios are to variants measured in the same run. `--no-graph` runs
+the engine's decode steps eagerly on CUDA too.
 
 Peak memory: each variant runs once more in a child process of its own, which loads the
 model, builds what the variant needs, warms up with 2 tokens, then measures one full run:
@@ -29,7 +31,7 @@ extra tensors, and of per-member weight copies, are printed beside them.
 
     python scripts/bench_hf.py MODEL_DIR [--population 64] [--rank 8] [--prompts 4]
         [--tokens 32] [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 3]
-        [--threads N] [--no-memory]
+        [--threads N] [--no-memory] [--no-graph]
     python scripts/bench_hf.py --tiny gpt2|llama [--hidden 256] [--layers 4] ...
         (a model built from a config with random weights in a temporary directory)
 """
@@ -51,7 +53,7 @@ from typing import Any
 
 from eggroll_dist.shared import hf
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig
-from eggroll_dist.shared.hf_dir import pinned_matrices, require_hf
+from eggroll_dist.shared.hf_dir import pinned_matrices, require_hf, target_dtype
 from eggroll_dist.worker import hf_model as hm
 
 PROMPTS = [
@@ -64,7 +66,7 @@ PROMPTS = [
     "My favourite recipe uses",
     "The three laws of motion",
 ]
-VARIANTS = ("generate", "unperturbed", "population")
+VARIANTS = ("generate", "plain", "population")
 MiB = 2**20
 
 
@@ -141,6 +143,7 @@ class Bench:
         self.cfg = run_config(model_dir, args.population, args.rank)
         self.targets = hf.targets(self.cfg.model)
         self.lm = hm.PopulationLM(self.model, self.cfg) if population else None
+        self.step = 0  # each population run a new step: its factors are made in the call
         gc.collect()
         self.setup = current_bytes(torch, args.device) - self.loaded
         ids = torch.full((self.rows, self.width), self.pad, dtype=torch.long)
@@ -162,27 +165,39 @@ class Bench:
                     do_sample=False,
                     pad_token_id=self.pad,
                 )
-        elif variant == "unperturbed":
+        elif variant == "plain":
             assert lm is not None
             prompts = self.prompts * args.population
-            lm.complete(0, None, prompts, tokens, pad_id=self.pad)
+            lm.complete(0, None, prompts, tokens, pad_id=self.pad, graph=self.graph)
         else:
             assert lm is not None
-            lm.complete(0, (0, args.population), self.prompts, tokens, pad_id=self.pad)
+            self.step += 1
+            members = (0, args.population)
+            lm.complete(self.step, members, self.prompts, tokens, pad_id=self.pad, graph=self.graph)
         sync(self.torch, args.device)
 
+    @property
+    def graph(self) -> bool | None:
+        return False if self.args.no_graph else None
+
     def factors(self) -> None:
-        """Only the population's factors: what `complete` generates before its loop."""
+        """Only the population's factors: what `complete` makes before its prefill."""
         assert self.lm is not None
-        with self.lm.members(0, 0, self.args.population):
-            sync(self.torch, self.args.device)
+        self.step += 1
+        self.lm.engine.factors(self.step, 0, self.args.population)
+        sync(self.torch, self.args.device)
 
 
 def run_config(model_dir: Path, population: int, rank: int) -> RunConfig:
     """An hf run of the directory's model whose targets are its blocks' linear layers (the
     default), one chunk of the whole population."""
+    matrices = pinned_matrices(model_dir, (), rank)
     model = ModelConfig(
-        arch="hf", path=str(model_dir), rank=rank, matrices=pinned_matrices(model_dir, (), rank)
+        arch="hf",
+        path=str(model_dir),
+        rank=rank,
+        matrices=matrices,
+        weight_dtype=target_dtype(model_dir, matrices),
     )
     es = ESConfig(population=population, chunk_size=population, sigma=1e-4, run_seed=1)
     return RunConfig(model=model, es=es)
@@ -255,6 +270,7 @@ def measure_memory(args: argparse.Namespace, model_dir: Path, variant: str) -> d
         if getattr(args, name) is None:
             continue
         command += [f"--{name}", str(getattr(args, name))]
+    command += ["--no-graph"] if args.no_graph else []
     command += ["--memory-child", variant]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -271,6 +287,8 @@ def analytic(bench: Bench) -> list[tuple[str, int]]:
     sides = sum(t.shape[0] + t.shape[1] for t in targets)
     weights = sum(t.shape[0] * t.shape[1] for t in targets)
     widest = max(t.shape[0] for t in targets)
+    stored = bench.torch.empty((), dtype=getattr(bench.torch, bench.cfg.model.weight_dtype))
+    stored = stored.element_size()
     out = [
         (
             f"factors A, B: {members} members x {sides} (out + in, summed over "
@@ -290,8 +308,7 @@ def analytic(bench: Bench) -> list[tuple[str, int]]:
             f"{width} x {widest}",
             2 * rows * width * widest * size,
         ),
-        ("fixed: PopulationLM's float32 host copy of the targets' base weights", weights * 4),
-        ("fixed: the replica state's int64 accumulators, one per target weight", weights * 8),
+        ("fixed: the replica state, the targets' weights in the files' dtype", weights * stored),
     ]
     config = model.config
     try:
@@ -320,6 +337,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    p.add_argument("--no-graph", action="store_true", help="no CUDA graph: eager decode steps")
     p.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     return p
 
@@ -379,29 +397,26 @@ def print_speed(
 ) -> None:
     on_cpu = args.device == "cpu"
     print(
-        f"\nspeed: best of {args.repeats} interleaved rounds; member-tok/s and / generate "
-        "from the best wall times"
-        + ("; by CPU: the same ratio from this process's CPU seconds" if on_cpu else "")
+        f"\nspeed: best of {args.repeats} interleaved rounds; member-tok/s and the ratios from "
+        "the best wall times"
+        + ("; by CPU: / plain from this process's CPU seconds" if on_cpu else "")
     )
     print(
-        f"{'':12s} {'best s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ generate':>11s}"
-        + (f" {'CPU s':>8s} {'by CPU':>7s}" if on_cpu else "")
+        f"{'':12s} {'best s':>8s} {'median s':>9s} {'member-tok/s':>13s} {'/ plain':>8s} "
+        f"{'/ generate':>11s}" + (f" {'CPU s':>8s} {'by CPU':>7s}" if on_cpu else "")
     )
     best = {v: min(s) for v, s in wall.items()}
     best_cpu = {v: min(s) for v, s in cpu.items()}
     for variant in VARIANTS:
         line = (
             f"{variant:12s} {best[variant]:8.3f} {statistics.median(wall[variant]):9.3f} "
-            f"{tokens / best[variant]:13.0f} {best['generate'] / best[variant]:11.2f}"
+            f"{tokens / best[variant]:13.0f} {best['plain'] / best[variant]:8.2f} "
+            f"{best['generate'] / best[variant]:11.2f}"
         )
         if on_cpu:
-            ratio = best_cpu["generate"] / best_cpu[variant]
-            line += f" {best_cpu[variant]:8.3f} {ratio:7.2f}"
+            line += f" {best_cpu[variant]:8.3f} {best_cpu['plain'] / best_cpu[variant]:7.2f}"
         print(line)
-    print(
-        f"population / unperturbed: {best['unperturbed'] / best['population']:.2f}; "
-        f"the population's factors alone: {factors:.3f} s of its {best['population']:.3f} s"
-    )
+    print(f"the population's factors alone: {factors:.3f} s of its {best['population']:.3f} s")
 
 
 def print_memory(args: argparse.Namespace, model_dir: Path) -> None:

@@ -10,6 +10,7 @@ WHEELS, under 64 MiB. Carry WHEELS and the checkout to the GPU machine, then:
 
     python3 scripts/gpu_check.py verdict LOG_DIR --wheels WHEELS   # 2 to 4 min, 9 at most
     python3 scripts/gpu_check.py bench LOG_DIR --wheels WHEELS     # about 3 min, 9 at most
+    python3 scripts/gpu_check.py hf LOG_DIR --wheels WHEELS        # about 5 min, 9 at most
 
 Each part runs under its own deadline and its result is printed the moment it is known;
 its log goes to LOG_DIR/<part>.log. The verdict's parts:
@@ -30,7 +31,9 @@ its log goes to LOG_DIR/<part>.log. The verdict's parts:
 
 `bench` runs scripts/bench_gpu.py, then scripts/bench_run.py: a coordinator and a CuPy worker
 training egg-paper end to end (member-tokens/s beside the evaluation alone, the time to the
-first step, validation's share of the run). The exit status is 1 if any part failed.
+first step, validation's share of the run). `hf` runs scripts/gpu_check_hf.py's parts (the
+Hugging Face path: the replica's exactness on the device, eggroll-tune against a NumPy replay,
+and bench_hf). The exit status is 1 if any part failed.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ VERDICT = {
 # the kernels' first compile, the steps and their validations); with install and
 # preflight, 9 minutes.
 BENCH = {"bench": 240, "run": 150}
+# `hf`: scripts/gpu_check_hf.py's parts (a 0.5B-class model built on the machine).
+HF = {"hf-exact": 90, "hf-tune": 240, "hf-bench": 180}
 RUN_STEPS = 60  # egg-paper validates every 10 steps: six validations
 # What a GPU image without network may lack (the image has numpy, CuPy, PyTorch, pytest,
 # click, uvloop and prometheus-client, but not structlog): every small runtime and test
@@ -338,6 +343,9 @@ def part_command(name: str, log_dir: Path, wheels: Path | None) -> list[str]:
         return _sanitizer(name)
     if name == "bench":
         return [*py, str(ROOT / "scripts" / "bench_gpu.py")]
+    if name in HF:
+        script = str(ROOT / "scripts" / "gpu_check_hf.py")
+        return [*py, script, name.removeprefix("hf-"), str(log_dir)]
     if name == "run":
         script = str(ROOT / "scripts" / "bench_run.py")
         return [
@@ -392,7 +400,9 @@ def run_part(name: str, deadline: int, log_dir: Path, wheels: Path | None) -> in
         last = f"{len(list((wheels or Path('.')).glob('*.whl')))} wheels into {log_dir / 'site'}"
     if name == "preflight" and rc == 0:
         last = lines[0] if lines else ""
-    verdict = "ok" if rc == 0 else ("NO GPU" if rc == 2 and name == "preflight" else "FAIL")
+    verdict = (
+        "ok" if rc == 0 else ("NO GPU" if rc == 2 and name in ("preflight", "hf-exact") else "FAIL")
+    )
     print(f"{name:<10} {verdict:<6} {time.perf_counter() - t0:6.1f} s  {last[:110]}", flush=True)
     if name == "preflight" and rc == 0:
         for line in lines[1:]:  # the first is on the result line
@@ -406,10 +416,16 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{wheelhouse,verdict,bench}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{wheelhouse,verdict,bench,hf}"
+    )
     w = sub.add_parser("wheelhouse", help="here: the wheels to carry to the GPU machine")
     w.add_argument("out", type=Path)
-    for name, text in (("verdict", "on the GPU machine: every check"), ("bench", "the speed")):
+    for name, text in (
+        ("verdict", "on the GPU machine: every check"),
+        ("bench", "the speed"),
+        ("hf", "the Hugging Face path: exactness, eggroll-tune, speed"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("log_dir", type=Path)
         p.add_argument("--wheels", type=Path, help="install these first (wheelhouse's folder)")
@@ -435,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         parts = {"install": VERDICT["install"], "preflight": VERDICT["preflight"]}
         parts |= BENCH
+    elif args.command == "hf":
+        parts = {"install": VERDICT["install"], **HF}
     else:
         parts = {k: v for k, v in VERDICT.items() if not args.only or k in args.only}
     if wheels is None:
@@ -442,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name, deadline in parts.items():
         rc = run_part(name, deadline, args.log_dir, wheels)
-        if rc == 2 and name == "preflight":
+        if rc == 2 and name in ("preflight", "hf-exact"):
             print("verdict: no GPU here", flush=True)
             return 2
         if rc:

@@ -7,7 +7,7 @@ a TOML file whose tables mirror the dataclasses below:
     preset = "tiny"            # optional: start from a preset, then override
     steps = 300
     [model]  arch, vocab_size, n_layer, d_model, n_head, init_seed, head_bias, init_from,
-             path, targets, rank (arch "hf": shared/hf.py)
+             path, targets, rank, weight_dtype (arch "hf": shared/hf.py)
     [es]     population, chunk_size, seq_len, sigma_shift, noise, run_seed, adaptive_noise,
              token_noise_rows, sigma (arch "hf")
     [fitness] chunk_mean_filter, adaptive_threshold,
@@ -64,12 +64,14 @@ class ModelConfig:
     # file, or a worker's --goal-dir), the module-name globs of the matrices that learn
     # (none: every linear layer of the blocks) and the rank of their noise. Filled in when
     # the config is loaded: the directory's files ("sha256 name") and the chosen matrices
-    # ("name out in").
+    # ("name out in"), and the dtype the targets have in the directory's safetensors files
+    # ("bfloat16", "float16" or "float32"), which the replica state holds them in.
     path: str = ""
     targets: tuple[str, ...] = ()
     rank: int = 1
     files: tuple[str, ...] = ()
     matrices: tuple[str, ...] = ()
+    weight_dtype: str = ""
 
     @property
     def heads(self) -> int:
@@ -253,6 +255,7 @@ LATER_SETTINGS = (
             "rewards_sha256",
         )
     ),
+    ("model", "weight_dtype"),
 )
 
 _SECTIONS = {

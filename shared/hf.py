@@ -1,12 +1,16 @@
 """The `hf` model family: a Hugging Face causal LM fine-tuned by EGGROLL (torch-free side).
 
-A Hugging Face model's weights are floats, and floats differ between a CPU and a GPU. The
-replica state is therefore not the weights but, for each target matrix, an integer
-accumulator of the exact updates; the base weights are the model directory's, pinned by
-their digests (`shared.hf_dir`). Everything here is NumPy on integers, so every replica
-computes the same bytes from the same fitness log, whatever device evaluates the members;
-the accumulators are the family's `ParamSpec`s (int64), so checkpoints, snapshots, digests
-and replay are `shared.replica`'s, as for the int8 models.
+A Hugging Face model's weights are floats, and float arithmetic may differ between a CPU and
+a GPU. The replica state is the target weights themselves, held as the bit patterns of the
+dtype they have in the model directory's safetensors files (`model.weight_dtype`, pinned
+with the files' digests by `shared.hf_dir`): int16 for bfloat16 and float16, int32 for
+float32, (out, in) as nn.Linear stores them. Step 0 is the files' weights
+(`shared.hf_dir.base_state`), and every step changes them by an elementwise rule of IEEE
+float32 operations and integer arithmetic that a CPU and a GPU compute bit for bit alike
+(NumPy here, PyTorch in worker/hf_update.py), so every replica holds the same bytes after
+the same fitness log, whatever device evaluates the members. The weights are the family's
+`ParamSpec`s, so checkpoints, snapshots, digests and replay are `shared.replica`'s, as for
+the int8 models; a snapshot holds the model's own bytes per target weight.
 
 **Targets.** The matrices that learn are chosen among the model's linear layers (nn.Linear,
 and GPT-2's Conv1D) by module-name globs (`model.targets`, fnmatch, case-sensitive, against
@@ -23,21 +27,40 @@ B_k (in, r) from `shared.noise.noise_block(run_seed, s, [k], tensor_id, ...)`: i
 the noise's E[v^2], eps_k = A_k B_k^T / (m2 sqrt(r)) has entries of unit variance, and
 member m (pair k = m >> 1) sees, for every target,
 
-    W_m = base + alpha * acc + sign_m * es.sigma * eps_k,   sign_m = +1 (m even), -1 (odd)
-    alpha = update.lr * es.sigma / (pairs * m2 * sqrt(r))
+    W_m = W + sign_m * es.sigma * eps_k,   sign_m = +1 (m even), -1 (odd)
 
-so that one step moves W by lr * sigma * mean_k(F_k eps_k). `alpha` and `sigma` are floats
-that only the evaluation reads.
+**Update.** After step s with committed fitness F (int8 in {-1, 0, 1}, one per pair), for
+each target with stored bits W:
 
-**Update.** After step s with committed fitness F (int8 in {-1, 0, 1}, one per pair):
+    Z       = sum_k F_k A_k B_k^T          exact integers
+    alpha32 = float32(weight_scale(cfg))   lr * sigma / (pairs * m2 * sqrt(r)), rounded once
+    w32     = float32(W)                   the exact widening of the stored dtype
+    z32     = float32(Z)                   round to nearest even
+    s       = w32 + z32 * alpha32          a float32 multiply, then a float32 add, each
+                                           rounded to nearest even (never a fused
+                                           multiply-add); a NaN s is taken as 0x7FC00000
 
-    Z   = sum_k F_k A_k B_k^T           exact integers, int64
-    acc = acc + Z
+so that one step moves W by lr * sigma * mean_k(F_k eps_k). Then s is rounded to the stored
+dtype. float32 keeps s. bfloat16 and float16 round stochastically with counter-based noise,
+so that updates below half a unit in the last place are not all lost: with
+u = the low k bits of `bits(key(ROUND, run_seed, s, tensor_id), i)` (`shared.noise`; i the
+element's flat index in (out, in) C order, modulo 2**32), k = 16 for bfloat16 and 13 for
+float16, and b the uint32 pattern of s,
+
+    b = (b + u) mod 2**32 & ~(2**k - 1)    the magnitude rounds up with probability equal
+                                           to the dropped fraction, for either sign
+
+bfloat16 keeps b >> 16; float16 converts the float32 of b to float16 with round to nearest
+even (exact in float16's normal range; below it, in the subnormals, the stochastic rounding
+to 10 bits is rounded again, to nearest), a NaN as 0x7E00. Every element whose Z is 0 keeps
+its bits (so a step whose fitness is all zero moves nothing, -0.0 included).
 
 Z is computed as one float64 GEMM (F * A_all) @ B_all^T over the pairs' concatenated
 factors: every product and every partial sum is an integer below 2**53 (the config checks
 pairs * rank * max|v|^2), so float64 arithmetic is exact in any summation order and the
-result equals the pair-by-pair integer sum bit for bit.
+result equals the pair-by-pair integer sum bit for bit. Every other step is an IEEE
+operation with one correctly rounded result, or integer arithmetic: a device that follows
+the rule gets the same bits.
 """
 
 from __future__ import annotations
@@ -53,7 +76,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .noise import max_abs, noise_block, second_moment
+from .noise import DOMAIN_ROUND, element_bits, hash_key, max_abs, noise_block, second_moment
 from .perturb import ParamSpec
 
 if TYPE_CHECKING:
@@ -61,6 +84,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "F64_EXACT",
+    "WEIGHT_DTYPES",
     "HFError",
     "Target",
     "apply_update",
@@ -69,11 +93,14 @@ __all__ = [
     "member_factors",
     "member_scale",
     "pair_factors",
+    "round_key",
     "select_targets",
     "specs",
     "target_id",
     "targets",
+    "update_bits",
     "weight_scale",
+    "widen",
     "z_bound",
     "z_by_pairs",
     "z_matrix",
@@ -82,12 +109,17 @@ __all__ = [
 F64_EXACT = 1 << 53  # every integer of magnitude up to this is a float64
 _BLOCK = re.compile(r"(^|\.)\d+\.")  # a numeric component: a block of a ModuleList
 PAIR_BLOCK = 1024  # pairs whose factors are held at once while accumulating Z
-# The accumulators of the targets of a 70B-class model fit; a config naming more is not one
-# a coordinator made from a real model, and a worker refuses it before allocating anything.
+# The targets of a 70B-class model fit; a config naming more is not one a coordinator made
+# from a real model, and a worker refuses it before allocating anything.
 MAX_TARGET_WEIGHTS = 1 << 37
 _DIGITS = re.compile("[0-9]{1,7}")
 # Mixture-of-experts layers see only some tokens of a batch, so rows are not member-major.
 _EXPERTS = re.compile(r"(^|\.)experts?\.")
+# model.weight_dtype -> the integer type of its bit patterns in the replica state
+WEIGHT_DTYPES = {"bfloat16": np.int16, "float16": np.int16, "float32": np.int32}
+ROUND_BITS = {"bfloat16": 16, "float16": 13}  # float32 bits that stochastic rounding drops
+CANONICAL_NAN32 = 0x7FC00000
+CANONICAL_NAN16 = 0x7E00
 
 
 class HFError(ValueError):
@@ -175,9 +207,11 @@ def targets(m: ModelConfig) -> tuple[Target, ...]:
 
 
 def specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
-    """One int64 accumulator per target, zero at the start."""
+    """Each target's weights as bit patterns of `model.weight_dtype`; the base ("base") is
+    the model directory's (`shared.hf_dir.base_state`), not a function of the config alone."""
+    dtype = WEIGHT_DTYPES.get(m.weight_dtype, np.int32)
     return tuple(
-        ParamSpec(t.name, t.shape, "matrix", "zero", t.tensor_id, np.int64) for t in targets(m)
+        ParamSpec(t.name, t.shape, "matrix", "base", t.tensor_id, dtype) for t in targets(m)
     )
 
 
@@ -194,6 +228,17 @@ def check(cfg: RunConfig) -> str | None:
 def _check_model(m: ModelConfig) -> str | None:
     if not m.path:
         return "model.arch='hf' needs model.path, the Hugging Face model directory"
+    if m.weight_dtype and m.weight_dtype not in WEIGHT_DTYPES:
+        return (
+            f"model.weight_dtype={m.weight_dtype!r} must be 'bfloat16', 'float16' or 'float32' "
+            "(the dtype of the target weights in the model's files)"
+        )
+    if m.matrices and not m.weight_dtype:
+        return (
+            "this Hugging Face run config was made by an earlier release, whose replica state "
+            "was int64 accumulators (it has model.matrices but no model.weight_dtype): this "
+            "release cannot continue it; start a new run, or use that release"
+        )
     if not 1 <= m.rank <= 4096:
         return f"model.rank={m.rank} must be 1..4096"
     seen, total = set(), 0
@@ -273,7 +318,7 @@ def member_scale(cfg: RunConfig) -> float:
 
 
 def weight_scale(cfg: RunConfig) -> float:
-    """`alpha`, the weight per accumulator unit (evaluation only)."""
+    """`alpha`, the weight per unit of Z (the update rule rounds it to float32 once)."""
     return cfg.update.lr * member_scale(cfg) / cfg.pairs
 
 
@@ -342,13 +387,59 @@ def _check_fitness(cfg: RunConfig, fitness: np.ndarray) -> np.ndarray:
     return fitness
 
 
+def round_key(cfg: RunConfig, step: int, target: Target) -> int:
+    """key(ROUND, run_seed, step, tensor_id): the stochastic rounding's noise stream."""
+    return hash_key(DOMAIN_ROUND, cfg.es.run_seed, step, target.tensor_id)
+
+
+def widen(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of a state's bit patterns (exact)."""
+    if dtype == "bfloat16":
+        return (bits.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return bits.view(np.float32)
+
+
+def update_bits(
+    bits: np.ndarray, z: np.ndarray, alpha: float, dtype: str, key: int, start: int = 0
+) -> np.ndarray:
+    """The update rule (module docstring) on stored bits (int16 or int32) given Z (exact
+    integers, int64 or float64, the same shape); `start`: the flat index of the first
+    element, which the rounding noise is drawn at."""
+    w32 = widen(bits, dtype)
+    product = z.astype(np.float32) * np.float32(alpha)
+    s = w32 + product  # two float32 operations, each rounded: never fused in NumPy
+    b = np.where(np.isnan(s), np.uint32(CANONICAL_NAN32), s.view(np.uint32))
+    if dtype == "float32":
+        new = b.view(np.int32)
+    else:
+        k = ROUND_BITS[dtype]
+        at = start % (1 << 32)  # indices are uint32: they wrap
+        u = element_bits(np.array([key], dtype=np.uint64), at, b.size)[0].reshape(b.shape)
+        b = (b + (u & np.uint32((1 << k) - 1))) & np.uint32(0xFFFFFFFF ^ ((1 << k) - 1))
+        if dtype == "bfloat16":
+            new = (b >> np.uint32(16)).astype(np.uint16).view(np.int16)
+        else:
+            with np.errstate(over="ignore"):  # beyond float16's range: infinity
+                half = b.view(np.float32).astype(np.float16)
+            new = np.where(np.isnan(half), np.int16(CANONICAL_NAN16), half.view(np.int16))
+    return np.where(z == 0, bits, new).astype(bits.dtype)
+
+
 def apply_update(
     cfg: RunConfig, step: int, params: dict[str, np.ndarray], fitness: np.ndarray
 ) -> tuple[dict[str, np.ndarray], int]:
-    """The accumulators after step `step`'s committed fitness, and how many entries moved."""
-    new, changed = {}, 0
+    """The weights (bit patterns) after step `step`'s committed fitness, and how many
+    changed: the reference every device's update must equal."""
+    fitness = _check_fitness(cfg, fitness)
+    alpha, dtype = weight_scale(cfg), cfg.model.weight_dtype
+    new, changed = dict(params), 0
+    if not np.any(fitness):
+        return new, 0
     for t in targets(cfg.model):
+        old = params[t.name]
         z = z_matrix(cfg, step, t, fitness)
-        new[t.name] = params[t.name] + z
-        changed += int(np.count_nonzero(z))
+        new[t.name] = update_bits(old, z, alpha, dtype, round_key(cfg, step, t))
+        changed += int(np.count_nonzero(new[t.name] != old))
     return new, changed

@@ -12,8 +12,10 @@ An architecture is one module in this folder (shared/egg.py, shared/former.py) w
     GENERATOR(cfg, params)  the unperturbed model one token at a time (`Generator`); a
                             family no NumPy code evaluates gives functions that refuse
 and one line in `ARCHS`. The `hf` family (shared/hf.py) fills the seam differently: its
-tensors are int64 accumulators of a Hugging Face model's updates, it brings its own
-`apply_update`, and PyTorch evaluates it (worker/backend/torch_backend.py). Every int8
+tensors are a Hugging Face model's target weights (their bit patterns), whose step 0 is read
+from the model's files (`shared.hf_dir.base_state`, by `shared.start.initial_state`), not
+made here; it brings its own `apply_update`, and PyTorch evaluates it
+(worker/backend/torch_backend.py). Every int8
 architecture perturbs its weights through shared/perturb.py and scores with shared/loss.py,
 so the update rules, the replicas and the backends never ask which architecture they hold.
 """
@@ -115,9 +117,15 @@ def param_specs(m: ModelConfig) -> tuple[ParamSpec, ...]:
 
 
 def init_params(m: ModelConfig) -> dict[str, np.ndarray]:
-    """Initial int8 weights, a pure function of the model config."""
+    """Initial int8 weights, a pure function of the model config (ValueError for a model
+    whose weights start from its files: shared/start.py's `initial_state` reads those)."""
     params = {}
     for spec in param_specs(m):
+        if spec.init == "base":
+            raise ValueError(
+                f"model.arch={m.arch!r} starts from the weights of its model directory: "
+                "its initial state is shared.start.initial_state's (shared.hf_dir.base_state)"
+            )
         size = int(np.prod(spec.shape))
         if spec.init in ("gaussian", "small"):
             values = init_values(m.init_seed, spec.tensor_id, size)

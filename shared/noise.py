@@ -50,6 +50,7 @@ DOMAIN_INIT = 0x696E6974  # "init"
 DOMAIN_DATA = 0x64617461  # "data"
 DOMAIN_SAMPLE = 0x73616D706C65  # "sample"
 DOMAIN_PROMPT = 0x70726F6D7074  # "prompt": which prompts a step continues, and their seed
+DOMAIN_ROUND = 0x726F756E64  # "round": the hf family's stochastic rounding (shared/hf.py)
 
 NOISE_KINDS = ("uniform", "gaussian")
 

@@ -74,7 +74,7 @@ class ParamSpec:
     # (1.0 in fixed point), "zero", "zipf" (`shared.loss.zipf_bias`)
     init: str
     tensor_id: int  # the noise stream of this tensor
-    # the replica's integer type: int8 weights; int64 for the hf family's accumulators
+    # the replica's integer type: int8 weights; the hf family's weights' bit patterns
     dtype: type = np.int8
 
 
@@ -311,7 +311,8 @@ def perturbed_rows(
     return x
 
 
-HF_SETTINGS = ("path", "targets", "rank", "files", "matrices")  # model.arch "hf"'s own
+# model.arch "hf"'s own
+HF_SETTINGS = ("path", "targets", "rank", "files", "matrices", "weight_dtype")
 # FAMILY, EXACT and OWN_TOKENIZER of every int8 architecture (shared/model.py): integers
 # only, so every device computes the same bytes; the data's vocabulary is the model's.
 INT8 = ("int8", True, False)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import RunConfig
-from .hf_dir import ModelDirError, check_model_dir, pinned_files, pinned_matrices
+from .hf_dir import ModelDirError, check_model_dir, pinned_files, pinned_matrices, target_dtype
 from .objectives import GoalFile, objective_of
 from .replica import CheckpointError, ReplicaState, checkpoint_bytes, load_checkpoint
 
@@ -102,9 +102,10 @@ def pin(cfg: RunConfig, base: Path) -> RunConfig:
         m, path = cfg.model, resolve(cfg.model.path, base)
         try:
             matrices, files = pinned_matrices(path, m.targets, m.rank), pinned_files(path)
+            dtype = target_dtype(path, matrices)
         except ModelDirError as exc:
             raise GoalError(str(exc)) from None
-        cfg = cfg.replace(model=replace(m, files=files, matrices=matrices))
+        cfg = cfg.replace(model=replace(m, files=files, matrices=matrices, weight_dtype=dtype))
     return cfg
 
 

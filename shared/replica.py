@@ -7,7 +7,8 @@ says so in code, and the digest proves two replicas agree. It is BLAKE2b-64 of
     b"eggroll-replica/2" | config digest (32 B) | step (u64 BE) |
     for each tensor in param_specs order, then each state tensor in state_specs order:
         the BLAKE2b-256 of each DIGEST_LEAF-byte piece of its bytes (C order,
-        little-endian: int8 weights, the hf family's int64 accumulators, the rule's state)
+        little-endian: int8 weights, the hf family's weights' bit patterns (int16 for
+        bfloat16 and float16, int32 for float32), the rule's state)
 
 A tree of one level, so that a device hashes the leaves where the tensors live, in
 parallel, and hands back 32 bytes a leaf instead of the state (worker/backend/digest.cu).
@@ -63,8 +64,9 @@ class CheckpointError(ValueError):
 
 @dataclass
 class ReplicaState:
-    """Weights after `step` committed updates (int8; the hf family's int64 accumulators),
-    and the update rule's state (none for `ztest`; `update.state_specs` says what)."""
+    """Weights after `step` committed updates (int8; the hf family's target weights as bit
+    patterns), and the update rule's state (none for `ztest`; `update.state_specs` says
+    what)."""
 
     config: RunConfig
     step: int
@@ -161,11 +163,14 @@ def encode_checkpoint(state: ReplicaState) -> bytes:
             struct.pack(">B", data.ndim),
             struct.pack(f">{data.ndim}I", *data.shape),
             struct.pack(">BQ", _DTYPE_CODES[data.dtype], data.nbytes),
-            data.tobytes(),
+            memoryview(data.reshape(-1)).cast("B"),  # no copy: the join is the only one
         ]
     parts.append(struct.pack(">Q", state.digest()))
-    body = b"".join(parts)
-    return body + struct.pack(">I", zlib.crc32(body))
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    # one copy of the state in all: a snapshot of a large model must not need three
+    return b"".join([*parts, struct.pack(">I", crc)])
 
 
 def checkpoint_bytes(config: RunConfig) -> int:

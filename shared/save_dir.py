@@ -409,6 +409,9 @@ class SaveDir:
         self.run = run  # run.json as stored
         self.config = config
         self._log: FitnessLog | None = None
+        # a Hugging Face run's model directory, whose files are its step 0 (None: the run's
+        # model.path, from the working directory)
+        self.model_dir: Path | None = None
 
     @classmethod
     def open(cls, path: str | Path) -> SaveDir:
@@ -504,7 +507,7 @@ class SaveDir:
         """The run's state at step 0 (a run that started from a trained replica keeps a
         copy of it: init.ckpt)."""
         try:
-            return initial_state(self.config, path=self.layout.start)
+            return initial_state(self.config, path=self.layout.start, model_dir=self.model_dir)
         except GoalError as exc:
             raise SaveDirError(str(exc)) from None
 

@@ -56,8 +56,11 @@ def model_config(family: str, vocab: int) -> object:
     )
 
 
-def save_model(path: Path, family: str, initializer_range: float | None = None) -> Path:
-    """A tiny `family` ("gpt2" or "llama") model and its tokenizer saved in `path`."""
+def save_model(
+    path: Path, family: str, initializer_range: float | None = None, dtype: str = "float32"
+) -> Path:
+    """A tiny `family` ("gpt2" or "llama") model and its tokenizer saved in `path`, its
+    weights in `dtype` ("float32", "bfloat16" or "float16")."""
     import torch
 
     tok = tokenizer()
@@ -65,6 +68,7 @@ def save_model(path: Path, family: str, initializer_range: float | None = None) 
     config = model_config(family, len(tok))
     if initializer_range is not None:
         config.initializer_range = initializer_range
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -96,6 +96,7 @@ def test_each_command_fits_nine_minutes() -> None:
     parts = gpu_check.VERDICT
     assert sum(parts.values()) <= 9 * 60
     assert parts["install"] + parts["preflight"] + sum(gpu_check.BENCH.values()) <= 9 * 60
+    assert parts["install"] + sum(gpu_check.HF.values()) <= 9 * 60
 
 
 def test_the_bench_counts_every_gemm_and_weighs_cublas_by_time() -> None:

@@ -1,5 +1,5 @@
-"""The hf family's integer side (shared/hf.py, shared/hf_dir.py): no torch needed. Its
-replica state is `shared.replica`'s, with int64 accumulators for tensors."""
+"""The hf family's torch-free side (shared/hf.py, shared/hf_dir.py): no torch needed. Its
+replica state is `shared.replica`'s, with the target weights' bit patterns for tensors."""
 
 from __future__ import annotations
 
@@ -32,14 +32,35 @@ CANDIDATES = [
 ]
 
 
-def _cfg(pairs: int = 6, rank: int = 2, noise: str = "uniform", sigma: float = 0.01) -> RunConfig:
+def _cfg(
+    pairs: int = 6,
+    rank: int = 2,
+    noise: str = "uniform",
+    sigma: float = 0.01,
+    dtype: str = "bfloat16",
+) -> RunConfig:
     matrices = hs.matrices_of(hs.select_targets(CANDIDATES, rank=rank))
     return RunConfig(
-        model=ModelConfig(arch="hf", path="tiny", rank=rank, matrices=matrices),
+        model=ModelConfig(arch="hf", path="tiny", rank=rank, matrices=matrices, weight_dtype=dtype),
         es=ESConfig(
             population=2 * pairs, chunk_size=2 * pairs, noise=noise, sigma=sigma, run_seed=7
         ),
     )
+
+
+def _base(cfg: RunConfig, seed: int = 0) -> ReplicaState:
+    """A step 0 of random weights (std 0.02) as the config's dtype holds them."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for t in hs.targets(cfg.model):
+        w = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
+        if cfg.model.weight_dtype == "bfloat16":  # truncated: any bfloat16 will do
+            params[t.name] = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+        elif cfg.model.weight_dtype == "float16":
+            params[t.name] = w.astype(np.float16).view(np.int16)
+        else:
+            params[t.name] = w.view(np.int32)
+    return ReplicaState(cfg, 0, params)
 
 
 def _fitness(rng: np.random.Generator, pairs: int, steps: int) -> list[np.ndarray]:
@@ -110,45 +131,55 @@ def test_z_blocks_of_pairs_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     assert np.array_equal(hs.z_matrix(cfg, 0, t, f), whole)
 
 
-def test_replay_is_exact_and_the_digest_sees_one_flip() -> None:
-    cfg = _cfg()
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_replay_is_exact_and_the_digest_sees_one_flip(dtype: str) -> None:
+    cfg = _cfg(dtype=dtype)
     log = _fitness(np.random.default_rng(3), cfg.pairs, 4)
-    one = replay(ReplicaState.initial(cfg), log)
-    two = replay(ReplicaState.initial(cfg), [f.copy() for f in log])
+    one = replay(_base(cfg), log)
+    two = replay(_base(cfg), [f.copy() for f in log])
     assert one.step == 4
     assert one.digest() == two.digest()
     for t in hs.targets(cfg.model):
         assert np.array_equal(one.params[t.name], two.params[t.name])
-        assert one.params[t.name].dtype == np.int64
+        assert one.params[t.name].dtype == (np.int32 if dtype == "float32" else np.int16)
+        assert not np.array_equal(one.params[t.name], _base(cfg).params[t.name])
     # replay from a midpoint reaches the same state
-    mid = replay(ReplicaState.initial(cfg), log[:2])
+    mid = replay(_base(cfg), log[:2])
     assert replay(mid, log[2:]).digest() == one.digest()
-    # acc = the sum of the steps' Z
-    t = hs.targets(cfg.model)[2]
-    total = sum(hs.z_by_pairs(cfg, s, t, f) for s, f in enumerate(log))
-    assert np.array_equal(one.params[t.name], total)
     flipped = [f.copy() for f in log]
     k = int(np.flatnonzero(flipped[1])[0])
     flipped[1][k] = -flipped[1][k]
-    assert replay(ReplicaState.initial(cfg), flipped).digest() != one.digest()
+    assert replay(_base(cfg), flipped).digest() != one.digest()
+
+
+def test_the_initial_state_is_the_model_directorys() -> None:
+    with pytest.raises(ValueError, match="starts from the weights of its model directory"):
+        ReplicaState.initial(_cfg())
 
 
 def test_digest_covers_the_config_and_the_step() -> None:
     cfg = _cfg()
-    state = ReplicaState.initial(cfg)
-    assert state.digest() != ReplicaState.initial(_cfg(sigma=0.02)).digest()
+    state = _base(cfg)
+    assert state.digest() != _base(_cfg(sigma=0.02)).digest()
     assert state.digest() != ReplicaState(cfg, 1, state.params).digest()
 
 
 def test_bad_fitness_and_configs() -> None:
     cfg = _cfg()
     with pytest.raises(ValueError, match="shape"):
-        replay(ReplicaState.initial(cfg), [np.zeros(3, dtype=np.int8)])
+        replay(_base(cfg), [np.zeros(3, dtype=np.int8)])
     with pytest.raises(hs.HFError, match="int8"):
-        replay(ReplicaState.initial(cfg), [np.full(cfg.pairs, 2, dtype=np.int8)])
+        replay(_base(cfg), [np.full(cfg.pairs, 2, dtype=np.int8)])
     m = cfg.model
     for model, es, message in [
         (replace(m, path=""), cfg.es, "needs model.path"),
+        (replace(m, weight_dtype="int8"), cfg.es, "model.weight_dtype='int8' must be"),
+        (replace(m, weight_dtype=""), cfg.es, "made by an earlier release, whose replica"),
+        (
+            replace(m, arch="egg", path="", rank=1, matrices=()),
+            cfg.es,
+            "model.weight_dtype is a setting",
+        ),
         (replace(m, rank=40), cfg.es, "above the size of target"),
         (replace(m, matrices=("x 3",)), cfg.es, "must be 'name out in'"),
         (replace(m, matrices=("x 8 ²",)), cfg.es, "must be 'name out in'"),
@@ -188,14 +219,19 @@ def test_without_the_extra_one_line_names_it(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_checkpoint_round_trip_and_refusals() -> None:
     cfg = _cfg()
-    state = replay(ReplicaState.initial(cfg), _fitness(np.random.default_rng(4), cfg.pairs, 2))
+    state = replay(_base(cfg), _fitness(np.random.default_rng(4), cfg.pairs, 2))
     data = encode_checkpoint(state)
     assert len(data) == checkpoint_bytes(cfg)  # what a coordinator bounds a snapshot by
+    weights = sum(t.shape[0] * t.shape[1] for t in hs.targets(cfg.model))
+    wide = _cfg(dtype="float32")  # the same run with float32 targets: 2 bytes more a weight
+    assert checkpoint_bytes(wide) - checkpoint_bytes(cfg) == 2 * weights + (
+        len(wide.canonical_bytes()) - len(cfg.canonical_bytes())
+    )
     back = decode_checkpoint(data)
     assert back.step == 2 and back.digest() == state.digest()
     for t in hs.targets(cfg.model):
         assert np.array_equal(back.params[t.name], state.params[t.name])
-        assert back.params[t.name].dtype == np.int64
+        assert back.params[t.name].dtype == np.int16
     with pytest.raises(CheckpointError, match="CRC"):
         decode_checkpoint(data[:-20] + bytes(20))
 

@@ -18,7 +18,7 @@ from eggroll_dist.shared import hf  # noqa: E402
 from eggroll_dist.shared import hf_dir as hd  # noqa: E402
 from eggroll_dist.shared.config import ESConfig, ModelConfig, RunConfig, UpdateConfig  # noqa: E402
 from eggroll_dist.shared.pinned import GoalError, pin  # noqa: E402
-from eggroll_dist.shared.replica import ReplicaState, replay  # noqa: E402
+from eggroll_dist.shared.replica import replay  # noqa: E402
 from eggroll_dist.worker import hf_model as hm  # noqa: E402
 
 
@@ -99,13 +99,16 @@ def test_state_weights_and_replay(model_dir: Path) -> None:
     lm = _population(model_dir, lr=4.0)
     rng = np.random.default_rng(0)
     log = [rng.integers(-1, 2, size=lm.cfg.pairs).astype(np.int8) for _ in range(3)]
-    state = replay(ReplicaState.initial(lm.cfg), log)
+    base = hd.base_state(lm.cfg, model_dir)
+    for name in lm.modules:  # the files' weights are the model's as loaded
+        assert torch.equal(lm.bits(name), torch.from_numpy(base.params[name]))
+    state = replay(base, log)
     lm.load_state(state)
-    alpha = hf.weight_scale(lm.cfg)
-    for name in lm.modules:
-        want = lm._base[name].double() + alpha * torch.from_numpy(state.params[name]).double()
-        torch.testing.assert_close(lm._weight(name).detach().double(), want, rtol=0, atol=1e-6)
-    assert replay(ReplicaState.initial(lm.cfg), log).digest() == state.digest()
+    for name in lm.modules:  # the state's weights, exactly
+        bits = torch.from_numpy(state.params[name])
+        assert torch.equal(lm._weight(name).detach(), bits.view(torch.float32))
+        assert not torch.equal(bits, torch.from_numpy(base.params[name]))
+    assert replay(hd.base_state(lm.cfg, model_dir), log).digest() == state.digest()
 
 
 def test_completions_and_losses(model_dir: Path) -> None:
@@ -172,17 +175,20 @@ def test_bad_inputs_say_one_line(tmp_path: Path, model_dir: Path) -> None:
 def test_export_loads_in_transformers_and_generates(model_dir: Path, tmp_path: Path) -> None:
     lm = _population(model_dir, lr=8.0)
     log = [np.array([1, -1, 1], dtype=np.int8), np.array([0, 1, 1], dtype=np.int8)]
-    state = replay(ReplicaState.initial(lm.cfg), log)
-    lm.load_state(state)
+    base = hd.base_state(lm.cfg, model_dir)
+    state = replay(base, log)
     out = hm.export_merged(model_dir, state, tmp_path / "merged")
     assert (out / "model.safetensors").is_file()
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     merged_layers = {name: m for name, m, _, _ in hd.linear_layers(merged)}
     for name in lm.modules:
         w = merged_layers[name].weight
-        w = w.T if lm.transposed[name] else w
-        torch.testing.assert_close(w.float(), lm._weight(name).float(), rtol=0, atol=1e-6)
-        assert not torch.equal(w.float(), lm._base[name])  # the state moved it
+        w = (w.T if lm.transposed[name] else w).detach().float().contiguous()
+        assert torch.equal(w.view(torch.int32), torch.from_numpy(state.params[name]))
+        assert not np.array_equal(state.params[name], base.params[name])  # the state moved
+    # the files it wrote are the state's: its base is the state
+    again = hd.base_state(state.config, out)
+    assert all(np.array_equal(again.params[n], state.params[n]) for n in state.params)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = torch.tensor([tokenizer.encode("the quick")])
     text = merged.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)

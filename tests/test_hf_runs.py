@@ -1,7 +1,8 @@
 """Hugging Face runs end to end, in real processes on tiny GPT-2 and Llama models built here:
-eggroll-tune moves a reward and a loss, the fitness log replays to the same accumulators,
-a coordinator with two PyTorch workers (killed and restarted midway) reaches eggroll-tune's
-digest, eggroll-export writes a model transformers loads, and bad inputs are one line."""
+eggroll-tune moves a reward and a loss, the fitness log replays to the same weights from
+the model's files, a coordinator with two PyTorch workers on a bfloat16 model (killed and
+restarted midway) reaches eggroll-tune's digest, eggroll-export writes a model transformers
+loads whose targets are the replica's bits, and bad inputs are one line."""
 
 from __future__ import annotations
 
@@ -72,21 +73,23 @@ def test_a_reward_moves_within_a_few_dozen_steps(gpt2_run: Path) -> None:
     assert held[-1] > held[0], held  # the unperturbed model, on prompts never trained on
 
 
-def test_the_fitness_log_replays_to_the_same_accumulators(gpt2_run: Path) -> None:
+def test_the_fitness_log_replays_to_the_same_weights(gpt2_run: Path) -> None:
     run = SaveDir.open(gpt2_run / "run")
+    run.model_dir = gpt2_run / "model"  # its step 0: the model's files
     snapshot = load_checkpoint(run.layout.snapshot(30))
     replayed = run.state_at(30, unpack_ternary, snapshots=False)
+    base = run.state_at(0, unpack_ternary, snapshots=False)
     assert replayed.digest() == snapshot.digest()
     assert replayed.params.keys() == snapshot.params.keys()
-    for name, acc in snapshot.params.items():
-        assert acc.dtype == np.int64 and np.array_equal(replayed.params[name], acc)
-    assert any(np.any(acc) for acc in snapshot.params.values())
+    for name, bits in snapshot.params.items():  # a float32 model: its weights' bits
+        assert bits.dtype == np.int32 and np.array_equal(replayed.params[name], bits)
+    assert any(np.any(bits != base.params[n]) for n, bits in snapshot.params.items())
     summary = json.loads((gpt2_run / "summary.json").read_text())
     assert f"{replayed.digest():016x}" == summary["replica_digest"]
 
 
 def test_the_same_command_with_more_steps_continues(
-    gpt2_run: Path, words_data: Path, tmp_path: Path
+    gpt2_run: Path, words_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in ("model", "prompts.txt", "run"):
         src = gpt2_run / name
@@ -98,6 +101,7 @@ def test_the_same_command_with_more_steps_continues(
     assert more.returncode == 0, more.stderr[-3000:]
     run = SaveDir.open(tmp_path / "run")
     assert run.steps == 32  # two more steps, after the 30 kept
+    monkeypatch.chdir(tmp_path)  # the runs' model path, `model`, is read from here
     assert digest_at(tmp_path / "run", 30) == digest_at(gpt2_run / "run", 30)
     snapshot = load_checkpoint(run.layout.snapshot(32))
     assert snapshot.digest() == digest_at(tmp_path / "run", 32)
@@ -109,14 +113,15 @@ def test_export_loads_in_transformers_and_generates(gpt2_run: Path) -> None:
     assert done.returncode == 0, done.stderr
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
-    # its weights are the replica's at the last step
+    # its targets are the replica's weights at the last step, bit for bit
     state = load_checkpoint(SaveDir.open(gpt2_run / "run").layout.snapshot(30))
     lm = PopulationLM(load_causal_lm(gpt2_run / "model"), state.config, state)
     layers = {name: m for name, m, _, _ in linear_layers(merged)}
     for name in lm.modules:
         w = layers[name].weight
-        w = w.T if lm.transposed[name] else w
-        torch.testing.assert_close(w.float(), lm._weight(name).float(), rtol=0, atol=1e-6)
+        w = (w.T if lm.transposed[name] else w).detach().float().contiguous()
+        assert torch.equal(w.view(torch.int32), torch.from_numpy(state.params[name]))
+        assert torch.equal(w, lm._weight(name).detach())
     ids = torch.tensor([tokenizer.encode("the quick")])
     text = merged.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     assert text.shape == (1, ids.shape[1] + 4)
@@ -136,14 +141,18 @@ def test_perplexity_falls_on_a_llama(tmp_path: Path, words_data: Path) -> None:
 
 
 def test_two_torch_workers_reach_tunes_digest_through_a_coordinator_kill(
-    spawn: Callable[..., Any], gpt2_run: Path, words_data: Path, tmp_path: Path
+    spawn: Callable[..., Any],
+    gpt2_run: Path,
+    words_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The same run as eggroll-tune's, written by --print-config, over a coordinator and two
-    PyTorch workers; the coordinator is killed after step 2 and restarted: the replica digest
-    at the end is eggroll-tune's."""
-    for name in ("model", "prompts.txt"):
-        src = gpt2_run / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    """The same run as eggroll-tune's on a bfloat16 model, written by --print-config, over a
+    coordinator and two PyTorch workers; the coordinator is killed (SIGKILL) after step 2 and
+    restarted: the replica digest at the end is eggroll-tune's, and its snapshots hold two
+    bytes per target weight."""
+    save_model(tmp_path / "model", "gpt2", initializer_range=0.3, dtype="bfloat16")
+    shutil.copy(gpt2_run / "prompts.txt", tmp_path / "prompts.txt")
     steps, flags = 5, (*REWARD_RUN, "--population", "16", "--chunk-size", "8")
     printed = run_cli(
         "eggroll-tune", "model", *flags, "--steps", steps, "--print-config", cwd=tmp_path
@@ -169,7 +178,12 @@ def test_two_torch_workers_reach_tunes_digest_through_a_coordinator_kill(
     assert all(w.proc.poll() in (None, 0) for w in workers)  # none failed
     run, tuned = SaveDir.open(save_dir), SaveDir.open(tmp_path / "alone")
     assert run.config.digest() == tuned.config.digest()
+    assert run.config.model.weight_dtype == "bfloat16"
+    monkeypatch.chdir(tmp_path)  # the runs' model path, `model`, is read from here
     assert digest_at(save_dir, steps) == digest_at(tmp_path / "alone", steps)
+    snapshot = load_checkpoint(tuned.layout.snapshot(steps))
+    assert all(bits.dtype == np.int16 for bits in snapshot.params.values())
+    assert snapshot.digest() == digest_at(save_dir, steps)
 
 
 def test_a_worker_with_another_model_copy_is_refused(
@@ -305,7 +319,7 @@ def test_the_readmes_example_model_visibly_learns(tmp_path: Path, words_data: Pa
 
 
 def test_a_reward_run_without_data_scores_its_held_out_prompts_and_continues(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reward run in a folder without ./data (--data-dir left at its default) reads no
     text: its held-out score is the reward's, it draws no baselines, and it continues."""
@@ -337,6 +351,7 @@ def test_a_reward_run_without_data_scores_its_held_out_prompts_and_continues(
     )
     assert more.returncode == 0, more.stderr[-3000:]
     assert SaveDir.open(tmp_path / "run").steps == 4
+    monkeypatch.chdir(tmp_path)  # the run's model path, `model`, is read from here
     assert f"{digest_at(tmp_path / 'run', 3):016x}" == summary["replica_digest"]
     inspect = run_cli("eggroll-inspect", "run", cwd=tmp_path)
     assert inspect.returncode == 0 and "held-out reward" in inspect.stdout, inspect.stdout

@@ -13,7 +13,7 @@ import click
 
 from ..shared.cli import cannot_write, command, data_dir_option
 from ..shared.data import BYTE_VOCAB_SIZE, TOKENIZER_FILE, DataError, read_meta
-from ..shared.hf_dir import ModelDirError, check_model_dir, require_hf
+from ..shared.hf_dir import ModelDirError, base_state, check_model_dir, require_hf
 from ..shared.logs import echo
 from ..shared.replica import ReplicaState
 from .export_format import write_export
@@ -59,15 +59,17 @@ def _no_progress_bars() -> Iterator[None]:
 def _export_hf(
     state: ReplicaState, model_dir: Path | None, out: Path, origin: str, lora: int | None
 ) -> None:
-    """The merged model (base + the accumulators' updates) of a Hugging Face run, from its
-    base model directory, which must be the run's (its pinned file digests); with `lora`,
-    the updates alone as a PEFT LoRA adapter of that rank."""
+    """The merged model (the state's target weights in the base model) of a Hugging Face
+    run, from its base model directory, which must be the run's (its pinned file digests);
+    with `lora`, the change from the base alone as a PEFT LoRA adapter of that rank."""
     path = model_dir or Path(state.config.model.path)
+    check_model_dir(path, state.config.model.files)
     if lora is not None:
         check_rank(state, lora)
         conv1d = conv1d_targets(path, state)
+        base = base_state(state.config, path)
         try:
-            errors = write_lora(out, state, lora, conv1d, click.echo)
+            errors = write_lora(out, state, base, lora, conv1d, click.echo)
         except OSError as exc:
             raise cannot_write(exc, out) from None
         click.echo(
@@ -78,7 +80,6 @@ def _export_hf(
         return
     from .hf_model import export_merged  # torch and transformers: the hf extra
 
-    check_model_dir(path, state.config.model.files)
     try:
         with _no_progress_bars():
             export_merged(path, state, out)
@@ -152,6 +153,7 @@ def main(
             newest_snapshot=False,
             on_replay=replay_progress(lambda text: echo(text, err=True)),
             warn=lambda text: echo(f"warning: {text}", err=True),
+            model_dir=model_dir,  # a Hugging Face run's step 0
         )
         arch = found.state.config.model.arch
         if arch == "hf":

@@ -1,7 +1,8 @@
 """`eggroll-export --lora R`: the change a Hugging Face run made to its target matrices, as a
 PEFT LoRA adapter for the run's base model.
 
-A target's change is dW = alpha * acc (shared/hf.py), (out, in) in nn.Linear's convention.
+A target's change is dW = W - W_0, the state's weights less the base model's (shared/hf.py:
+both exact in float64), (out, in) in nn.Linear's convention.
 Its SVD dW = U S V^T truncated to rank r gives B = U_r sqrt(S_r) (out, r) and
 A = sqrt(S_r) V_r^T (r, in): B A is the closest rank-r matrix to dW (Eckart-Young). PEFT
 adds lora_B @ lora_A * lora_alpha / r, and lora_alpha = r makes that scale 1. GPT-2's
@@ -121,12 +122,14 @@ def adapter_config(state: ReplicaState, rank: int, fan_in_fan_out: bool) -> dict
 def write_lora(
     out: Path,
     state: ReplicaState,
+    base: ReplicaState,
     rank: int,
     conv1d: set[str],
     say: Callable[[str], None],
 ) -> dict[str, float]:
-    """Write the adapter of `state` at `rank` into `out` (created if needed), saying each
-    target's relative error as it is factored; {target: relative error}. The old
+    """Write the adapter of `state`'s change from `base` (the run's step 0) at `rank` into
+    `out` (created if needed), saying each target's relative error as it is factored;
+    {target: relative error}. The old
     adapter_config.json goes first and the new one comes last, so a failed write (OSError)
     never leaves a directory that PEFT reads as a whole adapter."""
     check_rank(state, rank)
@@ -136,11 +139,14 @@ def write_lora(
             f"the run's targets mix GPT-2 Conv1D layers ({len(conv1d)}) and linear layers "
             f"({len(names - conv1d)}): one LoRA adapter cannot hold both; export the merged model"
         )
-    alpha = hf.weight_scale(state.config)
+    if base.config.digest() != state.config.digest() or base.step != 0:
+        raise LoraError("the base state is not step 0 of the run")
+    dtype = state.config.model.weight_dtype
     tensors: dict[str, np.ndarray] = {}
     targets: dict[str, dict[str, Any]] = {}
     for t in hf.targets(state.config.model):
-        delta = alpha * state.params[t.name].astype(np.float64)
+        now, then = (hf.widen(s.params[t.name], dtype) for s in (state, base))
+        delta = now.astype(np.float64) - then.astype(np.float64)
         b, a, error = lora_factors(delta, rank)
         tensors[f"base_model.model.{t.name}.lora_A.weight"] = np.ascontiguousarray(a)
         tensors[f"base_model.model.{t.name}.lora_B.weight"] = np.ascontiguousarray(b)

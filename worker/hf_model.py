@@ -1,19 +1,25 @@
 """A Hugging Face causal LM evaluated for a population of EGGROLL members, on PyTorch.
 
-The replica state is integer (shared/hf.py: an int64 accumulator per target matrix); this
-module only evaluates members in floating point. `PopulationLM` holds one
-model loaded from a local directory and
+The replica state is the target weights' bit patterns in the dtype of the model's files
+(shared/hf.py), updated by an exact rule (worker/hf_update.py); this module evaluates members
+in floating point. `PopulationLM` holds one model loaded from a local directory and
 
-- writes the state's weights `base + alpha * acc` into the target modules (`load_state`);
+- writes the state's weights into the target modules (`load_state`: exact, since the
+  evaluation dtype is the state's or wider; a narrower one, such as bfloat16 for a float32
+  model on a GPU, rounds them for the evaluation only). Where the evaluation dtype holds the
+  state exactly (`holds_state`), the modules' weights are the state itself (`bits`);
 - evaluates a chunk of members in one batch: rows are member-major (member i owns rows
-  [i * R, (i + 1) * R)), every target module computes the shared base product, and a
-  forward hook adds each member's low-rank correction
+  [i * R, (i + 1) * R)), every target module computes the shared base product, and its
+  wrapped forward adds each member's low-rank correction
       y_m += sign_m * scale * (x_m @ B_k) @ A_k^T      (scale: `shared.hf.member_scale`)
-  with two small batched matmuls. No member's weight matrix is ever formed; the extra memory
-  is the factors (members x (out + in) x r per target) and the (rows, r) intermediates;
+  with batched matmuls, targets that read the same input sharing x @ B, the factors made on
+  the model's device (worker/hf_engine.py). No member's weight matrix is ever formed; the
+  extra memory is the factors (members x (out + in) x r per target) and the (rows, r)
+  intermediates;
 - scores rows of tokens (the members' next-token losses) and continues prompts (greedy, or
   sampled with one counter-based uniform per prompt and position shared by every member,
-  so a pair's members differ by their noise only).
+  so a pair's members differ by their noise only): one prefill, then a static-cache decode
+  whose step is a replayed CUDA graph on a GPU.
 
 Floating point may differ between devices: that changes which fitness a worker proposes,
 never the replica state. torch and transformers are imported only by the hf family's
@@ -23,9 +29,7 @@ modules; hosts without them get one line naming `pip install 'eggroll-distribute
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +49,9 @@ from ..shared.hf_dir import (
     refuse_tied,
     require_hf,
 )
-from ..shared.noise import DOMAIN_SAMPLE, combine_array, hash_key
 from ..shared.replica import ReplicaState
+from .hf_engine import Engine, uniforms
+from .hf_update import state_dtypes
 
 if TYPE_CHECKING:
     import torch
@@ -137,15 +142,6 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return tokenizer
 
 
-@dataclass
-class _Active:
-    """The members a forward pass evaluates: per target, sign * scale * A and B."""
-
-    a: dict[str, torch.Tensor]  # (members, out, r)
-    b: dict[str, torch.Tensor]  # (members, in, r)
-    members: int
-
-
 class PopulationLM:
     """One model, the weights of a replica state, and batched evaluation of its members."""
 
@@ -164,19 +160,11 @@ class PopulationLM:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.scale, self.alpha = hf.member_scale(cfg), hf.weight_scale(cfg)
-        # The base weights in float32 on the host, (out, in): `load_state` rebuilds each
-        # target from them, so the evaluated weights depend on the state only, not its path.
-        self._base = {name: self._weight(name).float().cpu().clone() for name in self.modules}
-        self._active: _Active | None = None
-        # the key-value cache's argument: `cache` in newer transformers, else past_key_values
-        forward = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
-        # generation needs the last position's logits only, not (rows, width, vocab)
-        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
-        self._hooks = [
-            m.register_forward_hook(self._hook(name)) for name, m in self.modules.items()
-        ]
-        self.state = state if state is not None else ReplicaState.initial(cfg)
+        # the state's dtype, and the integer dtype of its bits
+        self.state_dtype, self.bits_dtype = state_dtypes(cfg.model.weight_dtype)
+        # the fused population pass and the decode loop: wraps the targets' forwards once
+        self.engine = Engine(model, cfg, self.modules)
+        self.state = state  # None: the model's weights as loaded
         if state is not None:
             self.load_state(state)
 
@@ -187,16 +175,32 @@ class PopulationLM:
         w = self.modules[name].weight
         return w.T if self.transposed[name] else w
 
+    @property
+    def holds_state(self) -> bool:
+        """Whether the evaluation dtype holds the state's weights exactly (the state's
+        dtype, or a wider float), so that the target modules' weights are the state."""
+        wide = (self.torch.float32, self.torch.float64)
+        return self.dtype == self.state_dtype or self.dtype in wide
+
+    def bits(self, name: str) -> torch.Tensor:
+        """A target's weights as the state's bits ((out, in), C-contiguous, on the model's
+        device); the state's only where `holds_state`."""
+        with self.torch.no_grad():
+            w = self._weight(name).detach().to(self.state_dtype)  # exact where it holds
+            return w.contiguous().view(self.bits_dtype)
+
+    def write_bits(self, name: str, bits: torch.Tensor) -> None:
+        """Write a target's weights from the state's bits (int16 or int32, (out, in))."""
+        with self.torch.no_grad():
+            w = bits.to(self.device).view(self.state_dtype)
+            self._weight(name).copy_(w)  # the evaluation dtype: exact where it holds
+
     def load_state(self, state: ReplicaState) -> None:
-        """Write base + alpha * acc into every target (float64 sum, then the model dtype)."""
+        """Write the state's weights into every target."""
         if state.config.digest() != self.cfg.digest():
             raise HFModelError("the state belongs to another run config")
-        torch = self.torch
-        with torch.no_grad():
-            for name in self.modules:
-                acc = torch.from_numpy(state.params[name]).double()
-                w = self._base[name].double() + self.alpha * acc
-                self._weight(name).copy_(w.to(device=self.device, dtype=self.dtype))
+        for name in self.modules:
+            self.write_bits(name, self.torch.from_numpy(state.params[name]))
         self.state = state
 
     def member_weight(self, name: str, step: int, member: int) -> torch.Tensor:
@@ -206,35 +210,13 @@ class PopulationLM:
         w = self._weight(name).detach().double().cpu() + self.torch.from_numpy(delta)
         return w.to(device=self.device, dtype=self.dtype)
 
-    # --- the population batch ------------------------------------------------------------
-
-    def _hook(self, name: str) -> Callable[..., Any]:
-        def hook(module: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> Any:
-            active = self._active
-            if active is None:
-                return None
-            x = inputs[0]
-            a, b = active.a[name], active.b[name]
-            xs = x.reshape(active.members, -1, x.shape[-1])  # member-major rows
-            corr = self.torch.bmm(self.torch.bmm(xs, b), a.transpose(1, 2))
-            return output + corr.reshape(output.shape)
-
-        return hook
+    # --- the population batch (worker/hf_engine.py) --------------------------------------
 
     @contextlib.contextmanager
     def members(self, step: int, first: int, count: int) -> Iterator[None]:
         """Forward passes inside see members [first, first + count) of `step`, member-major."""
-        torch = self.torch
-        a_all, b_all = {}, {}
-        for name, t in self.targets.items():
-            a, b = hf.member_factors(self.cfg, step, t, first, count)
-            a_all[name] = torch.from_numpy(a).to(self.device, self.dtype) * self.scale
-            b_all[name] = torch.from_numpy(b).to(self.device, self.dtype)
-        self._active = _Active(a_all, b_all, count)
-        try:
+        with self.engine.members(step, first, count):
             yield
-        finally:
-            self._active = None
 
     def logits(self, step: int, first: int, count: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (count, R, T, V) of each member on the same rows input_ids (R, T)."""
@@ -272,77 +254,38 @@ class PopulationLM:
         pad_id: int = 0,
         samples: Sequence[int] | None = None,
         min_p: float = 0.0,
+        graph: bool | None = None,
     ) -> np.ndarray:
         """Tokens (count, P, new_tokens) that members [first, first + count) of `step` write
         after each prompt (members None: the model of the state, count 1).
 
         temperature 0 is greedy; otherwise token t of prompt p is drawn by inverse CDF from
         the uniform of key(SAMPLE, seed, samples[p], t), the same for every member, among
-        the tokens at least min_p times as likely as the likeliest."""
+        the tokens at least min_p times as likely as the likeliest. The prompts are read in
+        one prefill and the tokens decoded on a static cache; `graph` replays each decode
+        token as a captured CUDA graph (None: on CUDA devices; True on a CPU is refused)."""
         torch = self.torch
-        first, count = members if members is not None else (0, 1)
         if not prompts or min(len(p) for p in prompts) == 0:
             raise HFModelError("every prompt needs at least one token")
+        if graph and self.device.type != "cuda":
+            raise HFModelError(f"graph=True needs a CUDA device; the model is on {self.device}")
         samples = list(range(len(prompts))) if samples is None else list(samples)
+        if len(samples) != len(prompts):
+            raise HFModelError(f"{len(samples)} sample numbers for {len(prompts)} prompts")
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: the last column is each prompt's end
             ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p) :] = 1
-        ids, mask = ids.repeat(count, 1).to(self.device), mask.repeat(count, 1).to(self.device)
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = np.zeros((count, len(prompts), new_tokens), dtype=np.int64)
-        context = self.members(step, first, count) if members is not None else _nothing()
-        past = None
-        with torch.no_grad(), context:
-            for t in range(new_tokens):
-                result = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=position,
-                    use_cache=True,
-                    **{self._cache_arg: past},
-                    **self._last_only,
-                )
-                past = getattr(result, self._cache_arg, None)
-                logits = result.logits[:, -1, :]
-                chosen = self._choose(logits, temperature, min_p, seed, samples, t)
-                out[:, :, t] = chosen.reshape(count, len(prompts)).cpu().numpy()
-                ids = chosen.reshape(-1, 1)
-                mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-                position = position[:, -1:] + 1
-        return out
-
-    def _choose(
-        self,
-        logits: torch.Tensor,
-        temperature: float,
-        min_p: float,
-        seed: int,
-        samples: Sequence[int],
-        t: int,
-    ) -> torch.Tensor:
-        torch = self.torch
-        if temperature <= 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.double() / temperature, dim=-1)
-        if min_p > 0:
-            floor = min_p * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
-        cdf = probs.cumsum(dim=-1)
-        keys = combine_array(hash_key(DOMAIN_SAMPLE, seed), np.array(samples, dtype=np.uint64))
-        keys = combine_array(keys, np.full(len(samples), t, dtype=np.uint64))
-        u = torch.from_numpy((keys >> np.uint64(11)).astype(np.float64) * 2.0**-53)
-        u = u.to(self.device).repeat(logits.shape[0] // len(samples)) * cdf[:, -1]
-        chosen = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1)
-        return chosen.clamp(max=logits.shape[-1] - 1)
+        u = uniforms(seed, samples, new_tokens) if temperature > 0 else None
+        who = (step, *members) if members is not None else None
+        use_graph = self.device.type == "cuda" if graph is None else graph
+        return self.engine.complete(who, ids, mask, new_tokens, temperature, min_p, u, use_graph)
 
     def close(self) -> None:
-        """Remove the hooks (the model then runs as the state's plain weights)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Unwrap the target modules (the model then runs as the state's plain weights)."""
+        self.engine.remove()
 
 
 @contextlib.contextmanager
@@ -351,19 +294,14 @@ def _nothing() -> Iterator[None]:
 
 
 def export_merged(model_dir: str | Path, state: ReplicaState, out_dir: str | Path) -> Path:
-    """Write the state's model (base + alpha * acc in every target) to `out_dir` as a
-    directory `AutoModelForCausalLM.from_pretrained` loads: safetensors weights in the base
-    model's dtype, its config and its tokenizer."""
-    torch, _ = require_hf()
-    model = load_causal_lm(model_dir)
-    saved = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
-    if isinstance(saved, str):
-        saved = getattr(torch, saved, None)
+    """Write the state's model to `out_dir` as a directory
+    `AutoModelForCausalLM.from_pretrained` loads: safetensors weights in the dtype of the
+    targets in the base model's files (the targets exactly the state's bits), its config and
+    its tokenizer."""
+    model = load_causal_lm(model_dir, state.config.model.weight_dtype)
     tokenizer = load_tokenizer(model_dir)
     lm = PopulationLM(model, state.config, state)
     lm.close()
-    if isinstance(saved, torch.dtype):
-        model = model.to(saved)
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

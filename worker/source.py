@@ -38,12 +38,14 @@ def load_source(
     newest_snapshot: bool = True,
     on_replay: Callable[[int], Progress | None] | None = None,
     warn: Callable[[str], None] | None = None,
+    model_dir: Path | None = None,
 ) -> Source:
     """The replica in `path` at `step`. Without a step, a save directory gives its newest
     snapshot's step (`newest_snapshot`) or its last step. `on_replay` hears how many logged
     steps are about to be replayed (and may return a Progress to follow them, as
     `replay_progress` does); `warn` hears of a snapshot that cannot be read, which
-    is passed over for an older one (the log gives the same state)."""
+    is passed over for an older one (the log gives the same state). `model_dir`: a Hugging
+    Face run's model directory, its step 0 (None: the run's model.path from here)."""
     if not path.exists():
         raise SourceError(f"{path} does not exist: give a save directory or a checkpoint file")
     if path.is_file():
@@ -62,7 +64,9 @@ def load_source(
         _only_step(path, state, step)
         return Source(state, f"export {path.name}", data_digest)
     try:
-        return _from_save_dir(SaveDir.open(path), step, newest_snapshot, on_replay, warn)
+        run = SaveDir.open(path)
+        run.model_dir = model_dir
+        return _from_save_dir(run, step, newest_snapshot, on_replay, warn)
     except SaveDirError as exc:
         raise SourceError(str(exc)) from None
 

@@ -64,7 +64,7 @@ from ..shared.logs import (
 from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
 from ..shared.objectives.reward import DATA_PROMPTS
-from ..shared.pinned import GoalError
+from ..shared.pinned import GoalError, resolve
 from ..shared.replica import ReplicaState, encode_checkpoint
 from ..shared.run_writer import SNAPSHOTS_KEPT, RunWriter, run_summary, write_summary
 from ..shared.sample import TrainingSamples
@@ -538,12 +538,17 @@ def _run(
     """Train and write what main was asked to; a failed write raises OSError naming its file,
     a save directory that cannot be continued SaveDirError, tracking that cannot start
     TrackingError before anything is written, a goal that fails GoalError or RewardError."""
-    state = initial_state(cfg, base)
+    # An hf run's step 0 is its model's target weights, read from its files: not read
+    # twice when the run continues (every other start is checked here either way).
+    hf_run = ARCHS[cfg.model.arch].FAMILY == "hf"
+    state = None if hf_run else initial_state(cfg, base)
     digest = None if dataset is None else dataset.digest
     run = new_run(cfg, digest)  # eggroll-sample checks the data digest
     if writer is not None and writer.found_run:
-        state = _resume(writer, cfg, digest)
+        state = _resume(writer, cfg, base, digest)
         run = writer.run
+    elif state is None:
+        state = initial_state(cfg, base)
     # The model and the goal first: a prompt too long or a reward that does not import
     # stops the command before it writes anything.
     backend = factory.build(dataset, state)
@@ -741,10 +746,13 @@ class _Curve:
             self.tracker.close()
 
 
-def _resume(writer: RunWriter, cfg: RunConfig, data_digest: bytes | None) -> ReplicaState:
+def _resume(
+    writer: RunWriter, cfg: RunConfig, base: Path, data_digest: bytes | None
+) -> ReplicaState:
     """The run in the save directory, to continue: run.json checked against the config and
     the data (None: a run without data checks none), its fitness log opened for appending
-    (a torn last record cut off), and the replica state at its last committed step."""
+    (a torn last record cut off), and the replica state at its last committed step (an hf
+    run's step 0 from its model directory under `base`)."""
     writer.load(cfg, data_digest)
     fitness_log, stored = writer.fitness_log, writer.config
     assert fitness_log is not None and stored is not None  # loaded
@@ -758,6 +766,8 @@ def _resume(writer: RunWriter, cfg: RunConfig, data_digest: bytes | None) -> Rep
         )
     replaying = replay_progress(lambda text: log.info("resuming", progress=text))
     run = SaveDir(writer.layout, writer.run, stored)
+    if cfg.model.path:
+        run.model_dir = resolve(cfg.model.path, base)
     state = run.state_at(fitness_log.steps, unpack_ternary, replaying)
     log.info("resuming", save_dir=str(writer.root), step=state.step)
     return state

@@ -11,7 +11,7 @@ with `--backend torch`, whose replicas reach the same digests.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -42,10 +42,14 @@ from ..shared.config import (
     ValidationConfig,
 )
 from ..shared.data import DataError
+from ..shared.hf_dir import ModelDirError, require_hf
 from ..shared.logs import configure_logging
-from ..shared.pinned import GoalError, pin
+from ..shared.pinned import GoalError, pin, resolve
+from ..shared.prompts import read_prompts
 from ..shared.tracking import TrackingError, check_available
 from .backend import BackendUnavailable, get_backend
+from .hf_estimate import Estimate, EstimateError, estimate_run, human, mem_available
+from .hf_model import load_tokenizer
 from .hub_cache import HubCacheError, local_or_cached
 from .train import TrainOptions, run_data, run_training
 
@@ -144,13 +148,12 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
 @click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--reward",
-    required=True,
     multiple=True,
-    help="What to maximise: FILE.py:FUNCTION or FILE.py (its score(text), else its "
-    "reward(prompts, completions, ...)), 'lambda text: ...', builtin:letter_e or "
-    "builtin:brackets, with --prompts; repeated, a weighted sum of NAME:WEIGHT parts "
-    "(--reward builtin:letter_e:0.3 --reward score.py:0.7); or 'perplexity': the data's "
-    "next-token loss, with --data-dir.",
+    help="What to maximise (required unless --estimate): FILE.py:FUNCTION or FILE.py "
+    "(its score(text), else its reward(prompts, completions, ...)), 'lambda text: ...', "
+    "builtin:letter_e or builtin:brackets, with --prompts; repeated, a weighted sum of "
+    "NAME:WEIGHT parts (--reward builtin:letter_e:0.3 --reward score.py:0.7); or "
+    "'perplexity': the data's next-token loss, with --data-dir.",
 )
 @click.option(
     "--prompts",
@@ -257,6 +260,13 @@ def config_toml(cfg: RunConfig, steps: int) -> str:
     is_flag=True,
     help="Print the run as a TOML config (for eggroll-coordinator --config) and exit.",
 )
+@click.option(
+    "--estimate",
+    is_flag=True,
+    help="Print the GPU, host and snapshot memory the run needs, the device and its free "
+    "memory, and whether it fits (exit 0), or not (exit 1); reads MODEL_DIR/config.json "
+    "only: no weights needed.",
+)
 @reward_timeout_option
 @tracking_options
 @log_format_option
@@ -284,6 +294,7 @@ def main(
     summary_json: Path | None,
     max_minutes: float | None,
     print_config: bool,
+    estimate: bool,
     reward_timeout: float,
     tensorboard: Path | None,
     wandb_project: str | None,
@@ -293,6 +304,8 @@ def main(
     """Fine-tune the Hugging Face causal LM in MODEL_DIR with EGGROLL, in one process.
     MODEL_DIR is a model directory, or a name ORG/NAME in the local Hugging Face cache."""
     configure_logging(log_format)
+    if not reward and not estimate:
+        raise click.UsageError("Missing option '--reward'.")
     model_dir = resolve_model_dir(model_dir)
     settings = TuneSettings(
         model_dir=model_dir,
@@ -313,16 +326,19 @@ def main(
         validate_every=validate_every,
     )
     try:
+        if estimate:
+            _print_estimate(settings, threads)  # exits
         cfg = tune_config(settings)
         if print_config:
             _print_config(cfg, model_dir, steps)
             return
         check_available(tensorboard is not None, wandb_project is not None)
         base = Path.cwd()
+        factory = get_backend("torch", threads=threads, goal_dir=base, confined=False)
+        _refuse_unfit(cfg, base, factory.device)  # before anything is hashed or loaded
         cfg = pin(cfg, base)
         given = click.get_current_context().get_parameter_source("data_dir")
         dataset = run_data(cfg, data_dir, given is not ParameterSource.DEFAULT)
-        factory = get_backend("torch", threads=threads, goal_dir=base, confined=False)
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     except TrackingError as exc:
@@ -356,6 +372,81 @@ def resolve_model_dir(given: Path) -> Path:
             chosen_by="refs/main" if cached.ref else "the newest snapshot",
         )
     return path
+
+
+# --- the memory a run needs (worker/hf_estimate.py) ---------------------------------------
+
+
+def _measure(cfg: RunConfig, base: Path, device: str, prompts: bool = True) -> Estimate:
+    """The estimate of a run config (not pinned) on `device` (without `prompts`, of prompts
+    of the estimate's default length); EstimateError, ModelDirError or GoalError with one
+    line when it cannot be made."""
+    model = resolve(cfg.model.path, base)
+    lengths = _prompt_lengths(cfg, base, model) if prompts else []
+    return estimate_run(model, cfg, device, lengths)
+
+
+def _prompt_lengths(cfg: RunConfig, base: Path, model: Path) -> list[int]:
+    """The tokens of each prompt of a reward run's prompts file (none: no file), by the
+    model's tokenizer, or in UTF-8 bytes where it has none (at least a byte-level
+    tokenizer's tokens)."""
+    path = resolve(cfg.fitness.prompts, base)
+    if cfg.fitness.objective != "reward" or not path.is_file():
+        return []
+    texts = [text for text, _ in read_prompts(path)]
+    try:
+        tokenizer = load_tokenizer(model)
+    except ModelDirError:
+        return [len(text.encode("utf-8")) for text in texts]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _free_memory(device: str) -> tuple[int | None, int | None, str]:
+    """(free GPU bytes, available host bytes, the device's name)."""
+    if device != "cuda":
+        return None, mem_available(), "cpu"
+    torch, _ = require_hf()
+    free, _total = torch.cuda.mem_get_info()
+    return int(free), mem_available(), f"cuda ({torch.cuda.get_device_name()})"
+
+
+def _print_estimate(settings: TuneSettings, threads: int | None) -> None:
+    """`--estimate`: the estimate's lines, the device's free memory and whether it fits;
+    exits 0 when it does, 1 when not. A run without --reward is taken as a reward run."""
+    if not settings.reward:
+        settings = replace(settings, reward=("builtin:letter_e",))
+    given = settings.prompts is not None
+    if PERPLEXITY not in settings.reward and not given:
+        settings = replace(settings, prompts=Path("prompts.txt"))  # never read: a name
+    try:
+        cfg = tune_config(settings)
+        factory = get_backend("torch", threads=threads, goal_dir=Path.cwd(), confined=False)
+        est = _measure(cfg, Path.cwd(), factory.device, prompts=given)
+    except (ConfigError, GoalError, ModelDirError, BackendUnavailable, EstimateError) as exc:
+        raise click.ClickException(str(exc)) from None
+    free_gpu, free_host, name = _free_memory(factory.device)
+    for line in est.lines():
+        click.echo(line)
+    gpu = f"{human(free_gpu)} free; " if free_gpu is not None else ""
+    host = f"host {human(free_host)} available" if free_host is not None else "host: unknown"
+    click.echo(f"{'device':<10}{name}: {gpu}{host}")
+    short = est.shortfall(free_gpu, free_host)
+    click.echo(f"{'fits':<10}" + ("yes" if short is None else f"no: {short}"))
+    raise SystemExit(0 if short is None else 1)
+
+
+def _refuse_unfit(cfg: RunConfig, base: Path, device: str) -> None:
+    """ConfigError when the run cannot fit this machine's free memory (module
+    worker/hf_estimate.py). A run the estimate cannot describe (an unknown model type, a
+    directory or prompts that do not read) goes on: pinning it says what is wrong."""
+    try:
+        est = _measure(cfg, base, device)
+    except (GoalError, ModelDirError, EstimateError) as exc:
+        log.debug("no memory estimate", reason=str(exc))
+        return
+    short = est.shortfall(*_free_memory(device)[:2])
+    if short is not None:
+        raise ConfigError(f"{short} (eggroll-tune --estimate lists the parts)")
 
 
 def _print_config(cfg: RunConfig, model_dir: Path, steps: int) -> None:

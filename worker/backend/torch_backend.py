@@ -1,9 +1,15 @@
 """The PyTorch backend: a Hugging Face causal LM's population (the `hf` family), on a CUDA GPU
 or the CPU.
 
-The replica is `shared.hf`'s integer accumulators, applied exactly with NumPy; the model only
-evaluates members in floating point (worker/hf_model.py: bfloat16 on a GPU, float32 on a
-CPU), which changes which fitness this worker proposes, never the state.
+The replica is `shared.hf`'s: the target weights' bit patterns in the dtype of the model's
+files, updated by an exact elementwise rule (worker/hf_update.py, equal bit for bit to the
+NumPy reference). The model evaluates members in floating point (worker/hf_model.py:
+bfloat16 on a GPU, float32 on a CPU), which changes which fitness this worker proposes, never
+the state. Where the evaluation dtype holds the state exactly (a bfloat16 model on a GPU, any
+model on a CPU), the model's target weights are the state: a step updates them in place on
+the device, and the host copy (`state`) is pulled back a tensor at a time when the digest or
+a snapshot asks for it. Otherwise (a float32 model evaluated in bfloat16) the host copy is
+the state, and each step's targets go to the device and back.
 
 Text is the model's own: the objective's prompts are encoded and its completions decoded
 with the tokenizer saved beside the model (`codec`), and the next-token objective scores the
@@ -24,16 +30,18 @@ from typing import Any
 import numpy as np
 import structlog
 
+from ...shared.config import RunConfig
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
+from ...shared.hf import Target
 from ...shared.objectives import objective_of
 from ...shared.pinned import check_model, model_dir
 from ...shared.replica import ReplicaState
 from ...shared.sample import Completions, SampleRequest
 from ...shared.text_codec import TextCodec
-from ...shared.update import apply_update
 from ...shared.window import pair_windows, validation_windows
 from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
+from ..hf_update import apply_update
 from . import FAMILIES, BackendFactory, ChunkResult, HeldOut, HostReplica, Validation, check_chunk
 
 log = structlog.get_logger("eggroll.worker")
@@ -57,8 +65,8 @@ def retokenize(tokens: np.ndarray, pieces: Sequence[bytes], tokenizer: Any) -> n
 
 
 class TorchBackend(HostReplica):
-    """Holds one hf replica (accumulators), its model on a device, and the data's text (None:
-    a reward run without data, which scores no text)."""
+    """Holds one hf replica (the target weights), its model on a device, and the data's text
+    (None: a reward run without data, which scores no text)."""
 
     name = "torch"
 
@@ -75,7 +83,7 @@ class TorchBackend(HostReplica):
         self.batch_members = max(2, batch_members - batch_members % 2)
         self.tokenizer = load_tokenizer(path)
         self.lm = PopulationLM(load_causal_lm(path, dtype, device), state.config, state)
-        self.state = state
+        self._take(state)
         cfg = state.config
         limit = getattr(self.lm.model.config, "max_position_embeddings", None) or 1 << 16
         windows = objective_of(cfg).WINDOWS  # members read the train split's windows
@@ -111,18 +119,65 @@ class TorchBackend(HostReplica):
     def parallel_chunks(self) -> int:
         return 1
 
+    # --- the replica ---------------------------------------------------------------------
+
+    def _take(self, state: ReplicaState) -> None:
+        self._config, self._step, self._opt = state.config, state.step, state.opt
+        # the host copy of the target weights; None while the model's weights are newer
+        self._host: dict[str, np.ndarray] | None = dict(state.params)
+
+    @property
+    def config(self) -> RunConfig:
+        return self._config
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def state(self) -> ReplicaState:
+        """The replica on the host (its weights pulled from the device, a tensor at a time,
+        when a step changed them there)."""
+        if self._host is None:
+            self._host = {}  # the old copy is gone: one copy at a time
+            for name in self.lm.modules:  # a copy: on a CPU the bits may be the weights
+                self._host[name] = self.lm.bits(name).to("cpu", copy=True).numpy()
+        return ReplicaState(self._config, self._step, dict(self._host), self._opt)
+
     def load_state(self, state: ReplicaState) -> None:
         self.lm.load_state(state)
-        self.state = state
+        self._take(state)
 
     def digest(self) -> int:
         return self.state.digest()
 
     def apply_step(self, fitness: np.ndarray) -> int:
-        state, cfg = self.state, self.config
-        updated = apply_update(cfg, state.step, state.params, state.opt, np.asarray(fitness))
-        self.load_state(ReplicaState(cfg, state.step + 1, updated.params, updated.opt))
-        return updated.changed
+        """The committed fitness's update, on the device: in place in the model's weights
+        where they hold the state, else on the host copy's targets one at a time."""
+        lm = self.lm
+        if lm.holds_state:
+            self._host = None
+
+            def read(t: Target) -> Any:
+                return lm.bits(t.name)
+
+            def write(t: Target, bits: Any) -> None:
+                lm.write_bits(t.name, bits)
+
+        else:
+            host = self._host
+            assert host is not None  # the host copy is the state
+
+            def read(t: Target) -> Any:
+                return lm.torch.from_numpy(host[t.name]).to(lm.device)
+
+            def write(t: Target, bits: Any) -> None:
+                host[t.name] = bits.cpu().numpy()
+                lm.write_bits(t.name, bits)
+
+        changed = apply_update(self._config, self._step, np.asarray(fitness), read, write)
+        self._step += 1
+        return changed
 
     # --- the next-token objective ----------------------------------------------------------
 
