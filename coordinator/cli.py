@@ -288,6 +288,16 @@ def _serve(
     "worker's own chunk times, everyone's before its first, at least 5 s).",
 )
 @click.option(
+    "--rewind-steps",
+    type=click.IntRange(min=0),
+    default=300,
+    show_default=True,
+    help="How far back (in steps) a worker's conviction may undo its unconfirmed results: "
+    "the run cuts its fitness log back to the first step holding one and evaluates again "
+    "from there (older ones stay, logged); with --max-steps the last this many steps are "
+    "all checked. 0: never rewind.",
+)
+@click.option(
     "--verify-fraction",
     type=click.FloatRange(0.0, 1.0),
     default=0.05,
@@ -392,6 +402,7 @@ def main(
     keep_snapshots: int,
     final_snapshot_timeout_s: float,
     chunk_timeout_s: float | None,
+    rewind_steps: int,
     verify_fraction: float,
     metrics_port: int,
     metrics_host: str,
@@ -453,6 +464,7 @@ def main(
             sample_every=sample_every,
             chunk_timeout_s=chunk_timeout_s,
             verify_fraction=verify_fraction,
+            rewind_steps=rewind_steps,
         ),
         max_connections=max_connections,
         max_connections_per_address=max_connections_per_address,

@@ -58,7 +58,16 @@ class StoreSnapshot:
     blob: bytes
 
 
-Command = Send | ServeSnapshot | StoreSnapshot
+@dataclass(frozen=True)
+class Close:
+    """Send `peer` ERROR(code, message) and close its connection (the run rewound)."""
+
+    peer: int
+    code: ErrorCode
+    message: str
+
+
+Command = Send | ServeSnapshot | StoreSnapshot | Close
 
 Output = Command | Event
 
@@ -102,6 +111,7 @@ class RunOptions:
     sample_every: int = 0  # 0: no samples
     chunk_timeout_s: float | None = None  # None: adapted to observed chunk times
     verify_fraction: float = 0.0  # share of each step's chunks a second worker checks
+    rewind_steps: int = 300  # how far back a conviction may undo steps (0: never)
 
 
 @dataclass(frozen=True)

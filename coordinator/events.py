@@ -34,6 +34,8 @@ __all__ = [
     "Rejected",
     "Requeued",
     "ResultDropped",
+    "RewindOutside",
+    "Rewound",
     "Sampled",
     "SnapshotDropped",
     "SnapshotRejected",
@@ -167,6 +169,29 @@ class Outvoted(Event):
     address: str
     step: int
     chunk: int
+
+
+@dataclass(frozen=True)
+class Rewound(Event):
+    """A conviction undid steps `first`..`end`-1 (rewind.py): the fitness log holds `first`
+    steps again, `chunks` suspect results were among them, the tail is kept in `kept`."""
+
+    first: int
+    end: int
+    chunks: int
+    why: str
+    kept: str
+
+
+@dataclass(frozen=True)
+class RewindOutside(Event):
+    """A convicted machine's unconfirmed results of steps `first`..`last` lie beyond the
+    rewind horizon (--rewind-steps): they stay."""
+
+    first: int
+    last: int
+    chunks: int
+    why: str
 
 
 @dataclass(frozen=True)

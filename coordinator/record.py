@@ -171,6 +171,26 @@ def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveS
                 "a lie): its results of the step are dropped, it resyncs, and every result "
                 "from its machine (its address, or its certificate) is checked from now on",
             )
+        case events.Rewound():
+            log.warning(
+                "run rewound",
+                from_step=event.first,
+                to_step=event.end,
+                chunks_suspect=event.chunks,
+                why=event.why,
+                kept=event.kept,
+                hint="steps from from_step on are evaluated again without the convicted "
+                "machine; every worker reconnects and replays the log",
+            )
+        case events.RewindOutside():
+            log.warning(
+                "rewind out of reach",
+                first_step=event.first,
+                last_step=event.last,
+                chunks_suspect=event.chunks,
+                why=event.why,
+                hint="these steps lie beyond --rewind-steps and stay",
+            )
         case events.Undecided():
             log.error(
                 "results differ and no connected machine can decide",

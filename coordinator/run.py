@@ -66,7 +66,6 @@ event for the shell to record.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import secrets
 import time
@@ -81,16 +80,15 @@ from ..protocol import (
     messages,
     verify_mac,
 )
+from ..protocol.errors import RUN_REWOUND
 from ..protocol.security import CREDENTIAL_PREFIX, worker_credential
-from ..shared.fitness import chunk_loss_range, mean_score, member_tokens
+from ..shared.fitness import chunk_loss_range, member_tokens
 from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
-from ..shared.sample import NEW_TOKENS, PROMPT_TOKENS, SampleSettings
 from ..shared.vocab import escape
 from .core_types import (
-    LOG_BURST,
-    LOG_PER_S,
+    Close,
     Fatal,
     Halted,
     Output,
@@ -108,7 +106,6 @@ from .events import (
     ChunkAccepted,
     ChunkChecked,
     ChunkTimed,
-    Committed,
     Event,
     FileDegraded,
     Joined,
@@ -122,18 +119,20 @@ from .events import (
     Rejected,
     Requeued,
     ResultDropped,
+    RewindOutside,
+    Rewound,
     Sampled,
     SnapshotDropped,
     SnapshotRejected,
     SnapshotStored,
     Validated,
     WorkerError,
-    WorkerLog,
-    WorkerLogsDropped,
 )
 from .jobs import INEXACT_AGREEMENT, ChunkTimer, Clock, Outcome, StepJobs
+from .reports import committed, sample_request, worker_log
+from .rewind import Provenance, plan, sources
 from .store import RunStore, WriteFailure
-from .trust import Distrusted, Trust
+from .trust import Distrusted, Group, Trust
 
 __all__ = ["CATCHUP_STEPS", "WAIT_MS", "Fatal", "Halted", "Refused", "RunCore"]
 
@@ -174,6 +173,7 @@ class RunCore:
         self.peers: dict[int, Peer] = {}
         self.trust = Trust(store, self.peers, clock)  # groups, quorum, waivers, convictions
         self._ids = itertools.count(1)
+        self.provenance = Provenance(options.rewind_steps)  # who gave what, for rewinds
         self.jobs = self._open_step(store.steps)
         self.snapshot = Want()  # a state worth keeping; asked of one worker at a time
         self.validation = Want()  # a held-out score
@@ -397,7 +397,7 @@ class RunCore:
             out += self._lease_to(peer, self._share(msg.max_chunks))
             idle = peer.waiting
         if self._may_sample(peer, idle):
-            out += self._ask(self.sample, peer, self._sample_request)
+            out += self._ask(self.sample, peer, lambda p, s: sample_request(s))
         return out
 
     def _share(self, asked: int) -> int:
@@ -494,8 +494,13 @@ class RunCore:
             out.append(dropped)
         if outcome in (Outcome.ACCEPTED, Outcome.DISPUTED, Outcome.OUTVOTED):
             out += self.trust.note_dispute(self.jobs, self.step, msg.chunk)  # before convict
-        out += self.trust.convict(self.jobs, self.step) + self.trust.waive(self.jobs, self.step)
-        out += self._push_jobs()
+        out += self.trust.convict(self.jobs, self.step)
+        if convicted := self.trust.take_convicted():
+            rewound, said = self._rewind(convicted)
+            out += said
+            if rewound:
+                return out  # every worker reconnects: the open step starts afresh
+        out += self.trust.waive(self.jobs, self.step) + self._push_jobs()
         return out + self._commit() if self.jobs.complete else out
 
     def _commit(self) -> list[Output]:
@@ -513,8 +518,12 @@ class RunCore:
                 "fixed: it repairs the log's tail and resumes)"
             ) from None
         self.store.flush_run()  # run.json, if an earlier write of it failed
+        settled = {c: (jobs.results[c], jobs.losses[c]) for c in jobs.results}
+        self.provenance.record(step, sources(jobs.votes, settled, self.trust.host, jobs.group))
         message = messages.Step(step, self.cfg.pairs, packed)
-        out: list[Output] = [self._committed(step, jobs)]  # reported before any STEP goes out
+        # reported before any STEP goes out
+        now, workers = self.clock(), self.ready_count()
+        out: list[Output] = [committed(self.cfg, step, jobs, now, self.weights_changed, workers)]
         for peer in self.peers.values():
             if peer.ready and not peer.outvoted:
                 peer.waiting = False
@@ -536,6 +545,38 @@ class RunCore:
             self._finish()
         return out
 
+    def _rewind(self, convicted: list[Group]) -> tuple[bool, list[Output]]:
+        """Undo the committed steps holding unconfirmed results of `convicted` within the
+        horizon (rewind.py; SPEC §8 Rewinds): whether any were. Every connected
+        worker is closed with RUN_REWOUND and reconnects to the shortened run."""
+        machines = ", ".join(sorted({g[0] for g in convicted}))
+        why = f"{machines} lost a vote at step {self.step}"
+        rewind, outside = plan(self.provenance, convicted, self.step, why)
+        out: list[Output] = [RewindOutside(o.first, o.last, o.chunks, o.why) for o in outside]
+        if rewind is None:
+            return False, out
+        try:
+            kept = self.store.rewind(rewind.to, rewind.chunks, why)
+        except OSError as exc:  # the log may be cut or not: a restart finishes it
+            raise Fatal(
+                f"cannot rewind {self.store.fitness_log.path} to step {rewind.to}: "
+                f"{exc.strerror or exc}; the coordinator stops (restart it: it finishes the "
+                "rewind and resumes)"
+            ) from None
+        out.append(Rewound(rewind.to, rewind.end, rewind.chunks, why, str(kept)))
+        self.provenance.forget_from(rewind.to)
+        self.trust.rewound(rewind.to)
+        for want in (self.snapshot, self.validation, self.sample):
+            want.step = want.asked = None
+        self.snapshot_failed, self.weights_changed = None, None
+        self.finished = False
+        self.jobs = self._open_step(self.step)
+        for peer in self.peers.values():
+            if peer.ready:
+                peer.outvoted = RUN_REWOUND  # anything it sends before the close is refused
+                out.append(Close(peer.id, ErrorCode.DIVERGED, RUN_REWOUND))
+        return True, out
+
     def _finish(self) -> None:
         """--max-steps reached: stop leasing and want the final snapshot, and the final
         held-out score where the run scores any (the curve ends at the run's last step)."""
@@ -551,6 +592,9 @@ class RunCore:
 
     def _open_step(self, step: int) -> StepJobs:
         share = self.options.verify_fraction if self.exact or self.agreement else 0.0
+        last, horizon = self.options.max_steps, self.options.rewind_steps
+        if share and horizon and last is not None and step >= last - horizon:
+            share = 1.0  # the run's final horizon is checked in full (SPEC §8 Rewinds)
         return StepJobs(
             step,
             self.cfg.chunks,
@@ -562,22 +606,6 @@ class RunCore:
             exact=self.exact,
             agreement=self.agreement,
             group=self.trust.group,
-        )
-
-    def _committed(self, step: int, jobs: StepJobs) -> Committed:
-        # From the step's first lease: time spent waiting for workers is not step time.
-        seconds = max(self.clock() - (jobs.first_lease or jobs.opened), 1e-9)
-        cfg, score = self.cfg, mean_score(self.cfg, jobs.loss_sum)
-        scores = {objective_of(cfg).SCORE: score}  # "loss_bits" or "reward"
-        return Committed(
-            step=step,
-            seconds=seconds,
-            loss_bits=scores.get("loss_bits", math.nan),
-            reward=scores.get("reward"),
-            member_tokens=member_tokens(cfg, cfg.es.population),
-            changed=self.weights_changed or 0,
-            workers=self.ready_count(),
-            requeued=sum(jobs.requeued.values()),
         )
 
     def _on_fitness_request(self, peer: Peer, msg: messages.FitnessRequest) -> list[Output]:
@@ -728,21 +756,6 @@ class RunCore:
         # Another worker at (or just reaching) the step will be told to WAIT.
         return not any(s is not None and s >= step - 1 for s in others)
 
-    def _sample_request(self, peer: Peer, step: int) -> messages.Sample:
-        settings = SampleSettings()
-        return messages.Sample(
-            step=step,
-            seed=step,  # as eggroll-train: `eggroll-sample SAVE_DIR --step S --seed S`
-            prompt_index=0,
-            prompt_tokens=PROMPT_TOKENS,
-            new_tokens=NEW_TOKENS,
-            temperature=settings.temperature,
-            min_p=settings.min_p,
-            top_k=settings.top_k,
-            presence_penalty=settings.presence_penalty,
-            frequency_penalty=settings.frequency_penalty,
-        )
-
     def _on_sample_text(self, peer: Peer, msg: messages.SampleText) -> list[Output]:
         if msg.seed != msg.step or not self.sample.answered(peer.id, msg.step):
             return []  # only the worker asked writes the run's sample
@@ -760,20 +773,7 @@ class RunCore:
         return []
 
     def _on_log(self, peer: Peer, msg: messages.Log) -> list[Output]:
-        """A worker's line for the coordinator's log, within its allowance: a worker must
-        not fill the disk or drown the log (LOG_BURST at once, then LOG_PER_S a second)."""
-        now = self.clock()
-        refill = (now - peer.log_at) * LOG_PER_S
-        peer.log_allowance, peer.log_at = min(LOG_BURST, peer.log_allowance + refill), now
-        if peer.log_allowance < 1:
-            peer.logs_dropped += 1
-            return []
-        peer.log_allowance -= 1
-        out: list[Output] = []
-        if peer.logs_dropped:
-            out.append(WorkerLogsDropped(peer.name, peer.logs_dropped))
-            peer.logs_dropped = 0
-        return [*out, WorkerLog(peer.name, int(msg.level), msg.text)]
+        return list(worker_log(peer, msg, self.clock()))
 
     def _on_error(self, peer: Peer, msg: messages.Error) -> list[Output]:
         return [WorkerError(peer.name, int(msg.code), msg.message)]

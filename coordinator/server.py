@@ -50,7 +50,7 @@ from ..shared.replica import CheckpointError, decode_checkpoint
 from ..shared.run_writer import SNAPSHOTS_KEPT
 from ..shared.tracking import Tracker
 from . import events
-from .core_types import Output, RunOptions, Send, ServeSnapshot, StoreSnapshot
+from .core_types import Close, Output, RunOptions, Send, ServeSnapshot, StoreSnapshot
 from .jobs import Clock
 from .link import Link
 from .metrics import Metrics
@@ -158,6 +158,10 @@ class Executor:
                     await self._serve_snapshot(link, step)
                 case StoreSnapshot(blob=blob):
                     await self._store_snapshot(link, blob)
+                case Close(code=code, message=message):
+                    # ERROR, then the close: its session ends at the end of its stream
+                    self.traffic(sent=link.write_error(code, message))
+                    link.writer.close()
 
     async def _serve_snapshot(self, link: Link, step: int) -> None:
         """Stream the file a piece at a time: one peer never pins a whole snapshot."""

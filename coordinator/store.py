@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..shared.atomic_file import fsync_dir
+from ..shared.atomic_file import fsync_dir, write_atomic
 from ..shared.config import RunConfig
 from ..shared.replica import CheckpointError, load_checkpoint
 from ..shared.run_writer import SNAPSHOTS_KEPT, RunWriter
@@ -40,6 +40,8 @@ from ..shared.save_dir import (
 )
 
 MAX_SUSPECT_HOSTS = 1024  # addresses kept in run.json where a worker was outvoted
+MAX_REWINDS = 64  # the newest rewinds recorded in run.json
+REWOUND = "rewound"  # the save directory's folder of undone fitness-log tails and snapshots
 
 
 class StoreError(Exception):
@@ -97,6 +99,7 @@ class RunStore:
         self.history = HistoryLog(self.layout.history)
         self._history_failing = False  # its last append failed (reported once)
         self.bad_snapshots: list[tuple[Path, str]] = []  # found at open: path, why
+        self._finish_rewind()  # one a crash interrupted
         writer.snapshot_steps = self._scan_snapshots()
 
     @classmethod
@@ -281,6 +284,66 @@ class RunStore:
             self._digests_fd = None
             self._digests_off = True
 
+    # ------------------------------------------------------------------------ rewinds
+
+    @property
+    def rewinds(self) -> list[dict]:
+        """The run's rewinds, oldest first (run.json): first step undone, end, chunks, why."""
+        return list(self._run.get("rewinds", []))
+
+    def rewind(self, to: int, chunks: int, why: str) -> Path:
+        """Undo steps `to`.. of the fitness log (SPEC §8 Rewinds): the tail kept in
+        rewound/, run.json told (a crash midway is finished at the next open), the log cut
+        and fsync'd, digests and snapshots past `to` set aside. Returns the tail's file.
+        An OSError before the cut leaves the run as it was; one after it is finished at the
+        next open, so the caller stops (as after a failed append)."""
+        end = self.steps
+        folder = self.path / REWOUND
+        folder.mkdir(mode=0o700, exist_ok=True)
+        kept = _free_name(folder, f"fitness-{to}-{end - 1}", ".log")
+        write_atomic(kept, self.fitness_log.tail_bytes(to))
+        rewinds = self._run.setdefault("rewinds", [])
+        rewinds.append({"from": to, "to": end, "chunks": chunks, "why": why, "tail": kept.name})
+        del rewinds[:-MAX_REWINDS]
+        self._run["rewind_pending"] = to
+        write_run(self.layout, self._run)  # the cut below is finished at open if cut short
+        self._cut(to)
+        return kept
+
+    def _finish_rewind(self) -> None:
+        """Finish a rewind that run.json records as begun."""
+        to = self._run.get("rewind_pending")
+        if to is None:
+            return
+        self._cut(to)
+
+    def _cut(self, to: int) -> None:
+        if self.steps > to:
+            self.fitness_log.truncate(to)
+        self._drop_digests_past(to)
+        folder = self.path / REWOUND
+        for step in [s for s in self.layout.snapshot_steps() if s > to]:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            os.replace(self.snapshot_path(step), _free_name(folder, f"step-{step}", ".ckpt"))
+        self.writer.snapshot_steps = [s for s in self.writer.snapshot_steps if s <= to]
+        fsync_dir(self.layout.snapshots)
+        self._run.pop("rewind_pending", None)
+        self._run_dirty = True
+        self.flush_run()
+
+    def _drop_digests_past(self, steps: int) -> None:
+        """Agreed digests of steps past `steps` belong to undone steps: digests.log is
+        written again without them."""
+        if all(step <= steps for step in self.digests):
+            return
+        self.digests = {s: d for s, d in self.digests.items() if s <= steps}
+        if self._digests_fd is not None:
+            os.close(self._digests_fd)
+            self._digests_fd = None
+        data = b"".join(digest_line(s, d) for s, d in sorted(self.digests.items()))
+        write_atomic(self.layout.digests_log, data)
+        self._digests_good = len(data)
+
     # ---------------------------------------------------------------------- snapshots
 
     def snapshot_path(self, step: int) -> Path:
@@ -336,3 +399,12 @@ class RunStore:
         """A stored snapshot that cannot be read: offer it no more this run (the file is
         left for the operator to look at; workers replay the fitness log instead)."""
         self.writer.snapshot_steps = [s for s in self.snapshot_steps if s != step]
+
+
+def _free_name(folder: Path, stem: str, suffix: str) -> Path:
+    """`folder/stem+suffix`, or with -2, -3, ... where that is taken (rewound twice)."""
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}{suffix}"
+    return path

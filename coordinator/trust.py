@@ -5,9 +5,10 @@ store), and every call returns the events it caused (`events.py`).
 
 - Groups: a vote is cast by a worker's group, its machine (its address, `worker:NAME` for
   a worker enrolled with a credential, or its certificate's identity with
-  --machine-identity certificate) while workers of two machines are connected, else its connection (a run on one machine). A machine's
-  connections never confirm each other, nor one that comes back; groups are worked out
-  when votes are counted, so all of them count the same way.
+  --machine-identity certificate) while workers of two machines are connected, else its
+  connection (a run on one machine). A machine's connections never confirm each other,
+  nor one that comes back; groups are worked out when votes are counted, so all of them
+  count the same way.
 - Quorum: the run's data digest (unless the operator gave it) and each step's replica
   digest are agreed when two groups report them; a report that differs from an agreed
   digest is its worker's divergence (`Distrusted`), never the run's. Tallies are kept
@@ -21,7 +22,8 @@ store), and every call returns the events it caused (`events.py`).
 - Convictions: the group of a worker whose result lost a vote goes (every connection of
   its machine, and its votes of the step); its machine is suspect from then on (kept in
   run.json), so every result from it waits for another group's check.
-- Non-determinism: an `Undecided` dispute, or disputes of the last DIGEST_WINDOW steps that
+- Non-determinism: an `Undecided` dispute that no machine joining within UNDECIDED_GRACE_S
+  decides, or disputes of the last DIGEST_WINDOW steps that
   no one machine explains (no machine is alone against agreeing others in every one), is
   named `Nondeterministic` (`halt`): honest machines that disagree run a reward or
   objective that is not a pure function of its inputs, and waiting would not end it. The
@@ -56,6 +58,9 @@ __all__ = ["DIGEST_WINDOW", "Distrusted", "Group", "Ledger", "Member", "Trust"]
 # Steps a digest tally is kept after the run moves past it: a worker that lags the others (a
 # CPU beside GPUs reports the steps it reaches late) still has its digests compared.
 DIGEST_WINDOW = 64
+# Seconds a dispute no connected machine can decide waits before the run stops on it: a
+# machine that is joining (the workers of a run start in some order) decides it instead.
+UNDECIDED_GRACE_S = 20.0
 
 Group = tuple[str, ...]  # whose vote a worker casts: (machine,) or (machine, connection)
 
@@ -136,11 +141,14 @@ class Trust:
         self.shared_said: set[str] = set()  # identities seen from two addresses (bounded:
         # one entry per certificate identity, which the CA issues)
         self.departed: dict[int, str] = {}  # the machine of each worker gone in this step
-        self.undecided_said: set[int] = set()  # chunks of the step reported `Undecided`
+        # chunks of the step reported `Undecided`, and when: the run stops on one that is
+        # still undecided UNDECIDED_GRACE_S later (a machine joining may decide it)
+        self.undecided_said: dict[int, float] = {}
         # (step, chunk) -> the machines each of which alone could be wrong in its dispute,
         # and the workers whose results differed: DIGEST_WINDOW steps of disputes at most
         self.disputes: dict[tuple[int, int], tuple[frozenset[str], tuple[str, ...]]] = {}
         self.halt: Nondeterministic | None = None  # the run must stop: said once
+        self.convicted: list[Group] = []  # groups that lost a vote, until the core takes them
 
     # ------------------------------------------------------------------ machines
 
@@ -172,6 +180,16 @@ class Trust:
             del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
         self.disagreed = {s for s in self.disagreed if s >= step - DIGEST_WINDOW}
         for key in [k for k in self.disputes if k[0] < step - DIGEST_WINDOW]:
+            del self.disputes[key]
+
+    def rewound(self, step: int) -> None:
+        """The run rewound to `step` (rewind.py): tallies and disputes of undone steps go,
+        and with every worker about to reconnect, so do the open step's departed."""
+        self.next_step(step)
+        for old in [s for s in self.tallies if s > step]:
+            del self.tallies[old]
+        self.disagreed = {s for s in self.disagreed if s <= step}
+        for key in [k for k in self.disputes if k[0] >= step]:
             del self.disputes[key]
 
     def host(self, worker: int) -> str:
@@ -279,17 +297,24 @@ class Trust:
             return []
         groups, stalled = self.able(jobs)
         out: list[Event] = []
+        now = self.clock()
         for chunk in self.undecided(jobs, groups):  # reported once a step
+            workers = [w for ws in jobs.votes[chunk].values() for w in ws]
             if chunk not in self.undecided_said:
-                self.undecided_said.add(chunk)
-                workers = [w for ws in jobs.votes[chunk].values() for w in ws]
+                self.undecided_said[chunk] = now
                 hosts = {self.host(w) for w in workers}
                 out.append(Undecided(step, chunk, tuple(sorted(hosts))))
+            if now >= self.undecided_said[chunk] + UNDECIDED_GRACE_S:
                 out += self._stop(step, chunk, self._names(workers), undecided=True)
-        waived = [c for c in jobs.waivable() if groups <= jobs.voted(c)]
+        # A convicted machine's result is never waived: alone in the run after a rewind,
+        # it would commit its lies again. It waits for another machine.
+        waived = [
+            c
+            for c in jobs.waivable()
+            if groups <= jobs.voted(c) and not (self._hosts(jobs, c) & self.suspect_hosts)
+        ]
         if not waived:
             return out
-        now = self.clock()
         for p in stalled:  # reported once a spell, where it held up a check
             group = self.group(p.id)
             if not p.stalled and any(group not in jobs.voted(c) for c in waived):
@@ -297,6 +322,9 @@ class Trust:
                 out.append(Stalled(p.name, p.address, step, round(now - p.worked)))
         jobs.waive(waived)
         return [*out, ChunkChecked("waived", step, tuple(waived))]
+
+    def _hosts(self, jobs: StepJobs, chunk: int) -> set[str]:
+        return {self.host(w) for ws in jobs.votes.get(chunk, {}).values() for w in ws}
 
     def able(self, jobs: StepJobs) -> tuple[set[Group], list[Member]]:
         """The groups a check waits for (`waive`), and the connected workers that stalled."""
@@ -317,8 +345,10 @@ class Trust:
         return groups, stalled
 
     def stall_times(self) -> list[float]:
-        """When each connected worker would stall, silent from now on."""
-        return [p.worked + STALL_S for p in self.peers.values() if p.ready]
+        """When each connected worker would stall, silent from now on, and when an
+        undecided chunk's grace ends."""
+        grace = [t + UNDECIDED_GRACE_S for t in self.undecided_said.values()]
+        return [p.worked + STALL_S for p in self.peers.values() if p.ready] + grace
 
     def undecided(self, jobs: StepJobs, groups: set[Group]) -> list[int]:
         """Disputed chunks on which every group in `groups` has voted: only another machine
@@ -377,6 +407,11 @@ class Trust:
         self.halt = Nondeterministic(step, chunk, workers, undecided, f"{what}; {NONDETERMINISM}")
         return [self.halt]
 
+    def take_convicted(self) -> list[Group]:
+        """The groups convicted since last asked (their committed results are suspect)."""
+        taken, self.convicted = self.convicted, []
+        return taken
+
     def convict(self, jobs: StepJobs, step: int) -> list[Event]:
         """Workers whose results lost a vote: dropped with their results of the step, their
         address checked from now on, refused at their next message."""
@@ -385,6 +420,8 @@ class Trust:
             for loser, chunk in taken:
                 # Its group goes: every connection of its machine, its votes (gone or not).
                 group = self.group(loser)
+                if group not in self.convicted:
+                    self.convicted.append(group)  # its committed results are undone (rewind.py)
                 workers = jobs.workers() | set(self.peers)
                 for worker in sorted(w for w in workers if self.group(w) == group):
                     requeued = jobs.drop_worker(worker)

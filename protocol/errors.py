@@ -47,6 +47,11 @@ RUN_COMPLETE = "run complete"
 # wrong (a worker counts only its own divergences toward giving up).
 ADDRESS_OUTVOTED = "another worker at this address was outvoted: resync"
 
+# The message of the DIVERGED error that closes every connection when the run rewinds (SPEC
+# §8 Rewinds): the worker reconnects at once, keeping its replica unless WELCOME shows it
+# ahead of the run; not a divergence of its own.
+RUN_REWOUND = "the run rewound: reconnect"
+
 
 class ProtocolError(Exception):
     """A violation of the wire protocol; `error_code` says which kind."""

@@ -164,6 +164,27 @@ class FitnessLog:
             raise
         self.steps += 1
 
+    def tail_bytes(self, first: int) -> bytes:
+        """The header and the raw records of steps `first`.. (a rewound tail's record)."""
+        with open(self.path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+            f.seek(HEADER_SIZE + first * self.record_size)
+            return head + f.read((self.steps - first) * self.record_size)
+
+    def truncate(self, steps: int) -> None:
+        """Durably cut the log back to its first `steps` records (a rewind: the steps
+        after them are undone). A failure leaves the log refusing appends, as `append`'s."""
+        if not 0 <= steps <= self.steps:
+            raise FitnessLogError(f"cannot cut the log to {steps} steps: it holds {self.steps}")
+        try:
+            with open(self.path, "r+b") as f:
+                f.truncate(HEADER_SIZE + steps * self.record_size)
+                os.fsync(f.fileno())
+        except OSError:
+            self.failed = True
+            raise
+        self.steps = steps
+
     def read(self, first: int, count: int) -> list[bytes]:
         """The packed fitness of steps [first, first + count), verified."""
         if first < 0 or count < 0 or first + count > self.steps:

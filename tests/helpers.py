@@ -334,6 +334,9 @@ class _Wire:
     def abort(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass  # the worker ends the link itself when it reads the ERROR written before
+
 
 class _Holding:
     """The replica as the worker's executor sees it: a job at or past the network's mark (or
@@ -378,6 +381,7 @@ class Worker:
         self.held: list[messages.Job] = []  # the job evaluating "slowly"
         self.hold_jobs = False  # hold every job, whatever its step
         self.ended: str | None = None  # why the connection ended
+        self.joined: tuple[bytes, str, str, dict[str, Any]] = (b"", "mem", "", {})
         self.fatal: WorkerFatal | None = None
         self._pending: Coroutine[Any, Any, None] | None = None  # stopped at a held job
 
@@ -389,6 +393,8 @@ class Worker:
         return self._pending is not None
 
     async def _send(self, msg: Message) -> None:
+        if self.conn.closed:
+            return  # the coordinator closed it (an ERROR waits in the inbox)
         self.sent.append(msg)
         self.net.to_coordinator(self, self.conn.send(msg))
 
@@ -428,6 +434,8 @@ class Worker:
             if exc.drop_replica:
                 self.replica.drop()
             self.close(str(exc))
+            if str(exc) == "the run rewound" and self.net.rejoin_rewound:
+                self.net.rejoin(self)  # as the worker's shell reconnects
         except WorkerFatal as exc:
             if exc.tell and exc.code is not None:
                 self.net.to_coordinator(self, self.conn.send_error(exc.code, str(exc)))
@@ -491,6 +499,7 @@ class Network:
         # Jobs of this step and later are held (a worker "evaluating" them is busy) until
         # `train` moves the mark: that is how a test lets the run settle between steps.
         self.stop_at = 0
+        self.rejoin_rewound = True  # a worker the run's rewind closed connects again
 
     @property
     def events(self) -> list[Event]:
@@ -520,11 +529,19 @@ class Network:
             train_tokens=len(self.dataset.train),
         )
         w = Worker(self, name, identity, replica or sync_replica(self.dataset))
+        w.joined = (token, host, machine, me)
         w.peer = self.core.connect(f"{host}:{name}", machine)
         self.links[w.peer] = Link(w.peer, f"{host}:{name}", _Wire(w), self.metrics, 30.0)  # type: ignore[arg-type]
         self.workers.append(w)
         w.start()
         return w
+
+    def rejoin(self, w: Worker) -> Worker:
+        """`w` connects again with its replica (the shell keeps it across connections)."""
+        token, host, machine, me = w.joined
+        again = self.join(w.name, replica=w.replica, token=token, host=host, machine=machine, **me)
+        again.hold_jobs = w.hold_jobs
+        return again
 
     def worker(self, peer: int) -> Worker:
         return next(w for w in self.workers if w.peer == peer)

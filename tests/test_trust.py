@@ -21,7 +21,7 @@ from eggroll_dist.coordinator.events import (
     Undecided,
 )
 from eggroll_dist.coordinator.jobs import STALL_S, ChunkTimer, Outcome, StepJobs
-from eggroll_dist.coordinator.trust import DIGEST_WINDOW, Distrusted, Trust
+from eggroll_dist.coordinator.trust import DIGEST_WINDOW, UNDECIDED_GRACE_S, Distrusted, Trust
 from eggroll_dist.protocol import ErrorCode, pack_ternary
 from eggroll_dist.protocol.errors import ADDRESS_OUTVOTED
 
@@ -210,10 +210,31 @@ def test_a_dispute_is_never_waived_and_is_said_undecided_once() -> None:
     assert run.score(a, 0, 1) is Outcome.VOTED
     assert run.score(b, 0, 2) is Outcome.DISPUTED
     said = run.trust.waive(run.jobs, STEP)
-    assert said == [Undecided(STEP, 0, ("10.0.0.1", "10.0.0.2")), run.trust.halt]
+    assert said == [Undecided(STEP, 0, ("10.0.0.1", "10.0.0.2"))]
+    assert run.trust.waive(run.jobs, STEP) == [] and 0 not in run.jobs.results
+    assert run.clock.now + UNDECIDED_GRACE_S in run.trust.stall_times()  # the core wakes then
+    run.clock.now += UNDECIDED_GRACE_S
+    assert run.trust.waive(run.jobs, STEP) == [run.trust.halt] and run.trust.halt is not None
     assert run.trust.waive(run.jobs, STEP) == [] and 0 not in run.jobs.results
     run.trust.next_step(STEP + 1)
-    assert run.trust.undecided_said == set()
+    assert run.trust.undecided_said == {}
+
+
+def test_a_machine_joining_within_the_grace_decides_an_undecided_dispute() -> None:
+    """Workers start in some order: a dispute between the first two is decided by a third
+    that joins within UNDECIDED_GRACE_S, and the run does not stop."""
+    run = Run()
+    a, b = run.join("10.0.0.1:5000"), run.join("10.0.0.2:5000")
+    run.open_step(verify=(0,))
+    assert run.score(a, 0, 1) is Outcome.VOTED
+    assert run.score(b, 0, 2) is Outcome.DISPUTED
+    assert run.trust.waive(run.jobs, STEP) == [Undecided(STEP, 0, ("10.0.0.1", "10.0.0.2"))]
+    run.clock.now += UNDECIDED_GRACE_S - 1.0
+    c = run.join("10.0.0.3:5000")
+    assert run.trust.waive(run.jobs, STEP) == []  # c can vote: no longer undecided
+    run.score(c, 0, 1)
+    run.clock.now += 2.0
+    assert run.trust.waive(run.jobs, STEP) == [] and run.trust.halt is None
 
 
 def test_a_silent_checker_stalls_after_stall_s_and_the_check_is_waived_without_it() -> None:
@@ -283,8 +304,9 @@ def test_a_dispute_no_machine_can_decide_names_non_determinism_once() -> None:
     assert run.trust.halt is None
     run.clock.now += 1.0
     said = run.trust.waive(run.jobs, STEP)
-    assert said[0] == Undecided(STEP, 2, ("10.0.0.1", "10.0.0.2"))
-    halt = said[1]
+    assert said == [Undecided(STEP, 2, ("10.0.0.1", "10.0.0.2"))] and run.trust.halt is None
+    run.clock.now += UNDECIDED_GRACE_S
+    (halt,) = run.trust.waive(run.jobs, STEP)
     assert isinstance(halt, Nondeterministic) and halt is run.trust.halt
     assert (halt.step, halt.chunk, halt.undecided) == (STEP, 2, True)
     assert halt.workers == (a.name, b.name)

@@ -52,7 +52,7 @@ from ..protocol import (
     messages,
     unpack_ternary,
 )
-from ..protocol.errors import ADDRESS_OUTVOTED, RUN_COMPLETE
+from ..protocol.errors import ADDRESS_OUTVOTED, RUN_COMPLETE, RUN_REWOUND
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
 from ..shared.fitness import member_tokens
 from ..shared.model import ARCHS
@@ -576,6 +576,11 @@ class Session:
         said = f" ({error.message})" if error.message else ""
         if code in FATAL_CODES:
             raise WorkerFatal(self._fatal_text(code, said), code)
+        if code is ErrorCode.DIVERGED and error.message == RUN_REWOUND:
+            # Steps were undone: WELCOME says how many the run holds now, and a replica
+            # ahead of them is dropped there; one at or behind them is still the run's.
+            log.warning("run rewound", reason="the coordinator undid steps; reconnecting")
+            return Ended("the run rewound")
         if code is ErrorCode.DIVERGED:
             log.warning("replica dropped", reason=f"the coordinator says it diverged{said}")
             own = error.message != ADDRESS_OUTVOTED
