@@ -408,8 +408,9 @@ def update_bits(
     integers, int64 or float64, the same shape); `start`: the flat index of the first
     element, which the rounding noise is drawn at."""
     w32 = widen(bits, dtype)
-    product = z.astype(np.float32) * np.float32(alpha)
-    s = w32 + product  # two float32 operations, each rounded: never fused in NumPy
+    with np.errstate(over="ignore", invalid="ignore"):  # infinities and NaNs are the rule's
+        product = z.astype(np.float32) * np.float32(alpha)
+        s = w32 + product  # two float32 operations, each rounded: never fused in NumPy
     b = np.where(np.isnan(s), np.uint32(CANONICAL_NAN32), s.view(np.uint32))
     if dtype == "float32":
         new = b.view(np.int32)

@@ -172,7 +172,7 @@ def _header(f: Path) -> tuple[dict[str, Any], int]:
             raise ModelDirError(f"{f} is not a safetensors file (header of {length} bytes)")
         try:
             header = json.loads(handle.read(length))
-        except ValueError:
+        except (ValueError, RecursionError):  # deep nesting exhausts the parser's stack
             raise ModelDirError(f"{f} is not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise ModelDirError(f"{f} is not a safetensors file (bad header)")
@@ -218,6 +218,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
         for name, shard in weight_map.items():
             if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
                 raise ModelDirError(f"{index} names a shard {shard!r} outside the folder")
+            if not shard.endswith(".safetensors"):  # the pinned files are *.safetensors
+                raise ModelDirError(f"{index} names a shard {shard!r} that is not .safetensors")
             out[name] = path / shard
         return out
     return {name: f for f in _files(path) if f.suffix == ".safetensors" for name in _header(f)[0]}

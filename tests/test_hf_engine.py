@@ -5,9 +5,11 @@ built here (tests/hf_models.py); skipped where the `hf` extra is not installed."
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -265,3 +267,78 @@ def test_close_unwraps_and_bad_calls_say_one_line(model_dir: Path) -> None:
         lm.complete(0, (0, 2), [[5, 6]], 2, temperature=1.0, samples=[1, 2])
     lm.close()
     assert "forward" not in module.__dict__
+
+
+class _RecordedGraph:
+    """A CUDA graph on the CPU: capturing records each decode step with the arguments it
+    was given, and a replay runs those again (a real graph replays its recorded kernels,
+    with their scalars, on the same buffers)."""
+
+    capturing: _RecordedGraph | None = None
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Any, ...]] = []
+
+    def replay(self) -> None:
+        for args in self.steps:
+            _EAGER_STEP(*args)
+
+
+_EAGER_STEP = hf_engine.Engine._step
+
+
+def _recording_step(engine: Any, plan: Any, temperature: float, min_p: float) -> None:
+    graph = _RecordedGraph.capturing
+    if graph is None:
+        _EAGER_STEP(engine, plan, temperature, min_p)
+    else:
+        graph.steps.append((engine, plan, temperature, min_p))
+
+
+@contextlib.contextmanager
+def _capture(graph: _RecordedGraph, **_: Any) -> Iterator[None]:
+    _RecordedGraph.capturing = graph
+    try:
+        yield
+    finally:
+        _RecordedGraph.capturing = None
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(hf_engine.Engine, "_step", _recording_step)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+
+
+def test_graph_replays_follow_the_sampling_and_the_weights(
+    model_dir: Path, recorded_graphs: None
+) -> None:
+    lm = _population(model_dir)
+    tokenizer = hm.load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(p) for p in ["the quick", "a bird in the hand is"]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((2, width), dtype=torch.long)
+    mask = torch.zeros((2, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+
+    def both(temperature: float, min_p: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        u = hf_engine.uniforms(4, [0, 1], 8) if temperature > 0 else None
+        args = (ids, mask, 8, temperature, min_p, u)
+        replayed = lm.engine.complete((STEP, 0, 4), *args, graph=True)
+        return replayed, lm.engine.complete((STEP, 0, 4), *args, graph=False)
+
+    for temperature, min_p in [(0.0, 0.0), (1.0, 0.0), (0.8, 0.2)]:  # one shape, three ways
+        replayed, eager = both(temperature, min_p)
+        assert np.array_equal(replayed, eager), (temperature, min_p)
+    # the update writes the weights in place: a graph captured before reads the new ones
+    with torch.no_grad():
+        for name in lm.modules:
+            lm._weight(name).mul_(-1.5)
+    replayed, eager = both(0.0)
+    assert np.array_equal(replayed, eager)

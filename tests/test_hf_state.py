@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +103,60 @@ def test_zero_z_moves_nothing_negative_zero_included(dtype: str) -> None:
     assert np.array_equal(kept, params[name])  # -0.0 stays -0.0
 
 
+def _special_bits(dtype: str, shape: tuple[int, int]) -> np.ndarray:
+    """Random bit patterns of `dtype` led by its edge values: zeros of both signs,
+    infinities, NaNs with payloads, subnormals, the largest finite values."""
+    kind = hs.WEIGHT_DTYPES[dtype]
+    info = np.iinfo(kind)
+    rng = np.random.default_rng(5)
+    bits = rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=kind)
+    edges = {
+        "bfloat16": [0, -0x8000, 0x7F80, -0x80, 0x7FC1, -0x3F, 1, 0x7F7F, -0x81],
+        "float16": [0, -0x8000, 0x7C00, -0x400, 0x7E01, -0x1FF, 1, 0x3FF, 0x7BFF],
+        "float32": [0, -(2**31), 0x7F800000, -0x800000, 0x7FC00001, 1, 0x7FFFFF, 0x7F7FFFFF],
+    }[dtype]
+    bits.reshape(-1)[: len(edges)] = np.array(edges, dtype=np.int64).astype(kind)
+    return bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_values_follow_the_rule_quietly(dtype: str) -> None:
+    """Infinities and NaNs in the weights, and products past float32's range, are the rule's
+    own cases: a replay computes them without a floating-point warning."""
+    bits = _special_bits(dtype, (64, 64))
+    z = np.random.default_rng(1).integers(-(10**6), 10**6, size=bits.shape).astype(np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for alpha in (1e-3, 1e30):
+            new = hs.update_bits(bits, z, alpha, dtype, key=9)
+            assert np.all(new[np.isnan(hs.widen(bits, dtype))] != 0)  # NaN stays NaN
+
+
 # --- NumPy == PyTorch -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_rule_equals_numpy_on_edge_values(device: str, dtype: str) -> None:
+    """The same bits for infinities, NaNs, subnormals, overflow and underflow of the
+    product, and for a transposed (non-contiguous) block of bits."""
+    torch = pytest.importorskip("torch")
+    from eggroll_dist.worker import hf_update as hu
+
+    device = _device(device)
+    bits = _special_bits(dtype, (96, 64))
+    rng = np.random.default_rng(2)
+    z = rng.integers(-(10**7), 10**7, size=bits.shape).astype(np.float64)
+    z[rng.random(bits.shape) < 0.1] = 0
+    z[0, :4] = [1, -1, 2**24 + 1, -(2**24 + 3)]  # float32(Z) rounds to nearest even
+    for alpha in (1e-3, 1e-30, 1e-45, 3.0, 1e30):
+        want = hs.update_bits(bits, z.astype(np.int64), alpha, dtype, key=77)
+        for block in (bits, np.asfortranarray(bits)):
+            got = hu.update_bits(
+                torch.from_numpy(block).to(device), torch.from_numpy(z).to(device),
+                alpha, dtype, 77, 0,
+            )  # fmt: skip
+            assert np.array_equal(got.cpu().numpy(), want), (alpha, block.flags.c_contiguous)
 
 
 def _device(name: str) -> str:
@@ -184,6 +238,7 @@ def test_the_reader_bounds_every_size(tmp_path: Path) -> None:
         (struct.pack("<Q", 1 << 40) + good[8:], "header of"),
         (good[:-1], "malformed"),  # its data runs past the file's end
         (good[:8] + b"[" + good[9:], "bad header"),
+        (struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "bad header"),
     ]:
         f.write_bytes(bad)
         with pytest.raises(hd.ModelDirError, match=why) as info:
@@ -192,6 +247,20 @@ def test_the_reader_bounds_every_size(tmp_path: Path) -> None:
     _tensor_file(f, {"a.weight": ("BF16", [2, 3], bytes(10))})  # 10 bytes for 6 values
     with pytest.raises(hd.ModelDirError, match="malformed"):
         hd._header(f)
+
+
+def test_an_index_names_only_pinned_shards(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    _tensor_file(tmp_path / "model-1.safetensors", {"h.0.q.weight": ("F32", [1], bytes(4))})
+    index = tmp_path / hd.INDEX_FILE
+    index.write_text(json.dumps({"weight_map": {"h.0.q.weight": "model-1.safetensors"}}))
+    assert hd._weight_files(tmp_path) == {"h.0.q.weight": tmp_path / "model-1.safetensors"}
+    # a file no digest covers (model.files pins *.safetensors) must not give the base
+    (tmp_path / "weights.bin").write_bytes((tmp_path / "model-1.safetensors").read_bytes())
+    for shard, why in [("weights.bin", "not .safetensors"), ("../x.safetensors", "outside")]:
+        index.write_text(json.dumps({"weight_map": {"h.0.q.weight": shard}}))
+        with pytest.raises(hd.ModelDirError, match=why):
+            hd._weight_files(tmp_path)
 
 
 def test_target_dtypes_are_pinned_or_refused(tmp_path: Path) -> None:
@@ -282,7 +351,7 @@ def test_float32_and_bfloat16_workers_hold_the_same_state(model: Path, words_dat
         TorchBackend(dataset, initial_state(cfg, Path(".")), model, "cpu", dtype, 6)
         for dtype in ("float32", "bfloat16")
     ]
-    assert workers[0].lm.holds_state
+    assert workers[0].lm.holds_state == (cfg.model.weight_dtype == "float32")
     assert workers[1].lm.holds_state == (cfg.model.weight_dtype == "bfloat16")
     rng = np.random.default_rng(5)
     log = []
@@ -318,3 +387,24 @@ def test_float32_and_bfloat16_workers_hold_the_same_state(model: Path, words_dat
     # a worker given a state loads it: the other one's, bit for bit
     workers[0].load_state(ReplicaState(cfg, 3, want.params))
     assert workers[0].digest() == want.digest()
+
+
+def test_nan_payloads_survive_a_wider_evaluation(model: Path, words_data: Path) -> None:
+    """A float32 evaluation of bfloat16 weights: NaNs whose bits a conversion back would
+    rewrite (payloads, signs, signalling ones) stay the state's, as the replay keeps them."""
+    from eggroll_dist.shared.data import load_data_dir
+    from eggroll_dist.worker.backend.torch_backend import TorchBackend
+
+    cfg = _pinned(model)
+    if cfg.model.weight_dtype == "float32":
+        pytest.skip("float32 weights: the evaluation dtype is the state's")
+    start = initial_state(cfg, Path("."))
+    name = hs.targets(cfg.model)[0].name
+    start.params[name].reshape(-1)[:3] = [0x7FC1, -0x3F, 0x7F81]  # bfloat16 NaNs
+    worker = TorchBackend(load_data_dir(words_data), start, model, "cpu", "float32", 6)
+    log = [np.array([1, -1, 0], dtype=np.int8), np.array([0, 1, 1], dtype=np.int8)]
+    for fitness in log:
+        worker.apply_step(fitness)
+    want = replay(start, log)
+    assert np.array_equal(worker.state.params[name], want.params[name])
+    assert worker.digest() == want.digest()

@@ -300,7 +300,8 @@ class Engine:
         uniform = torch.from_numpy(u).to(self.device) if u is not None else None
         context = self.members(*members) if members is not None else contextlib.nullcontext()
         with torch.no_grad(), context:
-            plan = self._plan(count, prompts, width + new_tokens, new_tokens, graph)
+            sampling = (temperature, min_p)
+            plan = self._plan(count, prompts, width + new_tokens, new_tokens, graph, sampling)
             if plan is None:
                 out = self._dynamic(ids, mask, new_tokens, temperature, min_p, uniform)
             else:
@@ -311,10 +312,17 @@ class Engine:
         return out.reshape(count, prompts, new_tokens).to("cpu", copy=True).numpy()
 
     def _plan(
-        self, count: int, prompts: int, length: int, tokens: int, graph: bool
+        self,
+        count: int,
+        prompts: int,
+        length: int,
+        tokens: int,
+        graph: bool,
+        sampling: tuple[float, float] = (0.0, 0.0),
     ) -> _Plan | None:
-        """The decode plan of this shape (made, or taken from the few kept); None for a
-        model the static cache does not fit."""
+        """The decode plan of this shape and `sampling` (temperature, min_p: a captured graph
+        replays the choice it recorded), made or taken from the few kept; None for a model
+        the static cache does not fit."""
         torch = self.torch
         if self.static is False:
             return None
@@ -322,7 +330,7 @@ class Engine:
         rows = count * prompts
         factors = self.active
         weights = tuple(p.data_ptr() for p in self.model.parameters()) if graph else ()
-        key = (rows, prompts, length, tokens, factors.count if factors else 0, graph)
+        key = (rows, prompts, length, tokens, factors.count if factors else 0, graph, sampling)
         plan = self._plans.get(key)
         if plan is not None and plan.factors is factors and plan.weights == weights:
             self._plans.move_to_end(key)

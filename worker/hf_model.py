@@ -6,8 +6,8 @@ in floating point. `PopulationLM` holds one model loaded from a local directory 
 
 - writes the state's weights into the target modules (`load_state`: exact, since the
   evaluation dtype is the state's or wider; a narrower one, such as bfloat16 for a float32
-  model on a GPU, rounds them for the evaluation only). Where the evaluation dtype holds the
-  state exactly (`holds_state`), the modules' weights are the state itself (`bits`);
+  model on a GPU, rounds them for the evaluation only). Where the evaluation dtype is the
+  state's (`holds_state`), the modules' weights are the state itself (`bits`);
 - evaluates a chunk of members in one batch: rows are member-major (member i owns rows
   [i * R, (i + 1) * R)), every target module computes the shared base product, and its
   wrapped forward adds each member's low-rank correction
@@ -177,10 +177,10 @@ class PopulationLM:
 
     @property
     def holds_state(self) -> bool:
-        """Whether the evaluation dtype holds the state's weights exactly (the state's
-        dtype, or a wider float), so that the target modules' weights are the state."""
-        wide = (self.torch.float32, self.torch.float64)
-        return self.dtype == self.state_dtype or self.dtype in wide
+        """Whether the target modules' weights are the state: their dtype is the state's.
+        A wider float holds every value but not every bit pattern: narrowing it back
+        rewrites NaN payloads, so the state is then the host copy."""
+        return self.dtype == self.state_dtype
 
     def bits(self, name: str) -> torch.Tensor:
         """A target's weights as the state's bits ((out, in), C-contiguous, on the model's

@@ -5,11 +5,11 @@ The replica is `shared.hf`'s: the target weights' bit patterns in the dtype of t
 files, updated by an exact elementwise rule (worker/hf_update.py, equal bit for bit to the
 NumPy reference). The model evaluates members in floating point (worker/hf_model.py:
 bfloat16 on a GPU, float32 on a CPU), which changes which fitness this worker proposes, never
-the state. Where the evaluation dtype holds the state exactly (a bfloat16 model on a GPU, any
+the state. Where the evaluation dtype is the state's (a bfloat16 model on a GPU, a float32
 model on a CPU), the model's target weights are the state: a step updates them in place on
 the device, and the host copy (`state`) is pulled back a tensor at a time when the digest or
-a snapshot asks for it. Otherwise (a float32 model evaluated in bfloat16) the host copy is
-the state, and each step's targets go to the device and back.
+a snapshot asks for it. Otherwise (a float32 model evaluated in bfloat16, a bfloat16 model
+in float32) the host copy is the state, and each step's targets go to the device and back.
 
 Text is the model's own: the objective's prompts are encoded and its completions decoded
 with the tokenizer saved beside the model (`codec`), and the next-token objective scores the
