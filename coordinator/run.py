@@ -87,6 +87,7 @@ from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.vocab import escape
+from .asks import OpenAsks
 from .core_types import (
     Close,
     Fatal,
@@ -176,7 +177,7 @@ class RunCore:
         self.provenance = Provenance(options.rewind_steps)  # who gave what, for rewinds
         self.jobs = self._open_step(store.steps)
         self.snapshot = Want()  # a state worth keeping; asked of one worker at a time
-        self.validation = Want()  # a held-out score
+        self.validation = OpenAsks()  # held-out scores; asks stay open side by side
         self.sample = Want()  # a sample of the model's writing
         self.snapshot_failed: int | None = None  # the last step whose snapshot was dropped
         self._progress_said = 0.0  # when a step's progress was last reported
@@ -240,6 +241,7 @@ class RunCore:
             namesakes = sum(1 for p in self.peers.values() if p.ready and p.name == peer.name)
             out.append(Left(peer.name, self.ready_count(), namesakes))
         self.snapshot.retry(peer_id)  # another worker is asked
+        self.validation.drop(peer_id)  # its scores of earlier steps will not come
         if self.sample.drop(peer_id) is not None:
             self.sample.step = self.step  # another worker writes it
         requeued = self.jobs.release_worker(peer_id)

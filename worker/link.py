@@ -11,12 +11,13 @@ certificate refused).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -46,7 +47,7 @@ from .backend import BackendUnavailable, ChunkResult, Validation
 from .reward import RewardError
 from .session_types import Ended, Identity, PeerViolation, Phase, ReplicaView, WorkerFatal
 
-__all__ = ["Executor", "Link", "LinkOptions", "Outcome", "ReplicaCalls", "describe"]
+__all__ = ["Executor", "Later", "Link", "LinkOptions", "Outcome", "ReplicaCalls", "describe"]
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -71,13 +72,25 @@ class ReplicaCalls(ReplicaView, Protocol):
     async def decode(self, blob: bytes) -> tuple[ReplicaState | None, str]: ...
     async def load(self, state: ReplicaState) -> None: ...
     async def validate(self) -> Validation: ...
+    async def start_validation(self) -> concurrent.futures.Future[Validation]: ...
     async def sample(self, request: Sample) -> tuple[bytes, bytes]: ...
+
+
+@dataclass(frozen=True)
+class Later:
+    """A command's result that came after the command (validation's scores): handed to the
+    session between commands, as a message is."""
+
+    result: concurrent.futures.Future
+    then: Callable[[Any], list[cmd.Command]]  # the session's result call
 
 
 class Executor:
     """Carries out the session's commands one at a time: messages go out through `send`,
     the rest is asked of the replica, and each result goes back to the session (which may
-    answer with more commands). The link and the in-memory flow tests both use this."""
+    answer with more commands). A result that comes later goes to `later` (the link's
+    inbox); without it, it is awaited at once. The link and the in-memory flow tests both
+    use this."""
 
     def __init__(
         self,
@@ -85,11 +98,13 @@ class Executor:
         replica: ReplicaCalls,
         send: Callable[[Message], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
+        later: Callable[[Later], None] | None = None,
     ) -> None:
         self.session = session
         self.replica = replica
         self.send = send
         self.clock = clock
+        self.later = later
 
     async def carry_out(self, commands: list[cmd.Command]) -> None:
         session, replica = self.session, self.replica
@@ -132,12 +147,28 @@ class Executor:
                         await self.send(chunk)
                     log.info("snapshot sent", step=step, requested=requested, bytes=len(blob))
                 case cmd.RunValidation(step=step):
-                    score = await replica.validate()
-                    await self.carry_out(session.validated(step, score, self.clock() - t0))
+                    scores = await replica.start_validation()  # the weights of `step` copied
+
+                    def then(v: Validation, step: int = step, t0: float = t0) -> list[cmd.Command]:
+                        return session.validated(step, v, self.clock() - t0)
+
+                    if scores.done():  # scored in order
+                        await self.carry_out(then(scores.result()))
+                    elif self.later is None:
+                        await self.carry_out(then(await asyncio.wrap_future(scores)))
+                    else:  # training goes on; the scores come back through the inbox
+                        self._when_done(Later(scores, then))
                 case cmd.RunSample(request=request):
                     prompt, text = await replica.sample(request)
                     seconds = self.clock() - t0
                     await self.carry_out(session.sampled(request, prompt, text, seconds))
+
+    def _when_done(self, item: Later) -> None:
+        """Hand `item` to `later` on this loop once its result is in (it comes on the
+        scoring thread)."""
+        loop, later = asyncio.get_running_loop(), self.later
+        assert later is not None
+        item.result.add_done_callback(lambda _: loop.call_soon_threadsafe(later, item))
 
 
 @dataclass(frozen=True)
@@ -186,8 +217,8 @@ class Link:
         self.writer = writer
         self.conn = Connection(Role.WORKER)
         self.session = flow.Session(options.identity, replica)
-        self.executor = Executor(self.session, replica, self._send)
-        self.inbox: asyncio.Queue[Message | Ended | WorkerFatal] = asyncio.Queue()
+        self.inbox: asyncio.Queue[Message | Later | Ended | WorkerFatal] = asyncio.Queue()
+        self.executor = Executor(self.session, replica, self._send, later=self.inbox.put_nowait)
         self.ready_at: float | None = None  # when WELCOME arrived
         self.bytes_read = 0
         self.tls_refused = False  # closed over TLS before any frame
@@ -241,7 +272,9 @@ class Link:
         await carry_out(session.start())
         while True:
             msg = await self._next()
-            if msg is not None:
+            if isinstance(msg, Later):
+                await carry_out(msg.then(msg.result.result()))
+            elif msg is not None:
                 await carry_out(session.receive(msg))
                 if self.ready_at is None and session.welcomed:
                     self.ready_at = time.monotonic()
@@ -249,8 +282,9 @@ class Link:
             if self.inbox.empty():  # act on what has arrived first (a STEP changes the ask)
                 await carry_out(session.advance())
 
-    async def _next(self) -> Message | None:
-        """Next message; None when a WAIT has run out (time to ask again)."""
+    async def _next(self) -> Message | Later | None:
+        """Next message (or a result that came later); None when a WAIT has run out (time to
+        ask again)."""
         session = self.session
         waiting = session.phase is Phase.WAITING and session.retry_at is not None
         timeout = (

@@ -1,12 +1,14 @@
 """The worker's replica behind one async façade: the backend, its thread, its cached digest.
 
-Every backend call (evaluate a chunk, apply a step, encode or decode a snapshot, validate,
-write a sample)
-runs on one daemon thread: heartbeats and incoming frames keep flowing while a long chunk
-runs, calls stay in order on one device context, and a stopping worker need not wait for a
-chunk nobody will read. The replica outlives connections: it is kept across reconnects while
-the coordinator's run id stays the same. `step`, `digest`, `weights_changed`, `run_id` and
-`config_digest` are plain attributes the pure session reads (`session.ReplicaView`).
+Every backend call (evaluate a chunk, apply a step, encode or decode a snapshot, copy the
+weights for validation, write a sample) runs on one daemon thread: heartbeats and incoming
+frames keep flowing while a long chunk runs, calls stay in order on one device context, and
+a stopping worker need not wait for a chunk nobody will read. A validation scores its copy
+of the weights on a second daemon thread (on a GPU, a second stream) while the first goes on
+with the next steps; one copy is scored at a time. The replica outlives connections: it is
+kept across reconnects while the coordinator's run id stays the same. `step`, `digest`,
+`weights_changed`, `run_id` and `config_digest` are plain attributes the pure session reads
+(`session.ReplicaView`).
 """
 
 from __future__ import annotations
@@ -58,11 +60,11 @@ class _BackendThread(concurrent.futures.Executor):
     process exit on SIGTERM without waiting for a chunk that nobody will read.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "eggroll-backend") -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self.busy = False  # a call under way
-        self._thread = threading.Thread(target=self._loop, name="eggroll-backend", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(
@@ -123,6 +125,8 @@ class Replica:
         self.digest = 0  # of backend.state, refreshed after every change
         self.weights_changed = 0  # by the update that produced the replica; 0 when unknown
         self._thread: _BackendThread | None = None
+        self._scoring: _BackendThread | None = None  # scores validation's copies
+        self._held_out: concurrent.futures.Future[Validation] | None = None  # being scored
         # Closed with a backend call still under way (a chunk nobody will read): the process
         # must then end without the interpreter's finalization (worker/cli.py).
         self.left_running = False
@@ -152,6 +156,7 @@ class Replica:
 
     def open(self) -> None:
         self._thread = _BackendThread()
+        self._scoring = _BackendThread("eggroll-held-out")
 
     def close(self) -> None:
         self.objective.close()
@@ -159,6 +164,10 @@ class Replica:
             self.left_running = self._thread.busy
             self._thread.shutdown(wait=False)
             self._thread = None
+        if self._scoring is not None:
+            self.left_running |= self._scoring.busy
+            self._scoring.shutdown(wait=False)
+            self._scoring = None
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if not self.threaded:
@@ -279,8 +288,31 @@ class Replica:
             digest=f"{self.digest:016x}",
         )
 
+    async def start_validation(self) -> concurrent.futures.Future[Validation]:
+        """Validate the replica at its current step: the weights are copied now, in order
+        with the chunks and steps, and the copy is scored on the scoring thread while the
+        backend goes on; returns the scores' future. It is done at once where validation
+        runs in order: an unthreaded replica, a reward run (its reward reads the live
+        backend), a backend without copies or without room for one. A copy waits for the one
+        before it to be scored."""
+        backend, objective = self._backend(), self.objective
+        if self._held_out is not None:
+            await asyncio.wait({asyncio.wrap_future(self._held_out)})  # one copy at a time
+        take = getattr(backend, "validation_copy", None)
+        copy = None
+        if self.threaded and take is not None and not objective.held_out_prompts:
+            copy = await self._call(take)
+        if copy is None:
+            scores: concurrent.futures.Future[Validation] = concurrent.futures.Future()
+            scores.set_result(await self.validate())
+            return scores
+        assert self._scoring is not None
+        self._held_out = self._scoring.submit(copy)
+        return self._held_out
+
     async def validate(self) -> Validation:
-        """Both held-out metrics, and a reward run's held-out reward."""
+        """Both held-out metrics, and a reward run's held-out reward, in order with the
+        other backend calls."""
         backend, objective = self._backend(), self.objective
 
         def score() -> Validation:

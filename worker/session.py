@@ -6,7 +6,9 @@ No asyncio, no sockets, no backend calls. `Session` reads the replica through `R
 drop or start the replica, decode or install a snapshot, export one, validate, write a
 sample. A command's result comes back as a call (`evaluated`, `snapshot_decoded`,
 `validated`, `sampled`), which may return more commands. The shell carries out one command
-at a time, so the session never sees a message while a command of its own is in flight.
+at a time, so the session never sees a message while a command of its own is in flight; a
+validation's scores come back later, between commands, as a message does (RunValidation:
+its copy of the weights is scored while the worker trains on).
 
 Rule 1: everything that decides what the worker asks for, waits for or ignores lives in this
 file; the shell only moves bytes and runs what it is told.

@@ -170,7 +170,9 @@ class ExportSnapshot:
 
 @dataclass(frozen=True)
 class RunValidation:
-    """Score the replica on valid.bin; then `validated(step, score, seconds)`."""
+    """Score the replica of `step` on valid.bin: its weights copied now, scored while the
+    worker goes on with later steps where the backend can (else at once); then
+    `validated(step, score, seconds)` once the scores are in, between other commands."""
 
     step: int
 

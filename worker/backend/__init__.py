@@ -154,6 +154,13 @@ class Backend(Protocol):
         """The unperturbed model on the held-out split: both metrics (`Validation`)."""
         ...
 
+    # Optional (the NumPy and CuPy backends have it; without it validation runs in order):
+    # def validation_copy(self) -> Callable[[], Validation] | None
+    #     A copy of the current weights (the backend's own: host or device) and the call that
+    #     scores it as `validate` would, safe on another thread while this backend evaluates
+    #     and applies later steps (one copy scored at a time). None: no room for a copy (said
+    #     once in the log): `validate` instead.
+
 
 class HostReplica:
     """A backend whose replica is the host's `ReplicaState` (`state`), as the NumPy and

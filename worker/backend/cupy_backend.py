@@ -25,7 +25,9 @@ step copies back its changed count; the digest, its leaf hashes (32 bytes a 64 K
 the state itself only when asked for (a checkpoint, generation).
 
 Validation (both held-out metrics of the unperturbed model) runs on the device too and
-copies back each position's 256 logit counts, from which shared/loss.py finishes both.
+copies back each position's 256 logit counts, from which shared/loss.py finishes both; a
+worker scores a device copy of the weights on a second stream while training goes on
+(`validation_copy`, held_out.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from . import (
     cupy_former,
 )
 from .cupy_kernels import BLOCK, STAGE_WORDS, TILE_M, TILE_N, Kernels, ModuleFactory, cupy_module
+from .held_out import DeviceCopy
 from .numpy_backend import NumpyBackend
 
 # Each architecture's launch module: its checks, batch size and tables, its forward pass's
@@ -202,6 +205,7 @@ class CupyBackend:
         self._update_buffers: dict[str, Any] = {}
         self._leaf_tables()
         self._digest: tuple[int, int] | None = None
+        self._held_out_copy: DeviceCopy | None = DeviceCopy(self)  # validation's twin
         self.load_state(state)
 
     def _alloc_state(self) -> None:
@@ -641,6 +645,12 @@ class CupyBackend:
             if not self.launch.CARRIES_STATE:  # the long streams need state carried
                 return Validation(short, None)
             return Validation(short, self._held_out(*validation_streams(cfg, valid)))
+
+    def validation_copy(self) -> Callable[[], Validation] | None:
+        """A device copy of this step's weights, scored on a second stream by a twin of this
+        backend (held_out.py) while this one goes on; None: no room on the device."""
+        assert self._held_out_copy is not None, "a twin makes no copies"
+        return self._held_out_copy.take()
 
     def _held_out(self, rows: np.ndarray, lengths: np.ndarray | None) -> HeldOut:
         """One metric over rows (N, L + 1) of held-out tokens, row i predicting

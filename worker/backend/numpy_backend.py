@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -26,7 +26,7 @@ from threadpoolctl import ThreadpoolController
 from ...shared.data import Dataset
 from ...shared.fitness import pair_fitness
 from ...shared.loss import token_loss, true_bits
-from ...shared.model import Recurrent, build_model, param_specs
+from ...shared.model import Model, Recurrent, build_model, param_specs
 from ...shared.perturb import member_noise, noise_scales, pair_noise
 from ...shared.replica import ReplicaState
 from ...shared.sample import Completions, SampleRequest, generate_rows, write_sample
@@ -46,6 +46,7 @@ from . import (
     Validation,
     check_chunk,
 )
+from .held_out import no_room_for_copy
 
 log = structlog.get_logger("eggroll.worker")
 
@@ -263,33 +264,52 @@ class NumpyBackend(HostReplica):
         """Both held-out metrics of the unperturbed model over the same target tokens: the
         windows of training, and the span cut into `streams` streams with the state carried
         (only a model that `carries_state` has a state to carry)."""
+        return self._validate(self.model, rows_per_batch, streams)
+
+    def validation_copy(self) -> Callable[[], Validation] | None:
+        """A host copy of the weights of this step and the call that scores it as `validate`
+        does, on another thread while this backend goes on (NumPy releases the GIL in its
+        loops and GEMMs); None when the host has no room for the copy (said in the log)."""
+        try:
+            params = {name: p.copy() for name, p in self.state.params.items()}
+        except MemoryError:
+            no_room_for_copy(self.name, "the host")
+            return None
+        model = build_model(self.config, params)
+        return lambda: self._validate(model)
+
+    def _validate(
+        self, model: Model, rows_per_batch: int = 512, streams: int = VALIDATION_STREAMS
+    ) -> Validation:
         cfg, valid = self.config, self.dataset.valid
         with self._compute():
-            short = self._score_windows(validation_windows(cfg, valid), rows_per_batch)
-            if not self.model.carries_state:
+            short = self._score_windows(model, validation_windows(cfg, valid), rows_per_batch)
+            if not model.carries_state:
                 return Validation(short, None)
-            carried = self._score(*validation_streams(cfg, valid, streams), rows_per_batch)
+            tokens, lengths = validation_streams(cfg, valid, streams)
+            carried = self._score(cast(Recurrent, model), tokens, lengths, rows_per_batch)
         return Validation(short, carried)
 
-    def _score_windows(self, windows: np.ndarray, rows_per_batch: int) -> HeldOut:
+    def _score_windows(self, model: Model, windows: np.ndarray, rows_per_batch: int) -> HeldOut:
         """The window metric: each window scored from its start, as in training."""
         loss, bits = 0, []
         for lo in range(0, len(windows), rows_per_batch):
             rows = windows[lo : lo + rows_per_batch]
-            row_loss, row_bits = self.model.position_losses(rows, float_bits=True)
+            row_loss, row_bits = model.position_losses(rows, float_bits=True)
             loss += int(row_loss.sum())
             bits.append(row_bits.reshape(-1))
         n = windows.shape[0] * (windows.shape[1] - 1)
         text_bytes = int(self.piece_bytes[windows[:, 1:]].sum())
         return HeldOut(n, text_bytes, loss / n, math.fsum(np.concatenate(bits)) / n)
 
-    def _score(self, tokens: np.ndarray, lengths: np.ndarray, rows_per_batch: int) -> HeldOut:
+    def _score(
+        self, model: Recurrent, tokens: np.ndarray, lengths: np.ndarray, rows_per_batch: int
+    ) -> HeldOut:
         """Each row read token by token from a zero state, its state carried to the end (a
         `Recurrent` model): row i reads tokens[i, :lengths[i]] and predicts
         tokens[i, 1 : lengths[i] + 1] (lengths longest first). The bits are summed exactly
         (fsum), so neither the batching nor the cut of the span changes them beyond the
         per-token values."""
-        model = cast(Recurrent, self.model)
         loss, bits, text_bytes = 0, [], 0
         for lo in range(0, len(tokens), rows_per_batch):
             rows, ends = tokens[lo : lo + rows_per_batch], lengths[lo : lo + rows_per_batch]
