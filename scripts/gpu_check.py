@@ -4,9 +4,10 @@ Here, on a machine that reaches the package registries, once:
 
     python scripts/gpu_check.py wheelhouse WHEELS
 
-writes the project's wheel and the small dependencies a GPU image without network may lack
-(for CPython 3.12 on x86-64 Linux; numpy, CuPy and PyTorch are the image's own) into
-WHEELS, under 64 MiB. Carry WHEELS and the checkout to the GPU machine, then:
+writes the project's wheel, with the kernels prebuilt as cubins when NVRTC is here (the
+cuda-check extra), and the small dependencies a GPU image without network may lack (for
+CPython 3.12 on x86-64 Linux; numpy, CuPy and PyTorch are the image's own) into WHEELS,
+under 64 MiB. Carry WHEELS and the checkout to the GPU machine, then:
 
     python3 scripts/gpu_check.py verdict LOG_DIR --wheels WHEELS   # 2 to 4 min, 9 at most
     python3 scripts/gpu_check.py bench LOG_DIR --wheels WHEELS     # about 3 min, 9 at most
@@ -16,7 +17,8 @@ Each part runs under its own deadline and its result is printed the moment it is
 its log goes to LOG_DIR/<part>.log. The verdict's parts:
 
   install    the wheels into LOG_DIR/site (no network, no dependency resolution)
-  preflight  device, driver, CUDA runtime, NVRTC, CuPy, and the kernels compiled; without a
+  preflight  device, driver, CUDA runtime, NVRTC, CuPy, and the kernels: loaded from the
+             wheel's prebuilt cubin or compiled with NVRTC, and how long it took; without a
              device it prints one line and the command exits 2
   parity     tests/test_gpu_kernels.py and tests/test_cupy_backend.py on the device
              (EGGROLL_KERNEL_TARGET=cupy): the emulated mma, ldmatrix, cp.async and __dp4a
@@ -118,6 +120,7 @@ def wheelhouse(out: Path) -> int:
         for name in PACKAGE_FILES:
             copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
             copy(ROOT / name, Path(tmp) / name)
+        _prebuild_kernels(Path(tmp) / "worker" / "backend" / "prebuilt-kernels")
         subprocess.run([*pip, "wheel", "--no-deps", "-q", "-w", str(out), tmp], check=True)
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
     subprocess.run(
@@ -135,6 +138,26 @@ def wheelhouse(out: Path) -> int:
         print(f"wheelhouse is over {WHEELHOUSE_LIMIT >> 20} MiB")
         return 1
     return 0
+
+
+def _prebuild_kernels(folder: Path) -> None:
+    """The kernels' cubins, from the sources beside `folder` (the copy the wheel is built
+    from), into the wheel's prebuilt-kernels/: a worker on a fresh GPU machine loads them instead of
+    compiling. Without NVRTC here, the wheel has none."""
+    from eggroll_dist.worker.backend import cubins
+    from eggroll_dist.worker.backend.cupy_kernels import SOURCE_FILES
+    from eggroll_dist.worker.backend.prebuild import build_kernels
+
+    shutil.rmtree(folder, ignore_errors=True)  # none from the checkout, for another source
+    source = "\n".join((folder.parent / name).read_text() for name in SOURCE_FILES)
+    t = time.perf_counter()
+    try:
+        manifest = build_kernels(folder, source=source)
+    except cubins.NvrtcMissing as exc:
+        print(f"wheelhouse: no prebuilt kernels in the wheel ({exc})")
+        return
+    archs = ", ".join(json.loads(manifest.read_text())["cubins"])
+    print(f"wheelhouse: kernels prebuilt for {archs} in {time.perf_counter() - t:.0f} s")
 
 
 def preflight() -> int:
@@ -163,8 +186,8 @@ def preflight() -> int:
     nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
     print(f"nvrtc    {nvrtc}, CuPy {cupy.__version__}, numpy {numpy.__version__}")
     t = time.perf_counter()
-    Kernels(cupy, cupy_module)
-    print(f"kernels  compiled in {time.perf_counter() - t:.1f} s")
+    kernels = Kernels(cupy, cupy_module)
+    print(f"kernels  {kernels.origin or f'compiled in {time.perf_counter() - t:.1f} s'}")
     return 0
 
 

@@ -33,16 +33,21 @@ former_attention_wide, whose several tile sizes make the loops it picks a guess.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
+from eggroll_dist.worker.backend.cubins import (
+    CUPY_ADDED,
+    NvrtcMissing,
+    compile_cubin,
+    load_nvrtc,
+    site_file,
+)
 from eggroll_dist.worker.backend.cupy_kernels import (
     BLOCK,
     NVRTC_OPTIONS,
@@ -54,8 +59,6 @@ from eggroll_dist.worker.backend.cupy_kernels import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-# What CuPy's RawModule adds to the user's options on its NVRTC path (besides -arch).
-CUPY_ADDED = ("-ftz=true", "--device-as-default-execution-space")
 IMMA_BUDGET = 12.0  # instructions per IMMA in a tensor-core main loop
 # make_divisor's reciprocals: 1 a kernel, 2 for the former's (the divisor, rows per member)
 FORMER_KERNELS = ("former_mm_tc", "former_head_tc", "probe_former_mm", "probe_former_head")
@@ -110,42 +113,10 @@ INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 def _site_file(pattern: str) -> Path:
-    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        found = sorted(Path(base).glob(pattern))
-        if found:
-            return found[0]
-    raise SystemExit(f"not found in site-packages: {pattern} (pip install the CUDA wheels)")
-
-
-def load_nvrtc() -> ctypes.CDLL:
-    lib = _site_file("nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
-    for builtins in lib.parent.glob("libnvrtc-builtins.so.*"):  # dlopened by soname
-        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-    nvrtc = ctypes.CDLL(str(lib))
-    nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
-    return nvrtc
-
-
-def compile_cubin(nvrtc: ctypes.CDLL, source: str, name: str, options: list[str]):
-    """(ok, log, cubin bytes) of one NVRTC compile."""
-    prog = ctypes.c_void_p()
-    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
-    if rc:
-        raise SystemExit(f"nvrtcCreateProgram: {nvrtc.nvrtcGetErrorString(rc).decode()}")
-    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-    rc = nvrtc.nvrtcCompileProgram(prog, len(options), opts)
-    size = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    cubin = b""
-    if rc == 0:
-        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value)
-        nvrtc.nvrtcGetCUBIN(prog, buf)
-        cubin = buf.raw
-    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    return rc == 0, log.value.decode(errors="replace"), cubin
+    found = site_file(pattern)
+    if found is None:
+        raise SystemExit(f"not found in site-packages: {pattern} (pip install the CUDA wheels)")
+    return found
 
 
 def resources(log: str) -> dict[str, dict[str, int]]:
@@ -248,14 +219,18 @@ def main() -> int:
     parser.add_argument("--arch", nargs="+", default=["80", "90"])
     parser.add_argument("--sass", action="store_true", help="check IMMA / IDP.4A in the SASS")
     args = parser.parse_args()
-    nvrtc = load_nvrtc()
+    try:
+        nvrtc = load_nvrtc()
+    except NvrtcMissing as exc:
+        raise SystemExit(str(exc)) from None
     failed = False
     for cu in [Path("+".join(SOURCE_FILES))]:  # one module
         source = kernel_source() + (PROBES if args.sass else "")
         table: dict[str, dict[str, str]] = {}
         for arch in args.arch:
             options = [*NVRTC_OPTIONS, *CUPY_ADDED, f"-arch=sm_{arch}", "--ptxas-options=-v"]
-            ok, log, cubin = compile_cubin(nvrtc, source, cu.name, options)
+            got = compile_cubin(nvrtc, source, cu.name, options)
+            ok, log, cubin = got.ok, got.log, got.cubin
             if not ok:
                 print(f"FAIL {cu.name} sm_{arch}: NVRTC error\n{log}")
                 failed = True

@@ -2,13 +2,14 @@
 
 Every option can also be set from the environment (EGGROLL_PORT, EGGROLL_DATA_DIR,
 EGGROLL_BACKEND, EGGROLL_NAME, EGGROLL_TOKEN, EGGROLL_LOG_FORMAT, EGGROLL_BATCH_MEMBERS,
-EGGROLL_MAX_RETRY_S), and the coordinator address from EGGROLL_COORDINATOR, which suits
-service files and containers. Exit codes: 0 after SIGINT/SIGTERM or when the run is
-complete, 1 for a local problem (missing data, bad option), 2 when the coordinator refuses
-the worker for good (wrong token, other data, other protocol version, a config it cannot
-run) or cannot be found (a host name that does not resolve, a port that is not a
-coordinator's), 3 when it computes differently from the run (told DIVERGED three times in a
-row, each time after rebuilding its replica: another version, or a faulty device).
+EGGROLL_MAX_RETRY_S, EGGROLL_KERNEL_DIR), and the coordinator address from
+EGGROLL_COORDINATOR, which suits service files and containers. Exit codes: 0 after
+SIGINT/SIGTERM or when the run is complete, 1 for a local problem (missing data, bad
+option), 2 when the coordinator refuses the worker for good (wrong token, other data, other
+protocol version, a config it cannot run) or cannot be found (a host name that does not
+resolve, a port that is not a coordinator's), 3 when it computes differently from the run
+(told DIVERGED three times in a row, each time after rebuilding its replica: another
+version, or a faulty device).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..shared.cli import (
 from ..shared.data import DataError, load_data_dir
 from ..shared.logs import configure_logging
 from .backend import BackendUnavailable, get_backend
+from .backend.cubins import KERNEL_DIR_ENV
 from .client import WorkerClient, WorkerFatal, default_worker_name
 from .session_types import RunFinished
 
@@ -146,6 +148,13 @@ async def _serve(client: WorkerClient) -> None:
     help="Folder of a run's goal files (reward, prompts, --init-from checkpoint, a Hugging "
     "Face model directory), as the run config names them relative to its own folder.",
 )
+@click.option(
+    "--kernel-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder of prebuilt CUDA kernels (python -m eggroll_dist.worker.backend.prebuild "
+    "DIR): the CuPy backend loads its device's cubin from there instead of compiling.",
+)
 @reward_timeout_option
 @threads_option
 def main(
@@ -164,6 +173,7 @@ def main(
     goal_dir: Path | None,
     reward_timeout: float,
     threads: int | None,
+    kernel_dir: Path | None,
 ) -> None:
     """Serve the coordinator at HOST[:PORT]: evaluate chunks, apply every committed step.
 
@@ -176,6 +186,8 @@ def main(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="HOST[:PORT]") from None
     name = _check_name(default_worker_name() if name is None else name)
+    if kernel_dir is not None:  # the backend reads the variable where it builds its kernels
+        os.environ[KERNEL_DIR_ENV] = str(kernel_dir.resolve())
     token, tls = _credentials(token_file, tls_ca, tls_cert, tls_key)
     try:
         factory = get_backend(backend, batch_members, threads, goal_dir)

@@ -1,6 +1,7 @@
 """The CuPy backend's kernel module: its CUDA sources joined into one, the launch geometry
 the kernels are written for, each kernel's parameters, and `Kernels`, which checks every
-launch's arguments and captures launch sequences (a CUDA graph on a GPU)."""
+launch's arguments and captures launch sequences (a CUDA graph on a GPU). On a GPU the
+module comes from a prebuilt cubin when one fits (cubins.py), else from NVRTC."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
+
+from . import cubins
 
 # One module from these sources in this order: each uses the helpers of those before it
 # (common.cuh's everywhere, gemm.cu's GEMM core in egg.cu and former.cu).
@@ -21,6 +24,7 @@ SOURCE_FILES = (
     "rules.cu",
     "former.cu",
     "digest.cu",
+    "generate.cu",
 )
 BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
 TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
@@ -103,6 +107,10 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "former_attention_wide": _ATTENTION,
     # the replica digest's leaves (digest.cu)
     "digest_leaves": (U64, I64, "int32", U64),
+    # a reward run's generation (generate.cu)
+    "gen_embed": (I32, I8, I8, I8, "int32", "int32", "int32", "int32", I8, "int32", I8),
+    "gen_feed": (I32, "int32", "int32", "int32", "int32", I32, I32),
+    "sample_tokens": (I8, "int32", I64, "uint64", I64, "int32", I64, I32, I32, I32, "int32"),
 }
 TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc", "former_mm_tc", "former_head_tc")
 # Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
@@ -133,6 +141,8 @@ class Kernels:
         names = tuple(SIGNATURES)
         module = module_factory(kernel_source(), names)
         self._fn = {name: module.get_function(name) for name in names}
+        # where the kernels came from and how long it took (a prebuilt cubin or NVRTC)
+        self.origin: str | None = getattr(module, "origin", None)
         self._recording: list | None = None
         self.replays = 0  # captured sequences replayed (graph launches on a GPU)
 
@@ -186,6 +196,15 @@ class Kernels:
 
 
 def cupy_module(code: str, names: tuple[str, ...]) -> Any:
+    """The module on the current CUDA device: a prebuilt cubin of this very source when one
+    fits the device (cubins.py), else cupy.RawModule's NVRTC compile; the log says which."""
     import cupy
 
-    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=names)
+    def compile_module() -> Any:
+        return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=names)
+
+    def load(path: Any) -> Any:
+        return cupy.RawModule(path=str(path))
+
+    capability = int(cupy.cuda.Device().compute_capability)
+    return cubins.load_or_compile(code, NVRTC_OPTIONS, names, capability, load, compile_module)
