@@ -18,6 +18,10 @@ from typing import Any
 from ..shared.logs import HELD_OUT_FIELDS, STEP, VALIDATION
 from ..shared.save_dir import BASELINES, Layout, read_history
 
+# history.log's record of a rewind to `step` steps: the points of later steps before it
+# (committed steps, held-out scores and samples of replicas past it) were undone.
+REWOUND = "rewound"
+
 
 @dataclass
 class Curve:
@@ -55,8 +59,17 @@ def _is_step(value: Any) -> bool:
 
 
 def _by_step(records: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-    """The records of `event`, the last one of each step, by step."""
-    found = {r["step"]: r for r in records if r.get("event") == event and _is_step(r.get("step"))}
+    """The records of `event`, the last one of each step, by step; a REWOUND record drops
+    those of later steps written before it (a STEP's step counts the steps committed, a
+    VALIDATION's is its replica's: either past the rewind's is undone)."""
+    found: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if not _is_step(r.get("step")):
+            continue
+        if r.get("event") == REWOUND:
+            found = {s: kept for s, kept in found.items() if s <= r["step"]}
+        elif r.get("event") == event:
+            found[r["step"]] = r
     return [found[s] for s in sorted(found)]
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "SnapshotRejected",
     "SnapshotStored",
     "Stalled",
+    "Unchecked",
     "Undecided",
     "Validated",
     "WorkerError",
@@ -214,6 +215,16 @@ class Undecided(Event):
     step: int
     chunk: int
     hosts: tuple[str, ...]  # the machines (addresses or certificates) whose results differ
+
+
+@dataclass(frozen=True)
+class Unchecked(Event):
+    """Results of a machine that lost a vote, which no connected machine can check: they are
+    never taken unchecked, so the step waits for a worker on another machine to join."""
+
+    step: int
+    chunks: tuple[int, ...]
+    hosts: tuple[str, ...]  # the convicted machines whose results wait
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ..shared.save_dir import DIGESTS_LOG, HISTORY_LOG, RUN_FILE
 from ..shared.tracking import CurveSink
 from . import events
 from .core_types import LOG_PER_S
+from .curve import REWOUND
 from .jobs import Outcome
 from .metrics import Metrics
 
@@ -182,6 +183,8 @@ def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveS
                 hint="steps from from_step on are evaluated again without the convicted "
                 "machine; every worker reconnects and replays the log",
             )
+            if curve is not None:  # the curve's points past it are undone (curve.py)
+                curve({"event": REWOUND, "step": event.first})
         case events.RewindOutside():
             log.warning(
                 "rewind out of reach",
@@ -199,6 +202,15 @@ def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveS
                 machines=",".join(event.hosts),
                 hint="the run stops (its next line says why): a reward that is not "
                 "deterministic, or a faulty machine; a worker on a third machine would decide",
+            )
+        case events.Unchecked():
+            log.warning(
+                "results wait for another machine",
+                step=event.step,
+                chunks=",".join(map(str, event.chunks)),
+                machines=",".join(event.hosts),
+                hint="these machines lost a vote and their results are never accepted "
+                "unchecked: the run waits until a worker on another machine joins",
             )
         case events.Nondeterministic():
             log.error(

@@ -214,12 +214,18 @@ class Executor:
         if rejected is not None or state is None:
             self.record([rejected] if rejected is not None else [])
             return
+        lineage = self.store.lineage  # what it was checked against: a rewind may follow
+        save = self.store.save_snapshot
         try:
-            await self.offload(self.store.save_snapshot, state.step, blob, self.keep_snapshots)
+            stored = await self.offload(save, state.step, blob, self.keep_snapshots, lineage)
         except SnapshotWriteError as exc:  # the coordinator's disk, not the worker's fault
             self.record([self.core.snapshot_dropped(link.peer, state.step, exc.failure)])
         else:
-            self.record([self.core.snapshot_stored(link.peer, state, len(blob))])
+            if not stored:  # its worker was closed by the rewind: nothing is awaited of it
+                reason = "the run rewound while it was being stored"
+                self.record([events.SnapshotRejected(self.core.name(link.peer), reason)])
+            else:
+                self.record([self.core.snapshot_stored(link.peer, state, len(blob))])
         self.record(self.core.store_events())  # digests.log, flushed before the snapshot
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,10 @@ class RunStore:
         self.history = HistoryLog(self.layout.history)
         self._history_failing = False  # its last append failed (reported once)
         self.bad_snapshots: list[tuple[Path, str]] = []  # found at open: path, why
+        # A snapshot is stored on a thread while the run core may rewind on the loop: each
+        # holds this lock, and a snapshot checked before a rewind (`lineage`) is not stored.
+        self._snapshots_lock = threading.Lock()
+        self.lineage = 0  # rewinds in this process: a snapshot is checked against one
         self._finish_rewind()  # one a crash interrupted
         writer.snapshot_steps = self._scan_snapshots()
 
@@ -302,12 +307,17 @@ class RunStore:
         folder.mkdir(mode=0o700, exist_ok=True)
         kept = _free_name(folder, f"fitness-{to}-{end - 1}", ".log")
         write_atomic(kept, self.fitness_log.tail_bytes(to))
-        rewinds = self._run.setdefault("rewinds", [])
-        rewinds.append({"from": to, "to": end, "chunks": chunks, "why": why, "tail": kept.name})
-        del rewinds[:-MAX_REWINDS]
-        self._run["rewind_pending"] = to
-        write_run(self.layout, self._run)  # the cut below is finished at open if cut short
-        self._cut(to)
+        entry = {"from": to, "to": end, "chunks": chunks, "why": why, "tail": kept.name}
+        rewinds = [*self._run.get("rewinds", []), entry][-MAX_REWINDS:]
+        # The cut below is finished at open if cut short. Memory changes only once this is
+        # written: a failure leaves nothing that a later flush could write as begun.
+        write_run(self.layout, {**self._run, "rewinds": rewinds, "rewind_pending": to})
+        self._run.update(rewinds=rewinds, rewind_pending=to)
+        # Waits for a snapshot being written (rare: a rewind), so none of an undone step
+        # lands in snapshots/ after the cut has moved them out.
+        with self._snapshots_lock:
+            self.lineage += 1
+            self._cut(to)
         return kept
 
     def _finish_rewind(self) -> None:
@@ -322,14 +332,20 @@ class RunStore:
             self.fitness_log.truncate(to)
         self._drop_digests_past(to)
         folder = self.path / REWOUND
-        for step in [s for s in self.layout.snapshot_steps() if s > to]:
+        moved = [s for s in self.layout.snapshot_steps() if s > to]
+        for step in moved:
             folder.mkdir(mode=0o700, exist_ok=True)
             os.replace(self.snapshot_path(step), _free_name(folder, f"step-{step}", ".ckpt"))
         self.writer.snapshot_steps = [s for s in self.writer.snapshot_steps if s <= to]
         fsync_dir(self.layout.snapshots)
+        if moved:
+            fsync_dir(folder)  # both ends of each rename
         self._run.pop("rewind_pending", None)
+        # Not degraded as other run.json writes are: one still naming the rewind would cut
+        # the steps committed after it at the next open. A failure raises (the core stops).
         self._run_dirty = True
-        self.flush_run()
+        write_run(self.layout, self._run)
+        self._run_dirty = self._run_failing = False
 
     def _drop_digests_past(self, steps: int) -> None:
         """Agreed digests of steps past `steps` belong to undone steps: digests.log is
@@ -385,15 +401,23 @@ class RunStore:
     def latest_snapshot(self) -> int | None:
         return self.snapshot_steps[-1] if self.snapshot_steps else None
 
-    def save_snapshot(self, step: int, blob: bytes, keep: int = SNAPSHOTS_KEPT) -> None:
-        """Store a verified snapshot atomically and keep only the newest `keep`. A failed
-        write raises SnapshotWriteError and leaves no file of it behind (a snapshot only
-        shortens catch-up: the caller drops it and the run goes on)."""
-        self.sync_digests()  # the digests it was checked against are on disk first
-        try:
-            self.writer.save_snapshot(step, blob, keep)
-        except OSError as exc:
-            raise SnapshotWriteError(write_failure(self.snapshot_path(step), exc)) from None
+    def save_snapshot(
+        self, step: int, blob: bytes, keep: int = SNAPSHOTS_KEPT, lineage: int | None = None
+    ) -> bool:
+        """Store a verified snapshot atomically and keep only the newest `keep`; False when
+        the run rewound since it was checked (`lineage`, read then): it may be of an undone
+        step, and is not stored. A failed write raises SnapshotWriteError and leaves no file
+        of it behind (a snapshot only shortens catch-up: the caller drops it, the run goes
+        on). Safe on a thread while the core rewinds."""
+        with self._snapshots_lock:
+            if lineage is not None and lineage != self.lineage:
+                return False
+            self.sync_digests()  # the digests it was checked against are on disk first
+            try:
+                self.writer.save_snapshot(step, blob, keep)
+            except OSError as exc:
+                raise SnapshotWriteError(write_failure(self.snapshot_path(step), exc)) from None
+        return True
 
     def forget_snapshot(self, step: int) -> None:
         """A stored snapshot that cannot be read: offer it no more this run (the file is

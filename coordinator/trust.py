@@ -49,6 +49,7 @@ from .events import (
     Requeued,
     SharedIdentity,
     Stalled,
+    Unchecked,
     Undecided,
 )
 from .jobs import STALL_S, Clock, StepJobs
@@ -144,6 +145,7 @@ class Trust:
         # chunks of the step reported `Undecided`, and when: the run stops on one that is
         # still undecided UNDECIDED_GRACE_S later (a machine joining may decide it)
         self.undecided_said: dict[int, float] = {}
+        self.unchecked_said = False  # a convict's results waiting for a checker, said
         # (step, chunk) -> the machines each of which alone could be wrong in its dispute,
         # and the workers whose results differed: DIGEST_WINDOW steps of disputes at most
         self.disputes: dict[tuple[int, int], tuple[frozenset[str], tuple[str, ...]]] = {}
@@ -176,6 +178,7 @@ class Trust:
         tallies past the window."""
         self.departed.clear()
         self.undecided_said.clear()
+        self.unchecked_said = False
         for old in [s for s in self.tallies if s < step - DIGEST_WINDOW]:
             del self.tallies[old]  # DIGEST_WINDOW + 1 steps of tallies at most, a vote a worker
         self.disagreed = {s for s in self.disagreed if s >= step - DIGEST_WINDOW}
@@ -307,12 +310,15 @@ class Trust:
             if now >= self.undecided_said[chunk] + UNDECIDED_GRACE_S:
                 out += self._stop(step, chunk, self._names(workers), undecided=True)
         # A convicted machine's result is never waived: alone in the run after a rewind,
-        # it would commit its lies again. It waits for another machine.
-        waived = [
-            c
-            for c in jobs.waivable()
-            if groups <= jobs.voted(c) and not (self._hosts(jobs, c) & self.suspect_hosts)
-        ]
+        # it would commit its lies again. It waits for another machine, and says so once.
+        waived, held, convicts = [], [], set()
+        for c in (c for c in jobs.waivable() if groups <= jobs.voted(c)):
+            hosts = self._hosts(jobs, c) & self.suspect_hosts
+            (held if hosts else waived).append(c)
+            convicts |= hosts
+        if held and not self.unchecked_said:
+            self.unchecked_said = True
+            out.append(Unchecked(step, tuple(held), tuple(sorted(convicts))))
         if not waived:
             return out
         for p in stalled:  # reported once a spell, where it held up a check

@@ -6,6 +6,8 @@ later, and the run ends with the fitness log an honest run makes."""
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,13 +15,20 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import UNIT_CFG, Network, sync_replica, words_data_dir
+from prometheus_client import CollectorRegistry
 
+from eggroll_dist.coordinator import store as store_module
+from eggroll_dist.coordinator.curve import read_curve
 from eggroll_dist.coordinator.events import RewindOutside, Rewound
+from eggroll_dist.coordinator.metrics import Metrics
+from eggroll_dist.coordinator.record import record
 from eggroll_dist.coordinator.rewind import Provenance, Source, plan
 from eggroll_dist.coordinator.store import REWOUND, RunStore
 from eggroll_dist.shared.config import ESConfig, ValidationConfig
 from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.fitness_log import FitnessLog
+from eggroll_dist.shared.logs import STEP, VALIDATION
+from eggroll_dist.shared.save_dir import Layout
 from eggroll_dist.worker.backend import ChunkResult
 
 CFG = UNIT_CFG.replace(
@@ -163,3 +172,88 @@ def test_a_liar_caught_late_leaves_no_lie_in_the_log(
     assert rewound.chunks == 2 * CFG.chunks and not net.latest(RewindOutside)
     assert liar.ended is not None and store.steps == 4
     assert store.fitness_log.read(0, store.steps) == _honest_log(tmp_path, dataset, store.steps)
+
+
+def test_a_rewind_whose_last_run_json_write_fails_stops_rather_than_cut_again(
+    store: RunStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # run.json still saying a rewind is under way would make the next open cut the steps
+    # committed after it: the write that clears it must not degrade to memory.
+    records = _fill(store, 5)
+    real, calls = store_module.write_run, []
+
+    def write_run(layout: Any, run: dict) -> None:
+        calls.append(run.get("rewind_pending"))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real(layout, run)
+
+    monkeypatch.setattr(store_module, "write_run", write_run)
+    with pytest.raises(OSError):
+        store.rewind(2, chunks=1, why="liar")
+    monkeypatch.setattr(store_module, "write_run", real)
+    store.writer.close()  # the coordinator stops (Fatal); a restart finishes the rewind
+    again = RunStore.open(tmp_path / "run", None)
+    try:
+        assert again.steps == 2 and "rewind_pending" not in again._run
+        again.fitness_log.append(2, records[2])  # the run goes on after the restart
+        again.writer.close()  # and crashes: nothing is cut again at the next open
+        third = RunStore.open(tmp_path / "run", None)
+        assert third.steps == 3
+        third.close()
+    finally:
+        again.close()
+
+
+def test_a_snapshot_checked_before_a_rewind_is_not_stored(store: RunStore) -> None:
+    _fill(store, 5)
+    lineage = store.lineage  # the shell reads it where the snapshot of step 4 is checked
+    store.rewind(2, chunks=1, why="liar")
+    assert not store.save_snapshot(4, b"x", lineage=lineage)  # of an undone step
+    assert store.snapshot_steps == [] and not store.snapshot_path(4).exists()
+    assert store.save_snapshot(2, b"x", lineage=store.lineage)
+
+
+def test_a_rewind_waits_for_a_snapshot_being_written(
+    store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shell writes a snapshot on a thread while the core may rewind on its loop: the
+    # rewind must not move snapshots out while one of an undone step is being written.
+    _fill(store, 5)
+    writing, go_on = threading.Event(), threading.Event()
+    real = store.writer.save_snapshot
+
+    def slow(step: int, blob: bytes, keep: int = 3) -> None:
+        writing.set()
+        go_on.wait()
+        real(step, blob, keep)
+
+    monkeypatch.setattr(store.writer, "save_snapshot", slow)
+    saver = threading.Thread(target=store.save_snapshot, args=(4, b"x", 3, store.lineage))
+    saver.start()
+    writing.wait()
+    rewinder = threading.Thread(target=store.rewind, args=(2, 1, "liar"))
+    rewinder.start()
+    rewinder.join(1.0)  # finished by now unless it waits for the snapshot: either way
+    go_on.set()
+    saver.join()
+    rewinder.join()
+    assert store.steps == 2 and store.snapshot_steps == []
+    assert not store.snapshot_path(4).exists()
+    assert (store.path / REWOUND / "step-4.ckpt").exists()
+
+
+def test_the_curve_leaves_out_the_points_a_rewind_undid(tmp_path: Path) -> None:
+    # Before the rewind: steps 1..5 committed, held-out scores at 2 and 4, a sample at 4;
+    # the rewind to 2 steps undoes every point past 2; step 3 is committed again after it.
+    points: list[dict] = []
+    for step in range(1, 6):
+        points.append({"event": STEP, "step": step, "loss_bits": 9.0})
+    points += [{"event": VALIDATION, "step": s, "valid_bits": 8.0} for s in (2, 4)]
+    record(Metrics(CollectorRegistry()), Rewound(2, 5, 1, "liar", "kept"), curve=points.append)
+    points.append({"event": STEP, "step": 3, "loss_bits": 7.0})
+    layout = Layout(tmp_path)
+    layout.history.write_text("".join(json.dumps(p) + "\n" for p in points))
+    curve = read_curve(tmp_path)
+    assert [(r["step"], r["loss_bits"]) for r in curve.steps] == [(1, 9.0), (2, 9.0), (3, 7.0)]
+    assert [r["step"] for r in curve.validations] == [2]  # not the undone step 4's

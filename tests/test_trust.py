@@ -18,6 +18,7 @@ from eggroll_dist.coordinator.events import (
     Requeued,
     SharedIdentity,
     Stalled,
+    Unchecked,
     Undecided,
 )
 from eggroll_dist.coordinator.jobs import STALL_S, ChunkTimer, Outcome, StepJobs
@@ -357,3 +358,16 @@ def test_disputes_no_one_machine_explains_name_non_determinism() -> None:
     # Old disputes go with the digest window.
     run.trust.next_step(STEP + DIGEST_WINDOW + 1)
     assert run.trust.disputes == {}
+
+
+def test_a_convicts_results_no_machine_can_check_are_said_to_wait_once() -> None:
+    """A machine that lost a vote, alone in the run: its results are never waived, and the
+    run says once why the step waits instead of waiting silently."""
+    run = Run(suspects=("10.0.0.9",))
+    liar = run.join("10.0.0.9:5000")
+    assert run.score(liar, 0, 1) is Outcome.VOTED
+    said = run.trust.waive(run.jobs, STEP)
+    assert said == [Unchecked(STEP, (0,), ("10.0.0.9",))]
+    assert run.trust.waive(run.jobs, STEP) == [] and 0 not in run.jobs.results
+    honest = run.join("10.0.0.2:5000")  # another machine checks it
+    assert run.score(honest, 0, 1) is Outcome.ACCEPTED
