@@ -8,6 +8,10 @@ the members' rank-1 perturbations cost over inference, EGGROLL's headline compar
     python scripts/bench_reward.py [--data-dir data] [--preset tiny] [--population 2048]
         [--prompts-per-step 8] [--completion-tokens 32] [--reward builtin:letter_e]
         [--repeats 2] [--threads N]
+
+When CuPy sees a GPU, the CuPy backend generates the same step's completions too (members
+and chunks as the NumPy backend's, the same tokens checked), and its rate is printed beside
+the NumPy backend's with their ratio.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from eggroll_dist.shared.config import ESConfig, FitnessConfig, preset
 from eggroll_dist.shared.data import load_data_dir
 from eggroll_dist.shared.prompts import generation_seed, settings, step_prompts
 from eggroll_dist.shared.replica import ReplicaState
-from eggroll_dist.shared.sample import generate_rows
+from eggroll_dist.shared.sample import Completions, generate_rows
+from eggroll_dist.worker.backend import cuda_usable
 from eggroll_dist.worker.backend.numpy_backend import NumpyBackend
 from eggroll_dist.worker.objective import Reward, make_objective
 
@@ -98,6 +103,47 @@ def main() -> None:
     print(f"share generating:         {objective.generate_seconds / total:.1%}")
     print(f"unperturbed generation:   {gen_tokens / ref_s:,.0f} tok/s (reference)")
     print(f"ratio to the reference:   {ref_s / objective.generate_seconds:.2f}")
+    if cuda_usable():
+        request = Completions(
+            tuple(q.tokens for q in chosen),
+            tuple(q.index for q in chosen),
+            generation_seed(cfg, 0),
+            settings(cfg),
+            cfg.fitness.completion_tokens,
+        )
+        numpy_rate = gen_tokens / objective.generate_seconds
+        cupy_rate = cupy_generation(cfg, dataset, backend, request, chunks, args.repeats)
+        print(f"NumPy generation:         {numpy_rate:,.0f} member-tok/s")
+        print(f"CuPy generation:          {cupy_rate:,.0f} member-tok/s "
+              f"({cupy_rate / numpy_rate:.1f}x NumPy)")  # fmt: skip
+
+
+def cupy_generation(
+    cfg: object,
+    dataset: object,
+    numpy_backend: NumpyBackend,
+    request: Completions,
+    chunks: list[tuple[int, int]],
+    repeats: int,
+) -> float:
+    """Member-tokens per second of the CuPy backend generating the step's completions; its
+    first chunk (compiles, graphs) is checked against the NumPy backend's tokens."""
+    import cupy
+
+    from eggroll_dist.worker.backend.cupy_backend import factory
+
+    gpu = factory().build(dataset, numpy_backend.state)
+    first = gpu.complete(0, chunks[0], request)
+    if not np.array_equal(first, numpy_backend.complete(0, chunks[0], request)):
+        raise SystemExit("the CuPy backend's tokens differ from the NumPy backend's")
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for chunk in chunks:
+            gpu.complete(0, chunk, request)
+    cupy.cuda.Device().synchronize()
+    tokens = repeats * sum(c for _, c in chunks) * len(request.prompts) * request.new_tokens
+    return tokens / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

@@ -240,16 +240,17 @@ def rope(v: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Causal LUT-softmax attention per head; q, k, v (M, T, H, dh) int8-valued.
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int = 0) -> np.ndarray:
+    """Causal LUT-softmax attention per head; q (M, Tq, H, dh) at positions start.. start +
+    Tq - 1, k and v (M, T, H, dh) at positions 0..T-1, all int8-valued.
 
     Scores |q . k| <= dh * 127**2 < 2**24 (dh <= 1024): exact in a float32 GEMM and in int32.
     The weighted sums reach T * 2**18 * 127 and are exact int64 (float64 below 2**53)."""
-    t = q.shape[1]
-    qh = q.transpose(0, 2, 1, 3).astype(np.float32)  # (M, H, T, dh)
+    t, keys = q.shape[1], k.shape[1]
+    qh = q.transpose(0, 2, 1, 3).astype(np.float32)  # (M, H, Tq, dh)
     kh = k.transpose(0, 2, 3, 1).astype(np.float32)  # (M, H, dh, T)
-    scores = (qh @ kh).astype(np.int32)  # (M, H, T, T): query t, key c
-    causal = np.tril(np.ones((t, t), dtype=bool))
+    scores = (qh @ kh).astype(np.int32)  # (M, H, Tq, T): query t, key c
+    causal = np.tril(np.ones((t, keys), dtype=bool), k=start)  # key c <= start + t
     scores = np.where(causal, scores, np.iinfo(np.int32).min)
     top = scores.max(axis=-1, keepdims=True)
     steps = np.minimum((top.astype(np.int64) - scores) >> SOFTMAX_SHIFT, 255)
@@ -304,30 +305,50 @@ class FormerModel:
         down = self._mm(hidden, p + "down", noise)
         return renorm(x + down + self._vector(p + "down_bias", noise))  # |.| <= 381
 
-    def _attn(self, x: np.ndarray, p: str, noise: MemberNoise | None) -> np.ndarray:
+    def _attn(
+        self, x: np.ndarray, layer: int, noise: MemberNoise | None, cache: KVCache | None
+    ) -> np.ndarray:
+        """The attention block over x (M, T, D); with a cache, x are the positions after the
+        cache's and attend to its keys and values too, which it keeps."""
         m, t, d = x.shape
+        p, start = f"layers.{layer}.", 0 if cache is None else cache.length
         heads = (m, t, self.heads, d // self.heads)
-        cos, sin = self.rope[0][:t], self.rope[1][:t]
+        cos, sin = self.rope[0][start : start + t], self.rope[1][start : start + t]
         n = self._norm(x, p + "ln1", noise)
         q = renorm(rope(self._mm(n, p + "wq", noise).reshape(heads), cos, sin).reshape(m, t, d))
         k = renorm(rope(self._mm(n, p + "wk", noise).reshape(heads), cos, sin).reshape(m, t, d))
         v = renorm(self._mm(n, p + "wv", noise))
-        out = attention(q.reshape(heads), k.reshape(heads), v.reshape(heads)).reshape(m, t, d)
+        k, v = k.reshape(heads), v.reshape(heads)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
+        out = attention(q.reshape(heads), k, v, start).reshape(m, t, d)
         return renorm(x + self._mm(out, p + "wo", noise))  # |.| <= 254
 
     def _embed(self, inputs: np.ndarray, noise: MemberNoise | None) -> np.ndarray:
         x = perturbed_rows(self.params["emb"], inputs, noise, "emb", self.cfg)  # (M, T, D)
         return clip8(x + self._vector("emb_bias", noise))
 
-    def hidden(self, inputs: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
-        """The normed final hidden state (M, T, D) after each of inputs (M, T), T <= seq_len."""
-        if inputs.shape[1] > self.context:
-            raise ValueError(f"{inputs.shape[1]} positions exceed the context {self.context}")
+    def hidden(
+        self, inputs: np.ndarray, noise: MemberNoise | None = None, cache: KVCache | None = None
+    ) -> np.ndarray:
+        """The normed final hidden state (M, T, D) after each of inputs (M, T), T <= seq_len;
+        with a cache, inputs follow the positions it holds, and it keeps theirs too."""
+        start = 0 if cache is None else cache.length
+        if start + inputs.shape[1] > self.context:
+            raise ValueError(
+                f"{start + inputs.shape[1]} positions exceed the context {self.context}"
+            )
         x = self._mlp(self._embed(inputs, noise), "emb_mlp.", "ln", noise)
         for i in range(self.cfg.model.n_layer):
-            p = f"layers.{i}."
-            x = self._mlp(self._attn(x, p, noise), p, "ln2", noise)
+            x = self._mlp(self._attn(x, i, noise, cache), f"layers.{i}.", "ln2", noise)
+        if cache is not None:
+            cache.length += inputs.shape[1]
         return self._norm(x, "ln_f", noise)
+
+    def cache(self, rows: int) -> KVCache:
+        """An empty key-value cache of `rows` rows over the whole context."""
+        m = self.cfg.model
+        return KVCache(rows, m.n_layer, self.context, self.heads, m.d_model // self.heads)
 
     def head(self, h: np.ndarray, noise: MemberNoise | None = None) -> np.ndarray:
         """Logits (M, T, V) of hidden states h (M, T, D): MM with the embedding itself,
@@ -384,43 +405,73 @@ class FormerModel:
         return loss.sum(axis=1), None if bits is None else bits.sum(axis=1)
 
 
+class KVCache:
+    """Each layer's keys and values (M, T, H, dh) of the first `length` positions of a
+    window. Position t's depend only on tokens <= t and on RoPE at t, so while a window
+    grows from its start they stay valid and each new position appends its own."""
+
+    def __init__(self, rows: int, layers: int, context: int, heads: int, head_dim: int):
+        shape = (layers, rows, context, heads, head_dim)
+        self.k = np.zeros(shape, dtype=np.int8)  # renormed: in [-127, 127]
+        self.v = np.zeros(shape, dtype=np.int8)
+        self.length = 0
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keep the new positions' k, v (M, T, H, dh); every position's so far."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length : end] = k
+        self.v[layer, :, self.length : end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+
 class FormerDecoder:
-    """Rows that read a token each per call (shared.sample.Decoder): each row's history, at
-    most seq_len tokens, is read whole again and the last position's logits kept, as
-    FormerGenerator does for one row."""
+    """Rows that read a token each per call (shared.sample.Decoder). While the history fits
+    the context, a read computes only the new position against the cached keys and values.
+    Past it the window slides, every position's RoPE angle moves, and each read computes
+    the whole window again (quadratic there; generation rarely outruns the context)."""
 
     def __init__(self, model: FormerModel, noise: MemberNoise | None, rows: int):
         self.model, self.noise = model, noise
         self.history = np.zeros((rows, 0), dtype=np.int64)
+        self.kv: KVCache | None = model.cache(rows)
 
     def read(self, tokens: np.ndarray) -> np.ndarray:
         self.history = np.concatenate([self.history, tokens[:, None]], axis=1)
-        self.history = self.history[:, -self.model.context :]
-        h = self.model.hidden(self.history, self.noise)
-        return self.model.head(h[:, -1:], self.noise)[:, 0]
+        if self.kv is not None and self.history.shape[1] <= self.model.context:
+            h = self.model.hidden(self.history[:, -1:], self.noise, self.kv)
+        else:
+            self.kv = None  # slid: the cache's positions are gone for good
+            self.history = self.history[:, -self.model.context :]
+            h = self.model.hidden(self.history, self.noise)[:, -1:]
+        return self.model.head(h, self.noise)[:, 0]
 
 
 class FormerGenerator:
     """The unperturbed former one token at a time, for `shared.sample.generate`.
 
     The state is the token history, at most seq_len tokens (the window the model was
-    trained on and its RoPE table's length); each step recomputes the window and keeps the
-    last position's logits. Generation starts where a document starts: after token 0.
+    trained on and its RoPE table's length). A one-row FormerDecoder follows it: a step
+    that continues the history it last read costs one position (until the window slides);
+    any other state is read afresh. Generation starts where a document starts: after token 0.
     """
 
     def __init__(self, cfg: RunConfig, params: dict[str, np.ndarray]):
         self.model = FormerModel(cfg, params)
         self.vocab_size = cfg.model.vocab_size
         self.context = cfg.es.seq_len
+        self._decoder: FormerDecoder | None = None
 
     def start(self) -> tuple[list[int], np.ndarray]:
         return self.step([], 0)
 
     def step(self, state: list[int], token: int) -> tuple[list[int], np.ndarray]:
-        state = [*state, token][-self.context :]
-        inputs = np.array([state], dtype=np.int64)
-        h = self.model.hidden(inputs)
-        return state, self.model.head(h[:, -1:])[0, 0]
+        decoder = self._decoder
+        if decoder is None or decoder.history[0].tolist() != state:
+            decoder = self._decoder = self.model.decoder(None, 1)
+            for tok in state:  # another history: read it afresh
+                decoder.read(np.array([tok], dtype=np.int64))
+        logits = decoder.read(np.array([token], dtype=np.int64))
+        return decoder.history[0].tolist(), logits[0]
 
 
 MODEL = FormerModel

@@ -64,6 +64,7 @@ from . import (
     check_chunk,
     cupy_egg,
     cupy_former,
+    cupy_generate,
 )
 from .cupy_kernels import BLOCK, STAGE_WORDS, TILE_M, TILE_N, Kernels, ModuleFactory, cupy_module
 from .held_out import DeviceCopy
@@ -699,9 +700,14 @@ class CupyBackend:
     def complete(
         self, step: int, members: tuple[int, int] | None, request: Completions
     ) -> np.ndarray:
-        """Generation for the reward objective, by the NumPy reference on the host copy of
-        the weights (the same tokens; no generation kernels on the device yet)."""
-        return NumpyBackend(self.dataset, self.state).complete(step, members, request)
+        """Generation for the reward objective: the NumPy backend's tokens, written on the
+        device (cupy_generate.py); the former's by the NumPy reference on the host copy of
+        the weights (no former generation kernels on the device yet)."""
+        if not cupy_generate.on_device(self):
+            return NumpyBackend(self.dataset, self.state).complete(step, members, request)
+        if members is not None:
+            check_chunk(self.config, self.step, step, *members)
+        return cupy_generate.complete(self, step, members, request)
 
 
 def compute_major(capability: str) -> int:

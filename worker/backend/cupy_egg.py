@@ -260,3 +260,23 @@ class _TokenStep:
             *(logits, tokens, i32(t_cols), i32(t + 1), i32(m), i32(v)),
             *(self.backend.exp2, self.backend.log2_th, bufs["loss"]),
         )
+
+
+def read_step(backend: CupyBackend, bufs: dict[str, Any]) -> None:
+    """One token per row (generation, cupy_generate.py): the token in bufs["cur"] (M,)
+    read through the embedding and every layer, the state carried, and the logits of the
+    token after it into bufs["logits"]. The launches of token_step but for the row's own
+    token (a pair's members write different ones) and no score."""
+    i32, w, step = np.int32, backend.w, _TokenStep(backend, bufs)
+    n_layer = backend.config.model.n_layer
+    backend.kernels(
+        "gen_embed",
+        (step.m,),
+        (128,),
+        *(bufs["cur"], w["emb"], bufs["a"]["emb"], bufs["b"]["emb"], i32(step.m)),
+        *(i32(step.d), i32(step.v), step.shift, bufs["states"], i32(n_layer), bufs["x"]),
+    )
+    for i in range(n_layer):
+        step.layer(f"layers.{i}.", bufs["states"][i])
+    step.norm("ln_out", ("head",))
+    step.mm(bufs["h"], "head", bufs["xb"][0], backend.null8, bufs["logits"])
