@@ -84,6 +84,17 @@ def _print_join(host: str, port: int, tls: bool) -> None:
     )
 
 
+def _hand_out(
+    new: bool, enrol: str | None, token_file: Path | None, host: str, port: int, tls: bool
+) -> bool:
+    """--new-token or --enrol: print what to hand out (and run nothing); False otherwise."""
+    if new:
+        _print_join(host, port, tls)
+    elif enrol is not None:
+        _enrol(enrol, token_file, host, port)
+    return new or enrol is not None
+
+
 def _enrol(name: str, token_file: Path | None, host: str, port: int) -> None:
     """Print the credential of worker `name` and the command that uses it."""
     try:
@@ -427,19 +438,12 @@ def main(
     """Coordinate an EGGROLL run: lease chunks to workers, commit each step durably.
 
     Every flag can also be set as EGGROLL_<FLAG> (e.g. EGGROLL_SAVE_DIR); the token comes
-    from --token-file or EGGROLL_TOKEN, never from a command line.
-
-    Exit status: 0 when --max-steps is reached or on SIGINT/SIGTERM; 1 when the save
-    directory cannot be used (a failed commit); 2 for a setting that cannot work; 3 when
-    workers compute different fitness for a chunk and no machine can decide (a reward or
-    objective that is not deterministic): every committed step is kept, fix it and start
-    the coordinator again to resume.
+    from --token-file or EGGROLL_TOKEN, never from a command line. Exit status: 0 at
+    --max-steps or on SIGINT/SIGTERM; 1 when the save directory cannot be used; 2 for a
+    setting that cannot work; 3 when workers' fitness for a chunk differs and no machine
+    can decide (a reward that is not deterministic): fix it and start again to resume.
     """
-    if new_token:
-        _print_join(host, port, tls_cert is not None)
-        return
-    if enrol_name is not None:
-        _enrol(enrol_name, token_file, host, port)
+    if _hand_out(new_token, enrol_name, token_file, host, port, tls_cert is not None):
         return
     if save_dir is None:
         raise click.UsageError("Missing option '--save-dir'.")
@@ -474,6 +478,6 @@ def main(
         final_snapshot_timeout_s=final_snapshot_timeout_s,
     )
     metrics = _serve_metrics(metrics_port, metrics_host)
-    start_tracking = _tracking(save_dir, meta, tensorboard, wandb_project)
-    _serve(lambda: RunStore.open(save_dir, given, base), options, metrics, start_tracking)
+    tracking = _tracking(save_dir, meta, tensorboard, wandb_project)
+    _serve(lambda: RunStore.open(save_dir, given, base), options, metrics, tracking)
     sys.exit(0)

@@ -157,21 +157,11 @@ def _record_chunks(
     return True
 
 
-def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveSink | None) -> bool:
-    """What the trust rules decided (`trust.py`): votes lost, undecided, stalls, digests."""
+def _record_disputes(
+    metrics: Metrics, event: events.Event, net: Net, curve: CurveSink | None
+) -> bool:
+    """Disputes that undo steps, wait, or stop the run (`trust.py`, `rewind.py`)."""
     match event:
-        case events.Outvoted():
-            metrics.workers_outvoted.inc()
-            log.error(
-                "worker outvoted",
-                worker=event.worker,
-                peer=event.address,
-                step=event.step,
-                chunk=event.chunk,
-                hint="its fitness differs from other workers' for the same chunk (a fault or "
-                "a lie): its results of the step are dropped, it resyncs, and every result "
-                "from its machine (its address, or its certificate) is checked from now on",
-            )
         case events.Rewound():
             log.warning(
                 "run rewound",
@@ -219,6 +209,26 @@ def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveS
                 chunk=event.chunk,
                 workers=",".join(event.workers),
                 reason=event.message,
+            )
+        case _:
+            return False
+    return True
+
+
+def _record_trust(metrics: Metrics, event: events.Event, net: Net, curve: CurveSink | None) -> bool:
+    """What the trust rules decided (`trust.py`): votes lost, stalls, identities, digests."""
+    match event:
+        case events.Outvoted():
+            metrics.workers_outvoted.inc()
+            log.error(
+                "worker outvoted",
+                worker=event.worker,
+                peer=event.address,
+                step=event.step,
+                chunk=event.chunk,
+                hint="its fitness differs from other workers' for the same chunk (a fault or "
+                "a lie): its results of the step are dropped, it resyncs, and every result "
+                "from its machine (its address, or its certificate) is checked from now on",
             )
         case events.Stalled():
             metrics.workers_stalled.inc()
@@ -364,6 +374,7 @@ _FAMILIES: tuple[Family, ...] = (
     _record_chunks,  # the most frequent first
     _record_curve,
     _record_trust,
+    _record_disputes,
     _record_workers,
     _record_files,
 )

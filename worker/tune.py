@@ -41,13 +41,13 @@ from ..shared.config import (
     UpdateConfig,
     ValidationConfig,
 )
-from ..shared.data import DataError
+from ..shared.data import DataError, Dataset
 from ..shared.hf_dir import ModelDirError, require_hf
 from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError, pin, resolve
 from ..shared.prompts import read_prompts
 from ..shared.tracking import TrackingError, check_available
-from .backend import BackendUnavailable, get_backend
+from .backend import BackendFactory, BackendUnavailable, get_backend
 from .hf_estimate import Estimate, EstimateError, estimate_run, human, mem_available
 from .hf_model import load_tokenizer
 from .hub_cache import HubCacheError, local_or_cached
@@ -334,11 +334,7 @@ def main(
             return
         check_available(tensorboard is not None, wandb_project is not None)
         base = Path.cwd()
-        factory = get_backend("torch", threads=threads, goal_dir=base, confined=False)
-        _refuse_unfit(cfg, base, factory.device)  # before anything is hashed or loaded
-        cfg = pin(cfg, base)
-        given = click.get_current_context().get_parameter_source("data_dir")
-        dataset = run_data(cfg, data_dir, given is not ParameterSource.DEFAULT)
+        cfg, factory, dataset = _prepare(cfg, base, data_dir, threads)
     except (ConfigError, GoalError, DataError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     except TrackingError as exc:
@@ -354,6 +350,18 @@ def main(
         reward_timeout=reward_timeout,
     )
     run_training(cfg, base, dataset, factory, options)
+
+
+def _prepare(
+    cfg: RunConfig, base: Path, data_dir: Path, threads: int | None
+) -> tuple[RunConfig, BackendFactory, Dataset | None]:
+    """The backend, the run's memory checked before anything is hashed or loaded, the
+    config pinned, and the data (None: a reward run without it)."""
+    factory = get_backend("torch", threads=threads, goal_dir=base, confined=False)
+    _refuse_unfit(cfg, base, factory.device)
+    cfg = pin(cfg, base)
+    given = click.get_current_context().get_parameter_source("data_dir")
+    return cfg, factory, run_data(cfg, data_dir, given is not ParameterSource.DEFAULT)
 
 
 def resolve_model_dir(given: Path) -> Path:
