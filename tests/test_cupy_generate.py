@@ -3,12 +3,15 @@
 Runs on the CPU build of the kernels by default (every thread order), on a GPU with
 EGGROLL_KERNEL_TARGET=cupy: members' and the unperturbed model's completions after a device
 update, prompts of several lengths (token 0 inside one: the EGG state resets), every
-sampling setting, widths that are no multiple of 32 and a vocabulary above 256; and the
-device computes them: no model, noise or sampling maths on the host.
+sampling setting, widths that are no multiple of 32 and a vocabulary above 256; for the
+former, histories that fit the context (each position against the key-value cache) and
+histories that outrun it, inside the prompt or after (the window slides); and the device
+computes them: no model, noise or sampling maths on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,6 +41,21 @@ GEN_CONFIGS = {
     "egg-adaptive": CONFIGS["egg-adaptive"].replace(
         model=ModelConfig(n_layer=1, d_model=20, vocab_size=64, init_seed=9)
     ),
+    # the former at width 36 (heads of 12), 2 layers, the head bias, token and adaptive
+    # noise; a context of 6: only the shortest prompt's history fits it to the end, the
+    # longest outruns it inside the prompt
+    "former-wide": CONFIGS["former"].replace(
+        model=ModelConfig(
+            arch="former", n_layer=2, d_model=36, n_head=3, vocab_size=300, head_bias="zipf"
+        ),
+        es=dataclasses.replace(CONFIGS["former"].es, seq_len=6),
+    ),
+    # width 20 (heads of 10: rows of no whole words), no head bias, a context of 8: only
+    # the longest prompt's history outruns it
+    "former-narrow": CONFIGS["former-d-eggs"].replace(
+        model=ModelConfig(arch="former", n_layer=1, d_model=20, n_head=2, vocab_size=300),
+        es=dataclasses.replace(CONFIGS["former-d-eggs"].es, seq_len=8),
+    ),
 }
 SETTINGS = (
     sample.SampleSettings(),  # the defaults: temperature 0.6, min-p, a presence penalty
@@ -45,6 +63,9 @@ SETTINGS = (
     sample.SampleSettings(temperature=1500, min_p=0, top_k=3, frequency_penalty=700),
     sample.SampleSettings(temperature=1000, min_p=0, presence_penalty=0),  # a reward run's
 )
+# The former's step is some 40 launches (the CPU build's cost): each former config takes
+# two settings, one sampled at temperature and one greedy or top-k.
+CONFIG_SETTINGS = {"former-wide": (0, 1), "former-narrow": (2, 3)}
 PROMPTS = ((1, 2, 3), (5,), (7, 0, 9), (4, 4, 8, 2, 6, 1), (11,))
 
 
@@ -65,7 +86,8 @@ def test_device_generation_gives_the_numpy_backends_tokens(name: str, variant: s
     ref, gpu = _stepped(cfg, variant)
     v = cfg.model.vocab_size
     prompts = (*PROMPTS, (v - 1, v - 2))
-    for i, settings in enumerate(SETTINGS):
+    for i in CONFIG_SETTINGS.get(name, range(len(SETTINGS))):
+        settings = SETTINGS[i]
         request = sample.Completions(prompts, tuple(range(i, i + 6)), 9 + i, settings, 5)
         got = gpu.complete(1, (2, 8), request)  # members 2..9: batches of 6 members
         assert got.shape == (8, len(prompts), 5)
@@ -83,18 +105,21 @@ def test_an_odd_number_of_prompts_pads_the_unperturbed_rows() -> None:
         gpu.complete(0, (0, 2), request)  # the replica is at step 1
 
 
-def test_the_former_still_generates_the_numpy_backends_tokens() -> None:
-    """No former generation kernels yet: the host reference on the device's weights."""
-    ref, gpu = _stepped(CONFIGS["former"], VARIANTS[0])
-    request = sample.Completions(PROMPTS[:3], (0, 1, 2), 3, sample.SampleSettings(), 8)
-    assert np.array_equal(gpu.complete(1, (4, 4), request), ref.complete(1, (4, 4), request))
-    assert np.array_equal(gpu.complete(1, None, request), ref.complete(1, None, request))
+def test_the_former_reads_prompts_that_outrun_its_context() -> None:
+    """The generated tokens of test_device_generation... slide the former's window, inside
+    a prompt or after it, and some fit it to the end."""
+    for name in ("former-wide", "former-narrow"):
+        t = GEN_CONFIGS[name].es.seq_len
+        reads = [1 + len(p) + 5 - 1 for p in (*PROMPTS, (1, 2))]  # as NumpyBackend's
+        assert min(reads) <= t < max(reads), name
+    assert 1 + max(len(p) for p in PROMPTS) > GEN_CONFIGS["former-wide"].es.seq_len
 
 
-def test_no_generation_maths_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["egg-wide", "former-wide"])
+def test_no_generation_maths_on_the_host(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the host's models, noise and sampling made to raise, the device still writes
     the reference's tokens."""
-    cfg = GEN_CONFIGS["egg-wide"]
+    cfg = GEN_CONFIGS[name]
     ref, gpu = _stepped(cfg, VARIANTS[0])
     request = sample.Completions(PROMPTS, (0, 1, 2, 3, 4), 5, SETTINGS[2], 6)
     want = (ref.complete(1, (0, 6), request), ref.complete(1, None, request))
@@ -109,9 +134,10 @@ def test_no_generation_maths_on_the_host(monkeypatch: pytest.MonkeyPatch) -> Non
         for fn in names:
             monkeypatch.setattr(module, fn, refuse)
     for model in (egg.EggModel, former.FormerModel):
-        for method in ("__init__", "forward", "step", "logits"):
+        for method in ("__init__", "forward", "step", "logits", "hidden", "head", "decoder"):
             if hasattr(model, method):
                 monkeypatch.setattr(model, method, refuse)
+    monkeypatch.setattr(former.FormerDecoder, "read", refuse)
     monkeypatch.setattr(NumpyBackend, "__init__", refuse)
     assert np.array_equal(gpu.complete(1, (0, 6), request), want[0])
     assert np.array_equal(gpu.complete(1, None, request), want[1])

@@ -1,8 +1,8 @@
 // common.cuh: the types, CLIP8, the Divisor and the hardware helpers every kernel file
 // uses. The backend compiles its sources as one module, joined in this order
 // (cupy_kernels.SOURCE_FILES): common.cuh, noise.cu, gemm.cu, egg.cu, loss.cu, rules.cu,
-// former.cu, digest.cu. A file uses only what the files before it define; none includes
-// another (NVRTC gets one source and no include path).
+// former.cu, digest.cu, generate.cu, former_generate.cu. A file uses only what the files
+// before it define; none includes another (NVRTC gets one source and no include path).
 //
 // Kernels of the CuPy backend: the EGG model's forward pass and the ztest update, in int8
 // and int32 only, matching shared/ (noise.py, perturb.py, egg.py, loss.py, update.py and

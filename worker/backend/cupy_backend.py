@@ -68,7 +68,6 @@ from . import (
 )
 from .cupy_kernels import BLOCK, STAGE_WORDS, TILE_M, TILE_N, Kernels, ModuleFactory, cupy_module
 from .held_out import DeviceCopy
-from .numpy_backend import NumpyBackend
 
 # Each architecture's launch module: its checks, batch size and tables, its forward pass's
 # buffers and launches, and its held-out passes (cupy_egg.py lists them).
@@ -701,10 +700,7 @@ class CupyBackend:
         self, step: int, members: tuple[int, int] | None, request: Completions
     ) -> np.ndarray:
         """Generation for the reward objective: the NumPy backend's tokens, written on the
-        device (cupy_generate.py); the former's by the NumPy reference on the host copy of
-        the weights (no former generation kernels on the device yet)."""
-        if not cupy_generate.on_device(self):
-            return NumpyBackend(self.dataset, self.state).complete(step, members, request)
+        device (cupy_generate.py)."""
         if members is not None:
             check_chunk(self.config, self.step, step, *members)
         return cupy_generate.complete(self, step, members, request)

@@ -7,23 +7,25 @@ unperturbed model's rows are its prompts, two to a pair of zero noise and the we
 vectors (both members of such a pair are the model itself). A pass feeds token 0 and the
 prompts column by column, then chooses each new token with `sample_tokens` (generate.cu,
 `shared.sample.next_tokens` in integers) and reads it back in: the EGG model's token step
-(`cupy_egg.read_step`, the state carried in device buffers). Only the chosen tokens come
-back. The former has no device generation yet: its completions are the NumPy reference's
-on the host copy of the weights (with shared/former.py's key-value cache).
+(`cupy_egg.read_step`, the state carried in device buffers) or the former's
+(`cupy_former.reader`: one position against each layer's key-value cache until the window
+slides, the window whole after). Only the chosen tokens come back.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...shared.noise import DOMAIN_SAMPLE, hash_key
 from ...shared.sample import Completions, SampleSettings, exp_table
-from . import cupy_egg
+from . import cupy_egg, cupy_former
 from .cupy_kernels import BLOCK
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .cupy_backend import CupyBackend
 
 GEN_THREADS = 256  # generate.cu GEN_THREADS: a sampling block
@@ -31,11 +33,6 @@ GEN_THREADS = 256  # generate.cu GEN_THREADS: a sampling block
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def on_device(backend: CupyBackend) -> bool:
-    """Whether this architecture generates on the device (the EGG model; not the former yet)."""
-    return backend.config.model.arch == "egg"
 
 
 def complete(
@@ -56,7 +53,7 @@ def complete(
                 out[0, idx] = tokens[:g]
                 continue
             first, count = members
-            batch = max(2, backend.batch_members // g // 2 * 2)
+            batch = max(2, _rows(backend) // g // 2 * 2)
             for lo in range(first, first + count, batch):
                 hi = min(lo + batch, first + count)
                 pairs = np.arange(lo // 2, hi // 2)
@@ -82,7 +79,8 @@ def _generate(
     n_pairs = _cdiv(rows, 2) if entries is None else len(entries)
     m, v, n = 2 * n_pairs, cfg.model.vocab_size, request.new_tokens
     pad = m - rows
-    bufs = cupy_egg.buffers(backend, n_pairs, steps=1, held_out=entries is None)
+    reads = 1 + length + max(n - 1, 0)  # token 0, the prompt, every new token but the last
+    bufs, read = _reader(backend, n_pairs, reads, entries is None)
     if entries is None:
         for name, vector in bufs["vec"].items():
             vector[...] = backend.w[name]  # every row's vector is the weights' own
@@ -99,10 +97,7 @@ def _generate(
         "counts": xp.zeros((m, v), dtype=xp.int32),
         "out": xp.zeros((m, max(n, 1)), dtype=xp.int32),
     }
-    bufs["cur"] = xp.zeros(m, dtype=xp.int32)  # token 0: a document starts
-    backend.zero(bufs["states"])
-    read = k.capture(lambda: cupy_egg.read_step(backend, bufs))
-    read()
+    read()  # token 0: a document starts
     i32 = np.int32
     for t in range(length):
         k(
@@ -125,6 +120,27 @@ def _generate(
         if position + 1 < n:
             read()
     return _host(xp, dev["out"])[:rows, :n].astype(np.int64)  # the pass's one copy back
+
+
+def _rows(backend: CupyBackend) -> int:
+    """Rows per generation pass: the forward's batch, the former's also within its bound
+    (its key-value caches and window)."""
+    if backend.config.model.arch == "egg":
+        return backend.batch_members
+    return min(backend.batch_members, cupy_former.generation_rows(backend.config))
+
+
+def _reader(
+    backend: CupyBackend, n_pairs: int, reads: int, zero: bool
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """The architecture's buffers for 2 n_pairs rows (bufs["cur"] zero: token 0) and its
+    token step, which reads bufs["cur"] and writes bufs["logits"]; zero: no noise."""
+    if backend.config.model.arch != "egg":
+        return cupy_former.reader(backend, n_pairs, reads, zero)
+    bufs = cupy_egg.buffers(backend, n_pairs, steps=1, held_out=zero)
+    bufs["cur"] = backend.xp.zeros(2 * n_pairs, dtype=backend.xp.int32)
+    backend.zero(bufs["states"])
+    return bufs, backend.kernels.capture(lambda: cupy_egg.read_step(backend, bufs))
 
 
 def _host(xp: object, a: object) -> np.ndarray:

@@ -25,6 +25,7 @@ SOURCE_FILES = (
     "former.cu",
     "digest.cu",
     "generate.cu",
+    "former_generate.cu",
 )
 BLOCK = 256  # threads per block of most kernels (a multiple of 32: full-warp collectives)
 TILE_M, TILE_N = 128, 64  # output tile of the GEMM kernels
@@ -111,6 +112,11 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "gen_embed": (I32, I8, I8, I8, "int32", "int32", "int32", "int32", I8, "int32", I8),
     "gen_feed": (I32, "int32", "int32", "int32", "int32", I32, I32),
     "sample_tokens": (I8, "int32", I64, "uint64", I64, "int32", I64, I32, I32, I32, "int32"),
+    # the former's generation (former_generate.cu)
+    "former_gen_begin": (I32, *("int32",) * 4, I32, I32, I32, I32, I32, I32),
+    "former_gen_embed": (I32, "int32", I32, "int32", I8, I8, I8, I8, *("int32",) * 3, I8),
+    "former_gen_attend": (I8, I8, I8, I32, "int32", "int32", "int32", I32, I8, I8, I8),
+    "former_gen_last": (I8, "int32", "int32", I8),
 }
 TENSOR_CORE_KERNELS = ("mm_tc", "gate_tc", "cand_tc", "zgemm_tc", "former_mm_tc", "former_head_tc")
 # Options given to cupy.RawModule (CuPy adds the architecture and its own flags; the CI
