@@ -21,7 +21,9 @@ from hf_models import save_model
 
 from eggroll_dist.shared.save_dir import SaveDir
 
-STEPS = 3
+# Enough steps that the liar, the last to load its model, gets chunks to lie about
+# whichever worker leases first (a step has two chunks for three workers).
+STEPS = 20
 
 # A real PyTorch worker whose backend evaluates in `DTYPE` whatever its device, and flips
 # every fitness sign when `FLIP` (replaying the log, it applies the run's steps like anyone).
