@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from eggroll_dist.shared.config import ESConfig, FitnessConfig, preset
-from eggroll_dist.shared.data import load_data_dir
+from eggroll_dist.shared.config import ESConfig, FitnessConfig, RunConfig, preset
+from eggroll_dist.shared.data import Dataset, load_data_dir
 from eggroll_dist.shared.prompts import generation_seed, settings, step_prompts
 from eggroll_dist.shared.replica import ReplicaState
 from eggroll_dist.shared.sample import Completions, generate_rows
@@ -104,18 +104,15 @@ def main() -> None:
     print(f"unperturbed generation:   {gen_tokens / ref_s:,.0f} tok/s (reference)")
     print(f"ratio to the reference:   {ref_s / objective.generate_seconds:.2f}")
     if cuda_usable():
-        request = Completions(
-            tuple(q.tokens for q in chosen),
-            tuple(q.index for q in chosen),
-            generation_seed(cfg, 0),
-            settings(cfg),
-            cfg.fitness.completion_tokens,
+        print_cupy(
+            cfg,
+            dataset,
+            backend,
+            chosen,
+            chunks,
+            args.repeats,
+            gen_tokens / objective.generate_seconds,
         )
-        numpy_rate = gen_tokens / objective.generate_seconds
-        cupy_rate = cupy_generation(cfg, dataset, backend, request, chunks, args.repeats)
-        print(f"NumPy generation:         {numpy_rate:,.0f} member-tok/s")
-        print(f"CuPy generation:          {cupy_rate:,.0f} member-tok/s "
-              f"({cupy_rate / numpy_rate:.1f}x NumPy)")  # fmt: skip
 
 
 def cupy_generation(
@@ -144,6 +141,29 @@ def cupy_generation(
     cupy.cuda.Device().synchronize()
     tokens = repeats * sum(c for _, c in chunks) * len(request.prompts) * request.new_tokens
     return tokens / (time.perf_counter() - t0)
+
+
+def print_cupy(
+    cfg: RunConfig,
+    dataset: Dataset,
+    backend: NumpyBackend,
+    chosen: list,
+    chunks: list[tuple[int, int]],
+    repeats: int,
+    numpy_rate: float,
+) -> None:
+    """The CuPy backend's generation of the same completions, beside NumPy's rate."""
+    request = Completions(
+        tuple(q.tokens for q in chosen),
+        tuple(q.index for q in chosen),
+        generation_seed(cfg, 0),
+        settings(cfg),
+        cfg.fitness.completion_tokens,
+    )
+    cupy_rate = cupy_generation(cfg, dataset, backend, request, chunks, repeats)
+    print(f"NumPy generation:         {numpy_rate:,.0f} member-tok/s")
+    print(f"CuPy generation:          {cupy_rate:,.0f} member-tok/s "
+          f"({cupy_rate / numpy_rate:.1f}x NumPy)")  # fmt: skip
 
 
 if __name__ == "__main__":
