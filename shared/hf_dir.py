@@ -325,6 +325,9 @@ def base_state(cfg: RunConfig, model_dir: Path) -> ReplicaState:
 # --- the model's linear layers (PyTorch and transformers, imported only here) ---------------
 
 
+_imported_resident: list[int] = []  # the process's resident bytes once they were imported
+
+
 def require_hf() -> tuple[Any, Any]:
     """(torch, transformers), or ModelDirError naming the extra to install."""
     try:
@@ -334,7 +337,26 @@ def require_hf() -> tuple[Any, Any]:
         raise ModelDirError(
             f"Hugging Face models need PyTorch and transformers ({exc.name} is missing): {INSTALL}"
         ) from None
+    if not _imported_resident:  # what this installation's imports cost (worker/hf_estimate.py)
+        _imported_resident.append(resident_bytes())
     return torch, transformers
+
+
+def imported_resident() -> int | None:
+    """The process's resident bytes when torch and transformers were first imported by
+    `require_hf` (None: not yet, or unknown)."""
+    return _imported_resident[0] if _imported_resident and _imported_resident[0] else None
+
+
+def resident_bytes(status: Path = Path("/proc/self/status")) -> int:
+    """The process's resident set (VmRSS) in bytes; 0 where it cannot be read."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def causal_architecture(architecture: str) -> bool:

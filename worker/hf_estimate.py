@@ -46,7 +46,9 @@ GPU bytes (e: the evaluation dtype's bytes, bfloat16 on a GPU; P: the model's pa
 
 Host bytes:
 
-    process      PROCESS_BYTES, + CUDA_HOST_BYTES on a GPU
+    process      the process's resident size when it estimates (at least IMPORT_BYTES, what
+                 importing torch and transformers costs) + RUN_BYTES, + CUDA_HOST_BYTES on
+                 a GPU
     state        target weights x s: the host copy (the snapshot's and the digest's)
     transient    the largest of: loading (P x the files' bytes: the memory-mapped files
                  read into the model, + P x e when the evaluation dtype differs from the
@@ -59,12 +61,16 @@ Snapshot bytes are `shared.replica.checkpoint_bytes` of the run's config with th
 the shape implies, the state dtype, and a placeholder of the same length for every digest
 `shared.pinned.pin` fills in: the size of the run's snapshot files, byte for byte.
 
-**The constants** are below, in one place. PROCESS_BYTES is measured: the peak resident set
-(ru_maxrss from `os.wait4`) of a 2-step eggroll-tune reward run on each tiny model of
-`tests/hf_models.py`, population 32, on a CPU (torch 2.13 CPU build, transformers 5.24,
-Python 3.11): peaks of 372 to 379 MiB, of which `import torch, transformers` is 238 MiB; those
-models' own memory is under 5 MiB. The others are not measured (no GPU was at hand), and are
-the figures to correct once one is: CUDA_HOST_BYTES is what the CUDA libraries and context
+**The constants** are below, in one place. The process's fixed part is measured where it
+runs, since it depends on the installation (Python, torch's build, the packages present): its
+resident size once torch and transformers were imported (`shared.hf_dir.require_hf`, which
+eggroll-tune calls before it estimates). RUN_BYTES, what a run adds to that, is measured: a
+2-step eggroll-tune reward run on each tiny model of `tests/hf_models.py`, population 32, on
+a CPU (torch 2.13 CPU build, transformers 5.24, Python 3.11), peaked (VmHWM) 103 to 122 MiB
+above that size, in two installations whose import sizes differ by 50 MiB; IMPORT_BYTES is
+that import's size (238 MiB), for a caller that estimates before importing
+them. Those models' own memory is under 5 MiB. The others are not measured (no GPU was at hand),
+and are the figures to correct once one is: CUDA_HOST_BYTES is what the CUDA libraries and context
 add to a process's resident set; CUDA_RESERVE the CUDA context, cuBLAS workspace and the
 caching allocator's fragmentation; ACT_HIDDEN and ACT_INTER the (rows, tokens, width)
 tensors alive at a block's peak (residual, norm, attention and the members' corrections;
@@ -86,7 +92,7 @@ from typing import Any, NamedTuple
 
 from ..shared.config import RunConfig
 from ..shared.hf import HFError, Target, matrices_of, select_targets
-from ..shared.hf_dir import MODEL_FILES, model_folder
+from ..shared.hf_dir import MODEL_FILES, imported_resident, model_folder
 from ..shared.objectives import objective_of
 from ..shared.prompts import HELD_OUT_EVERY
 from ..shared.replica import checkpoint_bytes
@@ -115,7 +121,8 @@ __all__ = [
 MiB, GiB = 1 << 20, 1 << 30
 
 # --- the constants of the model of memory (module docstring) ---------------------------------
-PROCESS_BYTES = 372 * MiB  # measured: eggroll-tune's peak RSS on the tiny test models, CPU
+IMPORT_BYTES = 238 * MiB  # measured: `import torch, transformers` (CPU build), resident
+RUN_BYTES = 120 * MiB  # measured: a tiny run's peak above its resident size after them
 CUDA_HOST_BYTES = 2 * GiB  # assumed: the CUDA libraries and context in the host's RSS
 CUDA_RESERVE = 2 * GiB  # assumed: context, cuBLAS workspace, allocator fragmentation
 ACT_HIDDEN = 6  # (rows, tokens, hidden) tensors alive at a block's peak
@@ -410,7 +417,7 @@ def estimate(
         Part("snapshot writing", snapshot * SNAPSHOT_COPIES),
         Part("state refresh", state, "a second copy while a newer one is pulled"),
     ]
-    process = PROCESS_BYTES + (CUDA_HOST_BYTES if cuda else 0)
+    process = process_bytes() + (CUDA_HOST_BYTES if cuda else 0)
     host = [Part("process", process), Part("state", state, f"{shape.dtype} targets")]
     if cuda:
         gpu += [transient, Part("reserve", CUDA_RESERVE)]
@@ -564,6 +571,12 @@ def snapshot_bytes(cfg: RunConfig, model_dir: Path, targets: Sequence[Target], d
         weight_dtype=dtype,
     )
     return checkpoint_bytes(cfg.replace(model=model, fitness=fitness))
+
+
+def process_bytes() -> int:
+    """The process's fixed part: its resident size once torch and transformers were imported
+    (`shared.hf_dir.require_hf`; before that, IMPORT_BYTES) + RUN_BYTES."""
+    return (imported_resident() or IMPORT_BYTES) + RUN_BYTES
 
 
 def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
