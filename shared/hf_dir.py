@@ -348,15 +348,26 @@ def imported_resident() -> int | None:
     return _imported_resident[0] if _imported_resident and _imported_resident[0] else None
 
 
-def resident_bytes(status: Path = Path("/proc/self/status")) -> int:
+def resident_bytes() -> int:
     """The process's resident set (VmRSS) in bytes; 0 where it cannot be read."""
+    return proc_kib_field(Path("/proc/self/status"), "VmRSS") or 0
+
+
+def mem_available() -> int | None:
+    """The host's MemAvailable in bytes (None where the kernel does not say): it counts the
+    page cache a load can reclaim (the files just hashed)."""
+    return proc_kib_field(Path("/proc/meminfo"), "MemAvailable")
+
+
+def proc_kib_field(path: Path, key: str) -> int | None:
+    """A "Key:  N kB" line of a /proc file, in bytes (None: no such line, or unreadable)."""
     try:
-        for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in path.read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
 
 
 def causal_architecture(architecture: str) -> bool:

@@ -112,7 +112,6 @@ __all__ = [
     "estimate",
     "estimate_run",
     "human",
-    "mem_available",
     "model_shape",
     "read_shape",
     "workload",
@@ -577,17 +576,6 @@ def process_bytes() -> int:
     """The process's fixed part: its resident size once torch and transformers were imported
     (`shared.hf_dir.require_hf`; before that, IMPORT_BYTES) + RUN_BYTES."""
     return (imported_resident() or IMPORT_BYTES) + RUN_BYTES
-
-
-def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The host's MemAvailable in bytes (None where the kernel does not say)."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def human(n: int) -> str:

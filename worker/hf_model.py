@@ -43,6 +43,7 @@ from ..shared.hf_dir import (
     ModelDirError,
     first_line,
     linear_layers,
+    mem_available,
     model_folder,
     parameter_count,
     read_config,
@@ -115,13 +116,7 @@ def _free_bytes(torch: Any, device: str) -> int | None:
     """Free memory of a device (None: unknown)."""
     if str(device).startswith("cuda"):
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:  # MemAvailable counts the page cache a load can reclaim (the files just hashed)
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return mem_available()
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

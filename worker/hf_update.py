@@ -29,8 +29,7 @@ import numpy as np
 from ..shared import hf
 from ..shared.config import RunConfig
 from ..shared.hf_dir import require_hf
-from ..shared.noise import noise_keys
-from .torch_noise import element_bits, noise_values
+from .torch_noise import element_bits, pair_factors
 
 __all__ = ["apply_update", "state_dtypes", "update_bits", "z_tensor"]
 
@@ -59,11 +58,9 @@ def z_tensor(cfg: RunConfig, step: int, target: hf.Target, fitness: np.ndarray, 
     per = max(1, min(hf.PAIR_BLOCK, FACTOR_ELEMENTS // ((rows + cols) * r)))
     for lo in range(0, len(active), per):
         pairs = active[lo : lo + per]
-        keys = noise_keys(cfg.es.run_seed, step, pairs.astype(np.uint64), target.tensor_id)
-        v = noise_values(element_bits(keys, 0, (rows + cols) * r, device), cfg.es.noise)
+        ((a, b),) = pair_factors(cfg, step, [target], pairs, device)
         f = torch.from_numpy(fitness[pairs].astype(np.float64)).to(device)
-        a = v[:, : rows * r].reshape(len(pairs), rows, r).double() * f[:, None, None]
-        b = v[:, rows * r :].reshape(len(pairs), cols, r).double()
+        a, b = a.double() * f[:, None, None], b.double()
         # (out, P*r) @ (P*r, in): the pairs' rank-r factors side by side
         z += a.permute(1, 0, 2).reshape(rows, -1) @ b.permute(1, 0, 2).reshape(cols, -1).T
     return z

@@ -42,13 +42,13 @@ from ..shared.config import (
     ValidationConfig,
 )
 from ..shared.data import DataError, Dataset
-from ..shared.hf_dir import ModelDirError, require_hf
+from ..shared.hf_dir import ModelDirError, mem_available, require_hf
 from ..shared.logs import configure_logging
 from ..shared.pinned import GoalError, pin, resolve
 from ..shared.prompts import read_prompts
 from ..shared.tracking import TrackingError, check_available
 from .backend import BackendFactory, BackendUnavailable, get_backend
-from .hf_estimate import Estimate, EstimateError, estimate_run, human, mem_available
+from .hf_estimate import Estimate, EstimateError, estimate_run, human
 from .hf_model import load_tokenizer
 from .hub_cache import HubCacheError, local_or_cached
 from .train import TrainOptions, run_data, run_training

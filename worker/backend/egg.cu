@@ -3,6 +3,22 @@
 
 // --------------------------------------------------------------- the forward pass
 
+// Row m of embed: token tok's embedding with the member's rank-1 noise, its state rows reset
+// where tok == 0 (embed, and gen_embed's token per row).
+__device__ __forceinline__ void embed_row(int m, int tok, const i8* emb, const i8* a_emb,
+                                          const i8* b_emb, int M, int D, int V, int shift,
+                                          i8* states, int n_layer, i8* x) {
+  long long pair = m >> 1;
+  int a = a_emb[pair * V + tok];
+  if (m & 1) a = -a;
+  for (int n = threadIdx.x; n < D; n += blockDim.x) {
+    int v = emb[(long long)tok * D + n] + ((a * b_emb[pair * D + n]) >> shift);
+    x[(long long)m * D + n] = (i8)CLIP8(v);
+    if (tok == 0)
+      for (int l = 0; l < n_layer; l++) states[((long long)l * M + m) * D + n] = 0;
+  }
+}
+
 // x[m] = clip(EMB[tok] + ((sign * a_emb[pair, tok] * b_emb[pair, :]) >> shift)) for the token
 // at column t (+ *pos where given: a replayed held-out step's device-side position) of the
 // member's pair window, and every layer's state row reset where tok == 0.
@@ -12,17 +28,9 @@ extern "C" __global__ void embed(const int* tokens, int t_cols, int t, const int
                                  const i8* emb, const i8* a_emb, const i8* b_emb, int M, int D,
                                  int V, int shift, i8* states, int n_layer, i8* x) {
   int m = blockIdx.x;
-  long long pair = m >> 1;
   if (pos) t += *pos;
-  int tok = tokens[pair * t_cols + t];
-  int a = a_emb[pair * V + tok];
-  if (m & 1) a = -a;
-  for (int n = threadIdx.x; n < D; n += blockDim.x) {
-    int v = emb[(long long)tok * D + n] + ((a * b_emb[pair * D + n]) >> shift);
-    x[(long long)m * D + n] = (i8)CLIP8(v);
-    if (tok == 0)
-      for (int l = 0; l < n_layer; l++) states[((long long)l * M + m) * D + n] = 0;
-  }
+  embed_row(m, tokens[(long long)(m >> 1) * t_cols + t], emb, a_emb, b_emb, M, D, V, shift,
+            states, n_layer, x);
 }
 
 // The mean-absolute-value norm of row r of x (R, D) with its member's vectors w and bias

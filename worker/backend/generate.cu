@@ -13,16 +13,7 @@ extern "C" __global__ void gen_embed(const int* cur, const i8* emb, const i8* a_
                                      const i8* b_emb, int M, int D, int V, int shift,
                                      i8* states, int n_layer, i8* x) {
   int m = blockIdx.x;
-  long long pair = m >> 1;
-  int tok = cur[m];
-  int a = a_emb[pair * V + tok];
-  if (m & 1) a = -a;
-  for (int n = threadIdx.x; n < D; n += blockDim.x) {
-    int v = emb[(long long)tok * D + n] + ((a * b_emb[pair * D + n]) >> shift);
-    x[(long long)m * D + n] = (i8)CLIP8(v);
-    if (tok == 0)
-      for (int l = 0; l < n_layer; l++) states[((long long)l * M + m) * D + n] = 0;
-  }
+  embed_row(m, cur[m], emb, a_emb, b_emb, M, D, V, shift, states, n_layer, x);
 }
 
 // cur[m] = prompts[m, t] (prompts (M, L)), counted in the row's context counts (M, V).
