@@ -107,15 +107,28 @@ def tune(log_dir: Path) -> int:
     from eggroll_dist.shared.save_dir import SaveDir
 
     path, save = model(log_dir), log_dir / "hf-run"
+    prompts = log_dir / "prompts.txt"  # a reward run samples from prompts
+    prompts.write_text("".join(f"Write a sentence about the number {i}.\n" for i in range(32)))
     base = [sys.executable, "-c", "from eggroll_dist.worker.tune import main; main()"]
     estimate = subprocess.run(  # its own process: the estimate loads nothing
-        [*base, str(path), "--estimate", *TUNE_FLAGS], capture_output=True, text=True
+        [*base, str(path), "--estimate", *TUNE_FLAGS, "--prompts", str(prompts)],
+        capture_output=True,
+        text=True,
     )
     print(estimate.stdout.strip())
     from eggroll_dist.worker.tune import main as tune_main
 
     summary_file = log_dir / "hf-summary.json"
-    flags = [str(path), *TUNE_FLAGS, "--steps", str(STEPS), "--save-dir", str(save)]
+    flags = [
+        str(path),
+        *TUNE_FLAGS,
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(STEPS),
+        "--save-dir",
+        str(save),
+    ]
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:  # in this process, so that its peak GPU memory can be read

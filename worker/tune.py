@@ -90,7 +90,8 @@ def tune_config(t: TuneSettings) -> RunConfig:
     if perplexity and len(t.reward) > 1:
         raise ConfigError("--reward perplexity is not combined with other rewards: give it alone")
     if not perplexity and t.prompts is None:
-        raise ConfigError("--reward FILE.py:FUNCTION needs --prompts FILE (one prompt a line)")
+        given = " ".join(t.reward) or "builtin:letter_e"
+        raise ConfigError(f"--reward {given} needs --prompts FILE (one prompt a line)")
     if perplexity and t.prompts is not None:
         raise ConfigError("--reward perplexity scores the data (--data-dir): drop --prompts")
     fitness = (
