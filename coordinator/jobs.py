@@ -54,7 +54,8 @@ STALL_S = 300.0
 # 1.0 of the pairs (mean 0.98 and 0.995), a sign-flipping liar on at most 0.06, random
 # fitness on at most 0.625 (mean 0.31). A reward's sampled completions part at the first
 # token the two dtypes pick apart: there honest workers agreed on only 0.31 to 0.69, no more
-# than random fitness, so reward runs of such models are not compared (run.py).
+# than random fitness, so reward runs of such models are checked through their completions
+# instead (claims.py) and compared exactly.
 INEXACT_AGREEMENT = 0.75
 
 

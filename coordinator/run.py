@@ -67,27 +67,24 @@ from __future__ import annotations
 
 import itertools
 import random
-import secrets
 import time
 from collections.abc import Callable
 
 from ..protocol import (
     MAX_CHUNKS_PER_REQUEST,
-    PROTOCOL_VERSION,
     ErrorCode,
     Message,
     MsgType,
     messages,
-    verify_mac,
 )
 from ..protocol.errors import RUN_REWOUND
-from ..protocol.security import CREDENTIAL_PREFIX, worker_credential
-from ..shared.fitness import chunk_loss_range, member_tokens
+from ..shared.fitness import checked_by_claims, chunk_loss_range, member_tokens
 from ..shared.model import ARCHS
 from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.vocab import escape
 from .asks import OpenAsks
+from .claims import Claims
 from .core_types import (
     Close,
     Fatal,
@@ -109,13 +106,10 @@ from .events import (
     ChunkTimed,
     Event,
     FileDegraded,
-    Joined,
     Leased,
     Left,
-    NameShared,
     Nondeterministic,
     NoSnapshotSource,
-    Overprovisioned,
     Progress,
     Rejected,
     Requeued,
@@ -129,6 +123,7 @@ from .events import (
     Validated,
     WorkerError,
 )
+from .handshake import on_auth, on_hello
 from .jobs import INEXACT_AGREEMENT, ChunkTimer, Clock, Outcome, StepJobs
 from .reports import committed, sample_request, worker_log
 from .rewind import Provenance, plan, sources
@@ -166,9 +161,12 @@ class RunCore:
         self.timer = ChunkTimer(fixed_s=options.chunk_timeout_s)
         self._draw = random.SystemRandom()  # which chunks are checked: no worker can tell
         # A Hugging Face model's fitness differs across devices (bfloat16 on GPUs): its loss
-        # is compared pair by pair (jobs.INEXACT_AGREEMENT), a reward's sampled text not at
-        # all; every other run's is a pure function of the replica, compared byte for byte.
-        self.exact = ARCHS[self.cfg.model.arch].EXACT
+        # is compared pair by pair (jobs.INEXACT_AGREEMENT); a reward's is made exact by
+        # checking the claimed text (claims.py); every other run's is a pure function of the
+        # replica, compared byte for byte.
+        exact = ARCHS[self.cfg.model.arch].EXACT
+        self.claims = Claims(self.cfg) if checked_by_claims(self.cfg) else None
+        self.exact = exact or self.claims is not None
         loss = objective_of(self.cfg).SCORE == "loss_bits"
         self.agreement = None if self.exact or not loss else INEXACT_AGREEMENT
         self.peers: dict[int, Peer] = {}
@@ -236,6 +234,8 @@ class RunCore:
         if peer is None:
             return []
         self.trust.leave(peer, self.jobs)
+        if self.claims is not None:
+            self.claims.forget(peer_id)
         out: list[Output] = []
         if peer.ready or peer.replica_step is not None:
             namesakes = sum(1 for p in self.peers.values() if p.ready and p.name == peer.name)
@@ -321,56 +321,6 @@ class RunCore:
     def refuse(self, peer: Peer, code: ErrorCode, message: str, *before: Event) -> Refused:
         return Refused(code, message, [*before, Rejected(peer.name, code, message)])
 
-    # ------------------------------------------------------------------ handshake
-
-    def _on_hello(self, peer: Peer, msg: messages.Hello) -> list[Output]:
-        peer.name, peer.data_digest = msg.worker_name, msg.data_digest
-        if msg.protocol_version != PROTOCOL_VERSION:
-            raise self.refuse(
-                peer,
-                ErrorCode.BAD_VERSION,
-                f"coordinator speaks protocol "
-                f"{PROTOCOL_VERSION}, worker {msg.protocol_version}: upgrade the older one",
-            )
-        peer.nonce = secrets.token_bytes(32)
-        return [Send(peer.id, messages.Challenge(peer.nonce))]
-
-    def _on_auth(self, peer: Peer, msg: messages.Auth) -> list[Output]:
-        if not verify_mac(self.options.token, peer.nonce, msg.mac):
-            # Not the run's token: an enrolled worker's credential, which names its machine.
-            credential = worker_credential(self.options.token, peer.name)
-            if credential is None or not verify_mac(credential, peer.nonce, msg.mac):
-                raise self.refuse(
-                    peer,
-                    ErrorCode.AUTH_FAILED,
-                    "wrong token: give the coordinator's token, or the credential enrolled "
-                    "for this --name (--token-file or EGGROLL_TOKEN)",
-                )
-            peer.machine = peer.machine or CREDENTIAL_PREFIX + peer.name  # a certificate's wins
-        out: list[Output] = list(self.trust.check_data_digest(peer))
-        snapshot = self.store.latest_snapshot
-        welcome = messages.Welcome(
-            self.store.run_id,
-            self.config_bytes,
-            self.step,
-            -1 if snapshot is None else snapshot,
-            self.cfg.pairs,
-        )
-        peer.ready = True
-        peer.worked = self.clock()
-        out += self.trust.join(peer)
-        peer.broadcast_from = self.step
-        out.append(Joined(peer.name, peer.address, self.ready_count(), peer.machine))
-        twin = next(
-            (p for p in self.peers.values() if p.ready and p is not peer and p.name == peer.name),
-            None,
-        )
-        if twin is not None:
-            out.append(NameShared(peer.name, peer.address, twin.address))
-        if self.ready_count() == self.cfg.chunks + 1:
-            out.append(Overprovisioned(self.ready_count(), self.cfg.chunks, self.cfg.es.chunk_size))
-        return [*out, Send(peer.id, welcome)]
-
     # ------------------------------------------------------------------ jobs
 
     def _on_job_request(self, peer: Peer, msg: messages.JobRequest) -> list[Output]:
@@ -425,6 +375,8 @@ class RunCore:
             return [] if pushed else [Send(peer.id, messages.Wait(WAIT_MS))]
         peer.waiting = False
         out: list[Output] = []
+        if self.claims is not None:  # the results to check, before the request's JOBs
+            out += [Send(peer.id, c) for k in chunks for c in self.claims.to_check(self.step, k)]
         for i, chunk in enumerate(chunks):
             first, count = self.jobs.member_range(chunk)
             peer.job_started[chunk] = (self.clock(), len(chunks))
@@ -461,10 +413,14 @@ class RunCore:
                     ResultDropped("diverged", peer.name, msg.step, msg.chunk, True)
                 )
                 raise refused from None
+        claim = self._claim_of(peer, msg)
         outcome = self.jobs.complete_chunk(
             *(peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum),
             verify=self.trust.suspect(peer),
         )
+        kept = (Outcome.ACCEPTED, Outcome.VOTED, Outcome.DISPUTED)
+        if self.claims is not None and claim is not None and outcome in kept:
+            self.claims.attach(msg.chunk, (msg.fitness, msg.loss_sum), claim)
         if outcome not in (Outcome.STALE, Outcome.OUT_OF_RANGE, Outcome.BAD_SIZE):
             peer.worked, peer.stalled = self.clock(), False  # work for the open step
         dropped = ResultDropped(outcome.value, peer.name, msg.step, msg.chunk)
@@ -504,6 +460,31 @@ class RunCore:
                 return out  # every worker reconnects: the open step starts afresh
         out += self.trust.waive(self.jobs, self.step) + self._push_jobs()
         return out + self._commit() if self.jobs.complete else out
+
+    def _claim_of(self, peer: Peer, msg: messages.Result) -> bytes | None:
+        """The CLAIM a RESULT of the open step stands behind, in a run checked by claims;
+        such a RESULT without one is refused."""
+        if self.claims is None or msg.step != self.step:
+            return None
+        claim = self.claims.take(peer.id, msg.chunk)
+        if claim is None:
+            raise self.refuse(
+                peer,
+                ErrorCode.MALFORMED,
+                f"RESULT for chunk {msg.chunk} without a CLAIM of its completions: this run "
+                "checks results through their text (a worker of an older version?)",
+            )
+        return claim
+
+    def _on_claim(self, peer: Peer, msg: messages.Claim) -> list[Output]:
+        if self.claims is None:
+            raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "CLAIM in a run checked without")
+        held = peer.id in self.jobs.holders.get(msg.chunk, ())
+        problem = self.claims.problem(msg, held)
+        if problem is not None:
+            raise self.refuse(peer, ErrorCode.MALFORMED, problem)
+        self.claims.put(peer.id, msg)
+        return []
 
     def _commit(self) -> list[Output]:
         """Make the open step durable, then broadcast it and open the next one."""
@@ -593,6 +574,8 @@ class RunCore:
             self.validation.step = self.step
 
     def _open_step(self, step: int) -> StepJobs:
+        if self.claims is not None:
+            self.claims.open(step)
         share = self.options.verify_fraction if self.exact or self.agreement else 0.0
         last, horizon = self.options.max_steps, self.options.rewind_steps
         if share and horizon and last is not None and step >= last - horizon:
@@ -784,10 +767,11 @@ class RunCore:
 # Incoming message type -> handler. The connection's state machine (protocol/connection.py)
 # has already checked that the type is legal in the connection's state.
 _HANDLERS: dict[MsgType, Callable[[RunCore, Peer, Message], list[Output]]] = {
-    MsgType.HELLO: RunCore._on_hello,
-    MsgType.AUTH: RunCore._on_auth,
+    MsgType.HELLO: on_hello,
+    MsgType.AUTH: on_auth,
     MsgType.JOB_REQUEST: RunCore._on_job_request,
     MsgType.RESULT: RunCore._on_result,
+    MsgType.CLAIM: RunCore._on_claim,
     MsgType.FITNESS_REQUEST: RunCore._on_fitness_request,
     MsgType.SNAPSHOT_REQUEST: RunCore._on_snapshot_request,
     MsgType.SNAPSHOT_CHUNK: RunCore._on_snapshot_chunk,

@@ -48,6 +48,7 @@ class MsgType(IntEnum):
     VALIDATION = 18
     SAMPLE = 19
     SAMPLE_TEXT = 20
+    CLAIM = 21
 
 
 _U8 = struct.Struct(">B")

@@ -96,6 +96,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.LOG,
         T.VALIDATION,
         T.SAMPLE_TEXT,
+        T.CLAIM,
     )
     coordinator_to_worker = (
         T.JOB,
@@ -107,6 +108,7 @@ def _build_transitions() -> dict[tuple[Role, State, Direction, MsgType], State]:
         T.HEARTBEAT,
         T.VALIDATE,
         T.SAMPLE,
+        T.CLAIM,
     )
     for t in worker_to_coordinator:
         table[W, S.READY, SEND, t] = S.READY

@@ -55,6 +55,7 @@ _CLASSES: dict[int, type[Message]] = {
         replica_messages.Validation,
         replica_messages.Sample,
         replica_messages.SampleText,
+        session_messages.Claim,
     )
 }
 assert sorted(_CLASSES) == sorted(MsgType), "every MsgType needs exactly one class"

@@ -41,6 +41,7 @@ __all__ = [
     "MAC_BYTES",
     "MAX_BACKEND_BYTES",
     "MAX_CHUNKS_PER_REQUEST",
+    "MAX_CLAIMS_PER_CHUNK",
     "MAX_DEVICE_BYTES",
     "MAX_ERROR_MESSAGE_BYTES",
     "MAX_LOG_TEXT_BYTES",
@@ -50,6 +51,7 @@ __all__ = [
     "RUN_ID_BYTES",
     "Auth",
     "Challenge",
+    "Claim",
     "Error",
     "Heartbeat",
     "Hello",
@@ -84,6 +86,7 @@ NO_SNAPSHOT = -1  # WELCOME snapshot_step when no snapshot exists
 # Chunks a worker may ask for at once (JOB_REQUEST max_chunks), and so the live leases it
 # may hold: a fast device scores several chunks in one pass.
 MAX_CHUNKS_PER_REQUEST = 16
+MAX_CLAIMS_PER_CHUNK = 3  # distinct results of one chunk whose CLAIMs a checker is sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +327,43 @@ class Result(Message):
 
     def fitness_values(self) -> npt.NDArray[np.int8]:
         return unpack_ternary(self.fitness, self.pair_count)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim(Message):
+    """Both ways, in runs whose results are checked through their completions (a Hugging
+    Face model's reward): W->C right before a RESULT, the token ids the chunk's members
+    wrote, member-major, whose rewards that RESULT's fitness comes from; C->W right before
+    a JOB, a result of that chunk to check, one CLAIM per result (in order of arrival).
+
+    `tokens` holds u32 ids, big-endian; the receiver checks their count against the run's
+    config (members x prompts x completion tokens) before it keeps them."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CLAIM
+    _FIXED: ClassVar[struct.Struct] = struct.Struct(">QI")
+    _TAIL: ClassVar[bool] = True
+
+    step: int
+    chunk: int
+    tokens: bytes
+
+    def __post_init__(self) -> None:
+        _u64(self, "step")
+        _u32(self, "chunk")
+        if len(_bytes_field(self, "tokens")) % 4:
+            raise _invalid(f"tokens is {len(self.tokens)} bytes, not a whole number of u32 ids")
+
+    @classmethod
+    def from_ids(cls, step: int, chunk: int, ids: npt.ArrayLike) -> Self:
+        """From token ids (any shape; each 0..2**32 - 1), flattened in C order."""
+        values = np.asarray(ids).reshape(-1)
+        if values.size and (values.min() < 0 or values.max() > 0xFFFFFFFF):
+            raise _invalid("token ids must be 0..2**32 - 1")
+        return cls(step, chunk, values.astype(">u4").tobytes())
+
+    def ids(self) -> npt.NDArray[np.int64]:
+        """The token ids, flat (int64)."""
+        return np.frombuffer(self.tokens, dtype=">u4").astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)

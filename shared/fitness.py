@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import FitnessConfig, RunConfig
+from .model import ARCHS
 from .objectives import objective_of
 
 
@@ -61,3 +62,10 @@ def mean_score(cfg: RunConfig, score_sum: int) -> float:
 def chunk_loss_range(cfg: RunConfig) -> tuple[int, int]:
     """Inclusive bounds of one chunk's loss_sum, for checking what a worker reports."""
     return objective_of(cfg).loss_range(cfg)
+
+
+def checked_by_claims(cfg: RunConfig) -> bool:
+    """Whether a chunk's result comes with its completions (protocol CLAIM), which a second
+    worker checks token by token before it scores their text: a reward run of a model whose
+    fitness is not exact across devices (a Hugging Face model's sampled text)."""
+    return cfg.fitness.objective == "reward" and not ARCHS[cfg.model.arch].EXACT

@@ -348,7 +348,7 @@ class _Holding:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.worker.replica, name)
 
-    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> Any:
+    async def evaluate(self, step: int, chunks: list[tuple[int, int]], claims: Any = ()) -> Any:
         w = self.worker
         if w.hold_jobs or step >= w.net.stop_at:
             first_member = chunks[0][0]

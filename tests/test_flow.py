@@ -978,7 +978,9 @@ class Liar:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.replica, name)
 
-    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> list[ChunkResult]:
+    async def evaluate(
+        self, step: int, chunks: list[tuple[int, int]], claims: Any = ()
+    ) -> list[ChunkResult]:
         results = await self.replica.evaluate(step, chunks)
         if not self.lying:
             return results

@@ -26,6 +26,7 @@ from eggroll_dist.protocol.messages import (
     NO_SNAPSHOT,
     Auth,
     Challenge,
+    Claim,
     Error,
     FitnessRange,
     FitnessRequest,
@@ -175,6 +176,9 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     SampleText: st.builds(SampleText, u64, u64, st.binary(max_size=300), st.binary(max_size=300)),
     Log: st.builds(Log, st.sampled_from(LogLevel), text(4096)),
     Error: st.builds(Error, st.sampled_from(ErrorCode), text(1024)),
+    Claim: st.builds(
+        Claim, u64, u32, st.lists(st.binary(min_size=4, max_size=4), max_size=64).map(b"".join)
+    ),
 }
 any_message = st.one_of(*STRATEGIES.values())
 
@@ -191,7 +195,7 @@ def assert_malformed(msg_type: int, payload: bytes) -> RemoteProtocolError:
 
 def test_every_type_has_a_strategy() -> None:
     assert sorted(cls.TYPE for cls in STRATEGIES) == sorted(MsgType)
-    assert [int(t) for t in MsgType] == list(range(1, 21))
+    assert [int(t) for t in MsgType] == list(range(1, 22))
 
 
 @pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda c: c.__name__)
@@ -224,6 +228,11 @@ def test_truncated_and_overlong_payloads_are_malformed(
         if message.offset + len(message.data) == message.total_bytes:
             assert_malformed(message.TYPE, payload + b"\x00")
         return
+    if isinstance(message, Claim):
+        # The ids run to the end too: a cut header, or a cut id, is detectable.
+        assert_malformed(message.TYPE, payload[: data.draw(st.integers(0, 11))])
+        assert_malformed(message.TYPE, payload + bytes(data.draw(st.integers(1, 3))))
+        return
     if payload:
         cut = data.draw(st.integers(0, len(payload) - 1))
         assert_malformed(message.TYPE, payload[:cut])
@@ -231,7 +240,7 @@ def test_truncated_and_overlong_payloads_are_malformed(
     assert_malformed(message.TYPE, payload + extra)
 
 
-@pytest.mark.parametrize("msg_type", [0, 21, 100, 255])
+@pytest.mark.parametrize("msg_type", [0, 22, 100, 255])
 def test_unknown_type(msg_type: int) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_message(msg_type, b"")
@@ -291,6 +300,18 @@ def test_sample_layout_and_bounds() -> None:
     oversize = struct.pack(">QQ", 0, 0) + b"\x00\x00" + b"\x40\x01" + b"t" * 16385
     assert_malformed(MsgType.SAMPLE_TEXT, oversize)
     assert_malformed(MsgType.SAMPLE_TEXT, struct.pack(">QQ", 0, 0) + b"\x00\x05abc")
+
+
+def test_claim_carries_whole_u32_ids_big_endian() -> None:
+    claim = Claim.from_ids(3, 1, np.array([[1, 2], [70000, 0xFFFFFFFF]]))
+    assert claim.encode() == struct.pack(">QIIIII", 3, 1, 1, 2, 70000, 0xFFFFFFFF)
+    assert Claim.decode(claim.encode()).ids().tolist() == [1, 2, 70000, 0xFFFFFFFF]
+    assert Claim(0, 0, b"").ids().size == 0
+    assert_malformed(MsgType.CLAIM, struct.pack(">QI", 0, 0) + b"\x00\x01\x02")  # not whole
+    with pytest.raises(LocalProtocolError, match=r"0\.\.2\*\*32"):
+        Claim.from_ids(0, 0, [-1])
+    with pytest.raises(LocalProtocolError, match=r"0\.\.2\*\*32"):
+        Claim.from_ids(0, 0, [1 << 32])
 
 
 def test_invalid_utf8_is_malformed() -> None:

@@ -113,10 +113,10 @@ class Executor:
             match command:
                 case cmd.Send(msg=msg):
                     await self.send(msg)
-                case cmd.Evaluate(jobs=jobs):
+                case cmd.Evaluate(jobs=jobs, claims=claims):
                     chunks = [(job.first_member, job.member_count) for job in jobs]
                     try:
-                        results = await replica.evaluate(jobs[0].step, chunks)
+                        results = await replica.evaluate(jobs[0].step, chunks, claims)
                     except RewardError as exc:
                         await self.carry_out(session.evaluation_failed(jobs, str(exc)))
                         continue

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import structlog
 
 from ..shared.config import RunConfig
 from ..shared.data import Dataset
+from ..shared.fitness import checked_by_claims
 from ..shared.objectives.reward import reward_fitness, reward_units
 from ..shared.prompts import (
     Prompt,
@@ -36,6 +38,8 @@ from .reward import InProcessRunner, RewardRunner
 
 __all__ = ["NextToken", "Objective", "Reward", "make_objective"]
 
+log = structlog.get_logger("eggroll.worker")
+
 
 class Objective(Protocol):
     def evaluate_chunk(self, backend: Backend, step: int, first: int, count: int) -> ChunkResult:
@@ -43,9 +47,14 @@ class Objective(Protocol):
         ...
 
     def evaluate_chunks(
-        self, backend: Backend, step: int, chunks: Sequence[tuple[int, int]]
+        self,
+        backend: Backend,
+        step: int,
+        chunks: Sequence[tuple[int, int]],
+        claims: Sequence[Sequence[np.ndarray]] = (),
     ) -> list[ChunkResult]:
-        """(first_member, count) chunks of `step`, in order."""
+        """(first_member, count) chunks of `step`, in order; `claims`, per chunk, other
+        workers' completions to check first (runs checked by claims)."""
         ...
 
     def held_out(self, backend: Backend) -> float | None:
@@ -77,9 +86,13 @@ class NextToken:
         return backend.evaluate_chunk(step, first, count)
 
     def evaluate_chunks(
-        self, backend: Backend, step: int, chunks: Sequence[tuple[int, int]]
+        self,
+        backend: Backend,
+        step: int,
+        chunks: Sequence[tuple[int, int]],
+        claims: Sequence[Sequence[np.ndarray]] = (),
     ) -> list[ChunkResult]:
-        return backend.evaluate_chunks(step, chunks)
+        return backend.evaluate_chunks(step, chunks)  # exact: compared without claims
 
     def held_out(self, backend: Backend) -> float | None:
         return None
@@ -108,6 +121,7 @@ class Reward:
         codec: TextCodec,
     ) -> None:
         self.cfg, self.prompts, self.runner, self.codec = cfg, prompts, runner, codec
+        self.claimed = checked_by_claims(cfg)  # results carry their completions
         self.reward_seconds = 0.0  # inside the reward function, for throughput reports
         self.generate_seconds = 0.0
         self.completions = 0
@@ -141,18 +155,57 @@ class Reward:
         return self.evaluate_chunks(backend, step, [(first, count)])[0]
 
     def evaluate_chunks(
-        self, backend: Backend, step: int, chunks: Sequence[tuple[int, int]]
+        self,
+        backend: Backend,
+        step: int,
+        chunks: Sequence[tuple[int, int]],
+        claims: Sequence[Sequence[np.ndarray]] = (),
     ) -> list[ChunkResult]:
+        """Each chunk's completions (the first claimed ones its members would write, else
+        their own), and the fitness of their rewards."""
         chosen = step_prompts(self.cfg, self.prompts, step)
         request = self._request(chosen, step)
         results = []
-        for first, count in chunks:
+        for i, (first, count) in enumerate(chunks):
             t0 = time.perf_counter()
-            tokens = backend.complete(step, (first, count), request)
+            claimed = claims[i] if i < len(claims) else ()
+            tokens = self._confirmed(backend, step, (first, count), request, claimed)
+            if tokens is None:
+                tokens = backend.complete(step, (first, count), request)
             self.generate_seconds += time.perf_counter() - t0
             rewards = self._rewards(chosen, tokens)
-            results.append(ChunkResult(reward_fitness(rewards), reward_units(rewards)))
+            kept = tokens if self.claimed else None
+            results.append(ChunkResult(reward_fitness(rewards), reward_units(rewards), kept))
         return results
+
+    def _confirmed(
+        self,
+        backend: Backend,
+        step: int,
+        members: tuple[int, int],
+        request: Completions,
+        claimed: Sequence[np.ndarray],
+    ) -> np.ndarray | None:
+        """The first claimed completions that are what these members would write (each
+        token within the claim tolerance, worker/hf_claims.py), or None."""
+        if not claimed:
+            return None
+        from .hf_claims import CLAIM_TOLERANCE, plausible  # torch's: claims are hf runs'
+
+        for index, tokens in enumerate(claimed):
+            check = backend.claim_distances  # type: ignore[attr-defined]
+            distances = check(step, members, request, tokens)
+            if plausible(distances):
+                return tokens
+            log.info(
+                "claim refuted",
+                step=step,
+                members=list(members),
+                claim=index,
+                tokens_off=int((distances > CLAIM_TOLERANCE).sum()),
+                worst=round(float(distances.max()), 4),
+            )
+        return None
 
     def held_out(self, backend: Backend) -> float | None:
         chosen = held_out(self.cfg, self.prompts)

@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -210,14 +210,22 @@ class Replica:
         assert self.backend is not None, "no replica"
         return self.backend
 
-    async def evaluate(self, step: int, chunks: list[tuple[int, int]]) -> list[ChunkResult]:
-        """Chunks' fitness, (first member, count) each, in one call of the backend;
-        RewardError when a reward run's reward fails on them."""
+    async def evaluate(
+        self,
+        step: int,
+        chunks: list[tuple[int, int]],
+        claims: Sequence[Sequence[np.ndarray]] = (),
+    ) -> list[ChunkResult]:
+        """Chunks' fitness, (first member, count) each, in one call of the backend (with,
+        per chunk, the claimed completions to check first); RewardError when a reward run's
+        reward fails on them."""
         backend, objective = self._backend(), self.objective
         if not self.threaded:  # nothing else runs meanwhile: nothing to watch
-            return objective.evaluate_chunks(backend, step, chunks)
+            return objective.evaluate_chunks(backend, step, chunks, claims)
         started = time.monotonic()
-        call = asyncio.ensure_future(self._call(objective.evaluate_chunks, backend, step, chunks))
+        call = asyncio.ensure_future(
+            self._call(objective.evaluate_chunks, backend, step, chunks, claims)
+        )
         try:
             while not (await asyncio.wait({call}, timeout=self.watch_s))[0]:
                 self._still_evaluating(step, len(chunks), time.monotonic() - started)

@@ -41,10 +41,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from ..protocol import (
     LATEST_SNAPSHOT,
+    MAX_CHUNKS_PER_REQUEST,
+    MAX_CLAIMS_PER_CHUNK,
     PROTOCOL_VERSION,
     ErrorCode,
     LogLevel,
@@ -56,7 +59,7 @@ from ..protocol import (
 )
 from ..protocol.errors import ADDRESS_OUTVOTED, RUN_COMPLETE, RUN_REWOUND
 from ..shared.config import ConfigError, RunConfig, from_canonical_bytes
-from ..shared.fitness import member_tokens
+from ..shared.fitness import checked_by_claims, member_tokens
 from ..shared.model import ARCHS
 from ..shared.progress import Progress
 from ..shared.replica import ReplicaState, checkpoint_bytes
@@ -120,6 +123,7 @@ class Session:
         self._catchup: tuple[int, float] | None = None  # (from step, start time) while behind
         self._last_failure = ""  # the reward's last failure on a chunk
         self._batch: list[messages.Job] = []  # JOBs of the request so far, while more are due
+        self._claims: dict[int, list[np.ndarray]] = {}  # chunk -> results to check (CLAIMs)
         self._more: int | None = None  # the last JOB's `more`, while the request's JOBs come
         self._batch_step = -1
         self._replay: tuple[int, Progress] | None = None  # (from step, its progress) likewise
@@ -240,20 +244,23 @@ class Session:
             seconds=round(seconds, 3),
             member_tok_s=round(tokens / max(seconds, 1e-9)),
         )
-        replica = self.replica
-        return [
-            Send(
-                messages.Result.from_values(
-                    step=job.step,
-                    chunk=job.chunk,
-                    loss_sum=result.loss_sum,
-                    weights_changed=replica.weights_changed,
-                    replica_digest=replica.digest,
-                    fitness=result.fitness,
+        replica, out = self.replica, []
+        for job, result in zip(jobs, results, strict=True):
+            if result.tokens is not None:  # what the fitness comes from, checked by others
+                out.append(Send(messages.Claim.from_ids(job.step, job.chunk, result.tokens)))
+            out.append(
+                Send(
+                    messages.Result.from_values(
+                        step=job.step,
+                        chunk=job.chunk,
+                        loss_sum=result.loss_sum,
+                        weights_changed=replica.weights_changed,
+                        replica_digest=replica.digest,
+                        fitness=result.fitness,
+                    )
                 )
             )
-            for job, result in zip(jobs, results, strict=True)
-        ]
+        return out
 
     def evaluation_failed(self, jobs: tuple[messages.Job, ...], error: str) -> list[Command]:
         """The run's reward failed on chunks: drop them (the coordinator leases them again)
@@ -438,13 +445,36 @@ class Session:
             return []
         self._more = None
         batch, self._batch = tuple(self._batch), []
+        claims, self._claims = self._claims, {}
         if not batch:  # every JOB skipped: nothing to evaluate; advance() asks again
             if self.phase in (Phase.REQUESTED, Phase.CATCHING_UP):
                 self.phase = Phase.IDLE
             return []
         self.phase, self.retry_at = Phase.EVALUATING, None
         self._scored = batch[0].step
-        return [Evaluate(batch)]
+        if not claims:
+            return [Evaluate(batch)]
+        return [Evaluate(batch, tuple(tuple(claims.get(job.chunk, ())) for job in batch))]
+
+    def _on_claim(self, msg: messages.Claim) -> list[Command]:
+        """A result to check before the chunk's JOB (SPEC §21 CLAIM): its size is checked
+        against the run's config before it is kept, at most MAX_CLAIMS_PER_CHUNK a chunk."""
+        cfg = self.config
+        assert cfg is not None
+        if not checked_by_claims(cfg):
+            raise PeerViolation("CLAIM in a run whose results are not checked through claims")
+        if msg.step != self.replica.step:
+            return []  # its JOB is skipped too
+        f = cfg.fitness
+        ids = cfg.es.chunk_size * f.prompts_per_step * f.completion_tokens
+        if len(msg.tokens) != 4 * ids:
+            raise PeerViolation(f"CLAIM of {len(msg.tokens) // 4} token ids; a chunk writes {ids}")
+        held = self._claims.setdefault(msg.chunk, [])
+        if len(held) >= MAX_CLAIMS_PER_CHUNK or len(self._claims) > MAX_CHUNKS_PER_REQUEST:
+            raise PeerViolation(f"more CLAIMs than one request's JOBs check (chunk {msg.chunk})")
+        shape = (cfg.es.chunk_size, f.prompts_per_step, f.completion_tokens)
+        held.append(msg.ids().reshape(shape))
+        return []
 
     def _skip_job(self, job: messages.Job) -> list[Command]:
         log.info("job skipped", step=job.step, chunk=job.chunk, reason="loading a snapshot")
@@ -641,6 +671,7 @@ _RUNNING: dict[MsgType, Handler] = {
     MsgType.SNAPSHOT_CHUNK: Session._stray_chunk,
     MsgType.VALIDATE: Session._on_validate,
     MsgType.SAMPLE: Session._on_sample,
+    MsgType.CLAIM: Session._on_claim,
 }  # type: ignore[dict-item]
 _TABLE: dict[Phase, dict[MsgType, Handler]] = {
     Phase.HELLO_SENT: {MsgType.CHALLENGE: Session._on_challenge},  # type: ignore[dict-item]
@@ -654,6 +685,7 @@ _TABLE: dict[Phase, dict[MsgType, Handler]] = {
         MsgType.SNAPSHOT_REQUEST: Session._on_snapshot_request,
         MsgType.VALIDATE: Session._ignore,
         MsgType.SAMPLE: Session._ignore,
+        MsgType.CLAIM: Session._ignore,
     },  # type: ignore[dict-item]
     Phase.IDLE: _RUNNING,
     Phase.CATCHING_UP: _RUNNING,

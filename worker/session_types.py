@@ -126,6 +126,8 @@ class Evaluate:
     `evaluated(jobs, results, seconds)`."""
 
     jobs: tuple[messages.Job, ...]
+    # Per job, the token ids of each result to check (CLAIMs before its JOB), in order
+    claims: tuple[tuple[np.ndarray, ...], ...] = ()
 
 
 @dataclass(frozen=True)

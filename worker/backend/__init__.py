@@ -45,6 +45,9 @@ __all__ = [
 class ChunkResult:
     fitness: np.ndarray  # int8, one value in {-1, 0, 1} per pair of the chunk
     loss_sum: int  # sum of both members' integer losses over the chunk (1/16 bit)
+    # The completions (members, prompts, tokens) the fitness comes from, in runs checked by
+    # claims (shared.fitness.checked_by_claims): sent as the RESULT's CLAIM
+    tokens: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from ...shared.replica import ReplicaState
 from ...shared.sample import Completions, SampleRequest
 from ...shared.text_codec import TextCodec
 from ...shared.window import pair_windows, validation_windows
+from ..hf_claims import claim_distances
 from ..hf_model import HFModelError, PopulationLM, load_causal_lm, load_tokenizer
 from ..hf_update import apply_update
 from . import FAMILIES, BackendFactory, ChunkResult, HeldOut, HostReplica, Validation, check_chunk
@@ -234,19 +235,22 @@ class TorchBackend(HostReplica):
 
     # --- the reward objective ------------------------------------------------------------
 
+    def _pad_id(self) -> int:
+        """The id the prompts' left padding reads (the pad token, else end-of-text, else 0)."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+
     def complete(
         self, step: int, members: tuple[int, int] | None, request: Completions
     ) -> np.ndarray:
         """Tokens (count, P, N) that members write after the request's prompts."""
         s = request.settings
-        pad = self.tokenizer.pad_token_id
-        pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         args = (
             request.prompts,
             request.new_tokens,
             s.temperature / 1000,
             request.seed,
-            pad,
+            self._pad_id(),
             request.samples,
             s.min_p / 1000,
         )
@@ -257,6 +261,23 @@ class TorchBackend(HostReplica):
         for lo in range(first, first + count, self.batch_members):
             n = min(self.batch_members, first + count - lo)
             parts.append(self.lm.complete(step, (lo, n), *args))
+        return np.concatenate(parts)
+
+    def claim_distances(
+        self, step: int, members: tuple[int, int], request: Completions, tokens: np.ndarray
+    ) -> np.ndarray:
+        """Distances (count, P, N) in [0, 1] of tokens (count, P, N) claimed as what members
+        (first, count) wrote for the request: how far each is from the token this model
+        would choose (worker/hf_claims.py; `hf_claims.plausible` judges them)."""
+        s = request.settings
+        args = (s.temperature / 1000, request.seed, self._pad_id(), request.samples, s.min_p / 1000)
+        first, count = members
+        tokens = np.asarray(tokens)
+        parts = []
+        for lo in range(first, first + count, self.batch_members):
+            n = min(self.batch_members, first + count - lo)
+            part = tokens[lo - first : lo - first + n]
+            parts.append(claim_distances(self.lm, step, (lo, n), request.prompts, part, *args))
         return np.concatenate(parts)
 
     def write_sample(self, request: SampleRequest) -> tuple[bytes, bytes]:
