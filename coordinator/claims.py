@@ -10,16 +10,32 @@ run's config before anything is kept, and all of it is dropped when a step opens
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 
-from ..protocol import MAX_CLAIMS_PER_CHUNK, messages
+from ..protocol import DEFAULT_MAX_PAYLOAD_BYTES, MAX_CLAIMS_PER_CHUNK, messages
 from ..shared.config import RunConfig
 
-__all__ = ["MAX_CLAIMS", "Claims"]
+__all__ = ["MAX_CLAIMS", "MAX_CLAIM_TOKENS", "Claims", "too_large"]
 
 MAX_CLAIMS = MAX_CLAIMS_PER_CHUNK  # distinct results of one chunk a checker is sent
+# A chunk's completions go in one CLAIM: 4 bytes a token and a 12-byte header in a frame.
+MAX_CLAIM_TOKENS = (DEFAULT_MAX_PAYLOAD_BYTES - 12) // 4
 
 Key = tuple[bytes, int]  # a result as compared: packed fitness, loss sum
+
+
+def too_large(cfg: RunConfig) -> str | None:
+    """Why the run's claims cannot be sent (one line), or None. A coordinator's limit: one
+    process (eggroll-tune) sends none."""
+    f = cfg.fitness
+    ids = cfg.es.chunk_size * f.prompts_per_step * f.completion_tokens
+    if ids <= MAX_CLAIM_TOKENS:
+        return None
+    return (
+        f"es.chunk_size * fitness.prompts_per_step * fitness.completion_tokens is {ids:,} "
+        f"tokens a chunk; a Hugging Face model's reward run sends them with each result, at "
+        f"most {MAX_CLAIM_TOKENS:,}: lower es.chunk_size"
+    )
 
 
 class Claims:
@@ -33,7 +49,7 @@ class Claims:
         self.pending: dict[tuple[Hashable, int], bytes] = {}  # (worker, chunk) -> tokens
         self.held: dict[int, dict[Key, bytes]] = {}  # chunk -> result -> tokens
 
-    def open(self, step: int) -> None:
+    def start(self, step: int) -> None:
         """A step opens (or the run rewound): claims of any other step mean nothing."""
         self.step = step
         self.pending.clear()
@@ -69,11 +85,15 @@ class Claims:
         if key not in held and len(held) < MAX_CLAIMS:
             held[key] = tokens
 
-    def to_check(self, step: int, chunk: int) -> list[messages.Claim]:
-        """The CLAIMs a worker leased `chunk` is sent before its JOB, in order of arrival."""
+    def to_check(
+        self, step: int, chunk: int, votes: Mapping[Key, Sequence[Hashable]]
+    ) -> list[messages.Claim]:
+        """The CLAIMs a worker leased `chunk` is sent before its JOB, in order of arrival:
+        those of results that still have votes (a convicted worker's are dropped with them)."""
         if step != self.step:
             return []
-        return [messages.Claim(step, chunk, t) for t in self.held.get(chunk, {}).values()]
+        held = self.held.get(chunk, {})
+        return [messages.Claim(step, chunk, t) for key, t in held.items() if votes.get(key)]
 
     def forget(self, worker: Hashable) -> None:
         """A worker left: its pending claims will have no RESULT."""

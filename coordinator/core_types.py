@@ -142,6 +142,8 @@ class Peer:
     # chunk -> lease time and the chunks leased with it (scored together in one pass)
     job_started: dict[int, tuple[float, int]] = field(default_factory=dict)
     outvoted: str = ""  # why it is refused at its next message (its result lost a vote)
+    # (step, chunk) -> how many CLAIMs its lease was sent (runs checked by claims)
+    claims_seen: dict[tuple[int, int], int] = field(default_factory=dict)
     # Its WELCOME, last RESULT or last JOB_REQUEST at the open step: when it last did or
     # asked for work (a hung worker does neither)
     worked: float = 0.0

@@ -66,7 +66,7 @@ class Outcome(enum.Enum):
     DUPLICATE = "duplicate"  # equal to the chunk's settled result (a backup or check copy)
     OUTVOTED = "outvoted"  # differs from the result a majority settled the chunk on
     MISMATCH = "mismatch"  # the sender's second result for the chunk, and a different one
-    COPY = "copy"  # a later copy in a run whose fitness is not exact (not compared)
+    COPY = "copy"  # a later copy not compared: inexact fitness, or blind to the claims
     STALE = "stale"  # for another step
     OUT_OF_RANGE = "out_of_range"  # no such chunk
     BAD_SIZE = "bad_size"  # wrong number of fitness values for the chunk
@@ -252,8 +252,12 @@ class StepJobs:
         pair_count: int,
         loss_sum: int,
         verify: bool = False,
+        blind: bool = False,
     ) -> Outcome:
-        """Record a RESULT; `verify`: another worker must confirm it (a suspect sender)."""
+        """Record a RESULT; `verify`: another worker must confirm it (a suspect sender);
+        `blind`: in a run checked by claims, its lease was sent none of the chunk's results
+        (a backup, or a lease before any came), so it cannot confirm them: with other
+        results in, it counts as a copy and the chunk still waits for a check."""
         if step != self.step:
             return Outcome.STALE
         if not 0 <= chunk < self.chunks:
@@ -274,6 +278,9 @@ class StepJobs:
         if said is not None:  # a group has one vote a chunk
             self._want_check(chunk)  # this worker's lease is over: another group checks it
             return Outcome.DUPLICATE if said == key else Outcome.MISMATCH
+        if blind and any(votes.values()):  # another device's own text differs: no vote
+            self._want_check(chunk)
+            return Outcome.COPY
         settled = (self.results[chunk], self.losses[chunk]) if chunk in self.results else None
         if settled is not None and not self.compares:
             return Outcome.COPY

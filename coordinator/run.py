@@ -84,7 +84,7 @@ from ..shared.objectives import objective_of
 from ..shared.replica import ReplicaState, checkpoint_bytes
 from ..shared.vocab import escape
 from .asks import OpenAsks
-from .claims import Claims
+from .claims import Claims, too_large
 from .core_types import (
     Close,
     Fatal,
@@ -166,6 +166,8 @@ class RunCore:
         # replica, compared byte for byte.
         exact = ARCHS[self.cfg.model.arch].EXACT
         self.claims = Claims(self.cfg) if checked_by_claims(self.cfg) else None
+        if self.claims is not None and (problem := too_large(self.cfg)):
+            raise Fatal(problem)
         self.exact = exact or self.claims is not None
         loss = objective_of(self.cfg).SCORE == "loss_bits"
         self.agreement = None if self.exact or not loss else INEXACT_AGREEMENT
@@ -376,7 +378,10 @@ class RunCore:
         peer.waiting = False
         out: list[Output] = []
         if self.claims is not None:  # the results to check, before the request's JOBs
-            out += [Send(peer.id, c) for k in chunks for c in self.claims.to_check(self.step, k)]
+            for chunk in chunks:
+                sent = self.claims.to_check(self.step, chunk, self.jobs.votes.get(chunk, {}))
+                peer.claims_seen[self.step, chunk] = len(sent)
+                out += [Send(peer.id, c) for c in sent]
         for i, chunk in enumerate(chunks):
             first, count = self.jobs.member_range(chunk)
             peer.job_started[chunk] = (self.clock(), len(chunks))
@@ -414,12 +419,15 @@ class RunCore:
                 )
                 raise refused from None
         claim = self._claim_of(peer, msg)
+        blind = claim is not None and not peer.claims_seen.pop((msg.step, msg.chunk), 0)
         outcome = self.jobs.complete_chunk(
             *(peer.id, msg.step, msg.chunk, msg.fitness, msg.pair_count, msg.loss_sum),
             verify=self.trust.suspect(peer),
+            blind=blind,
         )
         kept = (Outcome.ACCEPTED, Outcome.VOTED, Outcome.DISPUTED)
-        if self.claims is not None and claim is not None and outcome in kept:
+        checked = msg.chunk in self.jobs.verify  # a chunk settled unchecked needs no claims
+        if self.claims is not None and claim is not None and outcome in kept and checked:
             self.claims.attach(msg.chunk, (msg.fitness, msg.loss_sum), claim)
         if outcome not in (Outcome.STALE, Outcome.OUT_OF_RANGE, Outcome.BAD_SIZE):
             peer.worked, peer.stalled = self.clock(), False  # work for the open step
@@ -466,6 +474,8 @@ class RunCore:
         such a RESULT without one is refused."""
         if self.claims is None or msg.step != self.step:
             return None
+        if peer.id not in self.jobs.holders.get(msg.chunk, ()):
+            return None  # not its chunk: refused as such
         claim = self.claims.take(peer.id, msg.chunk)
         if claim is None:
             raise self.refuse(
@@ -479,7 +489,8 @@ class RunCore:
     def _on_claim(self, peer: Peer, msg: messages.Claim) -> list[Output]:
         if self.claims is None:
             raise self.refuse(peer, ErrorCode.ILLEGAL_STATE, "CLAIM in a run checked without")
-        held = peer.id in self.jobs.holders.get(msg.chunk, ())
+        # a lease of this step it has not answered yet: one pending claim each
+        held = peer.id in self.jobs.holders.get(msg.chunk, ()) and msg.chunk in peer.job_started
         problem = self.claims.problem(msg, held)
         if problem is not None:
             raise self.refuse(peer, ErrorCode.MALFORMED, problem)
@@ -575,7 +586,7 @@ class RunCore:
 
     def _open_step(self, step: int) -> StepJobs:
         if self.claims is not None:
-            self.claims.open(step)
+            self.claims.start(step)
         share = self.options.verify_fraction if self.exact or self.agreement else 0.0
         last, horizon = self.options.max_steps, self.options.rewind_steps
         if share and horizon and last is not None and step >= last - horizon:

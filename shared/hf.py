@@ -107,9 +107,6 @@ __all__ = [
 ]
 
 F64_EXACT = 1 << 53  # every integer of magnitude up to this is a float64
-# A reward run's results come with their completions (shared.fitness.checked_by_claims), a
-# chunk's in one CLAIM: 4 bytes a token and a 12-byte header within a 16 MiB frame.
-MAX_CLAIM_TOKENS = (16 * 2**20 - 12) // 4
 _BLOCK = re.compile(r"(^|\.)\d+\.")  # a numeric component: a block of a ModuleList
 PAIR_BLOCK = 1024  # pairs whose factors are held at once while accumulating Z
 # The targets of a 70B-class model fit; a config naming more is not one a coordinator made
@@ -290,13 +287,6 @@ def _check_run(cfg: RunConfig) -> str | None:
             return f"{name} is not available for model.arch='hf'"
     if f.prompts == "data":
         return "fitness.prompts='data' is not available for model.arch='hf': give a prompts file"
-    claimed = es.chunk_size * f.prompts_per_step * f.completion_tokens
-    if f.objective == "reward" and claimed > MAX_CLAIM_TOKENS:
-        return (
-            f"es.chunk_size * fitness.prompts_per_step * fitness.completion_tokens is "
-            f"{claimed:,} tokens a chunk; a Hugging Face model's reward run sends them with "
-            f"each result, at most {MAX_CLAIM_TOKENS:,}: lower es.chunk_size"
-        )
     # Z is summed as float64: every partial sum must stay an exact integer.
     if z_bound(cfg.pairs, cfg.model.rank, es.noise) >= F64_EXACT:
         return "es.population * model.rank is too large for an exact update"

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eggroll_dist.coordinator.claims import MAX_CLAIMS, Claims
+from eggroll_dist.coordinator.claims import MAX_CLAIM_TOKENS, MAX_CLAIMS, Claims, too_large
 from eggroll_dist.protocol import messages
-from eggroll_dist.shared.config import ConfigError, ESConfig, FitnessConfig, ModelConfig, RunConfig
+from eggroll_dist.shared.config import ESConfig, FitnessConfig, ModelConfig, RunConfig
 from eggroll_dist.shared.fitness import checked_by_claims
 from eggroll_dist.worker.session import Session
 from eggroll_dist.worker.session_types import Evaluate, PeerViolation, Phase
@@ -41,7 +41,7 @@ def test_only_reward_runs_of_inexact_models_are_checked_by_claims() -> None:
 
 def test_a_claim_is_refused_unless_it_is_a_held_chunk_of_the_open_step_and_the_runs_size() -> None:
     claims = Claims(CFG)
-    claims.open(5)
+    claims.start(5)
     assert claims.problem(claim(5, 1, 7), held=True) is None
     assert "not leased" in str(claims.problem(claim(5, 1, 7), held=False))
     assert "not yet open" in str(claims.problem(claim(6, 1, 7), held=True))
@@ -54,7 +54,7 @@ def test_a_claim_is_refused_unless_it_is_a_held_chunk_of_the_open_step_and_the_r
 
 def test_each_distinct_result_keeps_its_first_claim_and_a_checker_gets_them_in_order() -> None:
     claims = Claims(CFG)
-    claims.open(2)
+    claims.start(2)
     results = [(bytes([i]), i) for i in range(MAX_CLAIMS + 1)]
     for i, key in enumerate(results):
         claims.put(f"w{i}", claim(2, 0, i))
@@ -62,17 +62,21 @@ def test_each_distinct_result_keeps_its_first_claim_and_a_checker_gets_them_in_o
         assert tokens is not None and claims.take(f"w{i}", 0) is None  # taken once
         claims.attach(0, key, tokens)
     claims.attach(0, results[0], claim(2, 0, 99).tokens)  # the same result again: kept once
-    sent = claims.to_check(2, 0)
+    votes = {key: [f"w{i}"] for i, key in enumerate(results)}
+    sent = claims.to_check(2, 0, votes)
     assert [int(c.ids()[0]) for c in sent] == list(range(MAX_CLAIMS))  # the first, in order
     assert all((c.step, c.chunk) == (2, 0) for c in sent)
-    assert claims.to_check(2, 1) == [] and claims.to_check(3, 0) == []
-    claims.open(3)  # a new step (or a rewind): nothing is kept
-    assert claims.to_check(3, 0) == []
+    # a result whose votes were dropped (its worker convicted) is not sent to be checked
+    votes[results[1]] = []
+    assert [int(c.ids()[0]) for c in claims.to_check(2, 0, votes)] == [0, 2]
+    assert claims.to_check(2, 1, votes) == [] and claims.to_check(3, 0, votes) == []
+    claims.start(3)  # a new step (or a rewind): nothing is kept
+    assert claims.to_check(3, 0, votes) == []
 
 
 def test_a_leaving_workers_pending_claims_are_forgotten() -> None:
     claims = Claims(CFG)
-    claims.open(0)
+    claims.start(0)
     claims.put("a", claim(0, 0, 1))
     claims.put("b", claim(0, 1, 2))
     claims.forget("a")
@@ -80,12 +84,18 @@ def test_a_leaving_workers_pending_claims_are_forgotten() -> None:
     assert claims.take("b", 1) is not None
 
 
-def test_a_reward_run_whose_claims_outgrow_a_frame_is_refused_with_one_line() -> None:
+def test_a_reward_run_whose_claims_outgrow_a_frame_is_refused_by_the_coordinator() -> None:
+    """A coordinator refuses to serve it (one line); one process (eggroll-tune) sends no
+    claims, so the config itself stays valid."""
     wide = replace(REWARD, prompts_per_step=1024, completion_tokens=8)
-    with pytest.raises(ConfigError, match=r"at most 4,194,301: lower es\.chunk_size"):
-        replace(CFG, es=ESConfig(population=2048, chunk_size=1024, sigma=0.01), fitness=wide)
-    # the same sizes in an int8 run send no claims
-    RunConfig(es=ESConfig(population=2048, chunk_size=1024), fitness=wide)
+    cfg = replace(CFG, es=ESConfig(population=2048, chunk_size=1024, sigma=0.01), fitness=wide)
+    assert too_large(cfg) == (
+        "es.chunk_size * fitness.prompts_per_step * fitness.completion_tokens is 8,388,608 "
+        "tokens a chunk; a Hugging Face model's reward run sends them with each result, at most "
+        f"{MAX_CLAIM_TOKENS:,}: lower es.chunk_size"
+    )
+    assert MAX_CLAIM_TOKENS == 4_194_301
+    assert too_large(CFG) is None
 
 
 def test_a_worker_keeps_claims_for_its_next_jobs_and_refuses_what_no_run_sends() -> None:

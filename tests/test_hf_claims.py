@@ -6,6 +6,8 @@ distributions are peaked as a real model's are; skipped without the `hf` extra."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,23 @@ def test_dynamic_cache_decoding_is_read_with_its_own_masks(
         tokens = worker.complete(STEP, (0, MEMBERS), request)
         distances = worker.claim_distances(STEP, (0, MEMBERS), request, tokens)
         assert hc.plausible(distances) and distances.max() < 1e-3, mode
+
+
+def test_a_perturbed_head_is_read_inside_the_members(tmp_path: Path) -> None:
+    """With the LM head among the targets, the head applied outside the members would read
+    the unperturbed weights: the checker then reads the model's own forward instead, and
+    a member's own completions stay plausible."""
+    path = trained(save_model(tmp_path / "model", "llama"))
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    cfg = RunConfig(
+        model=ModelConfig(arch="hf", path=str(path), rank=2, targets=("*q_proj", "lm_head")),
+        es=ESConfig(population=4, chunk_size=4, sigma=0.5, run_seed=11),
+        fitness=FitnessConfig(objective="reward", reward="builtin:letter_e", prompts="prompts.txt"),
+    )
+    worker = TorchBackend(None, initial_state(pin(cfg, tmp_path), tmp_path), path, "cpu", "float32")
+    for mode in ("greedy", "sampled"):
+        request = _request(worker, mode)
+        tokens = worker.complete(STEP, (0, 4), request)
+        distances = worker.claim_distances(STEP, (0, 4), request, tokens)
+        assert distances.max() < 1e-3, (mode, distances.max())
+    assert hc._HEAD_ONLY.get(worker.lm.model) is False

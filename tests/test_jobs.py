@@ -380,3 +380,25 @@ def test_a_long_deadline_is_its_own_overdue_time() -> None:
     assert jobs.overdue() == set()
     clock.now += STALL_S
     assert jobs.overdue() == {"a"}
+
+
+def test_a_result_blind_to_the_claims_is_a_copy_and_the_check_still_waits() -> None:
+    """A run checked by claims: a backup's own text (another device) differs from the first
+    result's without reading it, so it neither disputes nor confirms; the check goes on."""
+    jobs, clock = _jobs(chunks=2, timer=ChunkTimer())
+    jobs.verify.add(0)
+    for w in "ab":
+        jobs.lease(w)
+    clock.now += 1
+    assert _settle(jobs, "b", 1, 2) is Outcome.ACCEPTED  # b's pace is known: a is slow
+    clock.now += 10
+    assert jobs.lease("c") == 0  # a backup of a's chunk, before any result of it
+    assert _settle(jobs, "a", 0, 1) is Outcome.VOTED
+    outcome = jobs.complete_chunk("c", 7, 0, _fit(9), 5, 9, blind=True)
+    assert outcome is Outcome.COPY and not jobs.complete
+    assert list(jobs.checks) == [0] and jobs.lease("d") == 0  # still waits for a check
+    assert _settle(jobs, "d", 0, 1) is Outcome.ACCEPTED and jobs.complete
+    # the first result of a chunk is blind to nothing: it votes
+    fresh, _ = _jobs(chunks=1)
+    fresh.lease("a")
+    assert fresh.complete_chunk("a", 7, 0, _fit(0), 5, 1, blind=True) is Outcome.ACCEPTED

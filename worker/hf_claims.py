@@ -46,6 +46,7 @@ __all__ = ["CLAIM_TOLERANCE", "claim_distances", "plausible"]
 # the likeliest's probability; rows caught there: another member's completions 0.79-0.99,
 # one token changed 0.93-1.0, random tokens 1.0.
 CLAIM_TOLERANCE = 0.1
+FLOOR_MARGIN = 0.8  # a token under 0.8 of the min_p floor is off, whatever u is
 
 _HEAD_ONLY: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 HEAD_BYTES = 1 << 27  # float64 probabilities reduced at a time: (positions, vocab) per piece
@@ -170,7 +171,8 @@ def _head_only(lm: PopulationLM) -> bool:
     if known is None:
         head, base = model.get_output_embeddings(), model.base_model
         known = False
-        if head is not None and base is not model:
+        perturbed = any(m is head for m in lm.modules.values())  # outside the members: wrong
+        if head is not None and base is not model and not perturbed:
             with torch.no_grad():
                 ids = torch.zeros((1, 2), dtype=torch.long, device=lm.device)
                 want = model(input_ids=ids, use_cache=False).logits
@@ -188,8 +190,12 @@ def _distance(torch: Any, logits: Any, t: Any, temperature: float, min_p: float,
         probs = torch.softmax(logits.double(), dim=-1)
         return (probs.max(dim=-1, keepdim=True).values - probs.gather(1, t))[:, 0]
     probs = torch.softmax(logits.double() / temperature, dim=-1)
+    dropped = torch.zeros(t.shape[0], dtype=torch.bool, device=logits.device)
     if min_p > 0:
         floor = min_p * probs.max(dim=-1, keepdim=True).values
+        # a token clearly under the floor is never drawn: its zero-width interval must not
+        # pass for being near u (one near the floor may be kept by the writer's dtype)
+        dropped = (probs.gather(1, t) < FLOOR_MARGIN * floor)[:, 0]
         probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
@@ -197,4 +203,5 @@ def _distance(torch: Any, logits: Any, t: Any, temperature: float, min_p: float,
     # <= cdf[t]
     hi = cdf.gather(1, t) / total
     lo = torch.where(t > 0, cdf.gather(1, (t - 1).clamp(min=0)), 0.0) / total
-    return torch.clamp(torch.maximum(lo - u[:, None], u[:, None] - hi), min=0.0)[:, 0]
+    outside = torch.clamp(torch.maximum(lo - u[:, None], u[:, None] - hi), min=0.0)[:, 0]
+    return torch.where(dropped, torch.ones_like(outside), outside)

@@ -186,17 +186,21 @@ class Reward:
         request: Completions,
         claimed: Sequence[np.ndarray],
     ) -> np.ndarray | None:
-        """The first claimed completions that are what these members would write (each
-        token within the claim tolerance, worker/hf_claims.py), or None."""
+        """Of the claimed completions that are what these members would write (each token
+        within the claim tolerance, worker/hf_claims.py), the closest to this worker's own
+        reading (arrival order decides nothing), or None."""
         if not claimed:
             return None
         from .hf_claims import CLAIM_TOLERANCE, plausible  # torch's: claims are hf runs'
 
+        best: tuple[float, int] | None = None
         for index, tokens in enumerate(claimed):
             check = backend.claim_distances  # type: ignore[attr-defined]
             distances = check(step, members, request, tokens)
             if plausible(distances):
-                return tokens
+                worst = float(distances.max(initial=0.0))
+                best = min(best or (worst, index), (worst, index))
+                continue
             log.info(
                 "claim refuted",
                 step=step,
@@ -205,7 +209,7 @@ class Reward:
                 tokens_off=int((distances > CLAIM_TOLERANCE).sum()),
                 worst=round(float(distances.max()), 4),
             )
-        return None
+        return None if best is None else claimed[best[1]]
 
     def held_out(self, backend: Backend) -> float | None:
         chosen = held_out(self.cfg, self.prompts)
