@@ -95,6 +95,10 @@ class Claims:
         held = self.held.get(chunk, {})
         return [messages.Claim(step, chunk, t) for key, t in held.items() if votes.get(key)]
 
+    def settled(self, chunk: int) -> None:
+        """The chunk's result is decided: nobody is leased it again, its claims are freed."""
+        self.held.pop(chunk, None)
+
     def forget(self, worker: Hashable) -> None:
         """A worker left: its pending claims will have no RESULT."""
         for key in [k for k in self.pending if k[0] == worker]:

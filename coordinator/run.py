@@ -429,6 +429,8 @@ class RunCore:
         checked = msg.chunk in self.jobs.verify  # a chunk settled unchecked needs no claims
         if self.claims is not None and claim is not None and outcome in kept and checked:
             self.claims.attach(msg.chunk, (msg.fitness, msg.loss_sum), claim)
+        if self.claims is not None and msg.chunk in self.jobs.results:
+            self.claims.settled(msg.chunk)
         if outcome not in (Outcome.STALE, Outcome.OUT_OF_RANGE, Outcome.BAD_SIZE):
             peer.worked, peer.stalled = self.clock(), False  # work for the open step
         dropped = ResultDropped(outcome.value, peer.name, msg.step, msg.chunk)

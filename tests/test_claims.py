@@ -70,6 +70,8 @@ def test_each_distinct_result_keeps_its_first_claim_and_a_checker_gets_them_in_o
     votes[results[1]] = []
     assert [int(c.ids()[0]) for c in claims.to_check(2, 0, votes)] == [0, 2]
     assert claims.to_check(2, 1, votes) == [] and claims.to_check(3, 0, votes) == []
+    claims.settled(0)  # decided: freed
+    assert claims.to_check(2, 0, votes) == []
     claims.start(3)  # a new step (or a rewind): nothing is kept
     assert claims.to_check(3, 0, votes) == []
 
