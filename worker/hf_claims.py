@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .hf_engine import CACHE_STEP, uniforms
-from .hf_model import HFModelError, PopulationLM
+from .hf_engine import uniforms
+from .hf_model import HFModelError, PopulationLM, left_pad
 
 __all__ = ["CLAIM_TOLERANCE", "claim_distances", "plausible"]
 
@@ -83,7 +83,7 @@ def claim_distances(
     new = tokens.shape[2]
     if new == 0:
         return np.zeros(tokens.shape, dtype=np.float64)
-    ids, mask = _left_pad(torch, prompts, pad_id)
+    ids, mask = left_pad(torch, prompts, pad_id)
     claimed = torch.from_numpy(tokens.reshape(count * len(prompts), new))
     vocab = _vocab(lm.model)
     known = (claimed >= 0) & (claimed < vocab)
@@ -120,24 +120,13 @@ def plausible(distances: np.ndarray) -> bool:
     return bool(np.all(np.asarray(distances) <= CLAIM_TOLERANCE))
 
 
-def _left_pad(torch: Any, prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
-    """ids, mask (P, W) as `PopulationLM.complete` pads the prompts: on the left, mask 0."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
-
-
 def _hidden(lm: PopulationLM, ids: Any, mask: Any, new: int, head_only: bool) -> tuple[Any, Any]:
     """The states (rows, new, H) of the positions that predict the claimed tokens (the last
     `new`), and the function that makes logits of them: the model's head where the model's
     logits are exactly head(base model's states), else its own forward's logits kept."""
     torch, engine, model = lm.torch, lm.engine, lm.model
     position = (mask.cumsum(-1) - 1).clamp(min=0)  # as the decode counts them
-    if _four_d(engine):  # the static plan's mask: causal over valid columns, self always
+    if engine.decodes_static():  # the static plan's mask: causal over valid columns, self always
         valid, q = mask.bool(), torch.arange(ids.shape[1], device=ids.device)
         attend = (valid[:, None, :] & (q[None, None, :] <= q[None, :, None])) | (
             q[None, None, :] == q[None, :, None]
@@ -150,17 +139,6 @@ def _hidden(lm: PopulationLM, ids: Any, mask: Any, new: int, head_only: bool) ->
     keep = {"logits_to_keep": new} if engine._last_only else {}
     logits = model(**args, use_cache=False, **keep).logits[:, -new:]
     return logits, lambda x: x
-
-
-def _four_d(engine: Any) -> bool:
-    """Whether the model decodes on the static plan (a 4D mask), as the engine decides."""
-    if engine.static is None:
-        cache = engine.transformers.StaticCache(
-            config=engine.model.config, max_cache_len=CACHE_STEP
-        )
-        kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
-        return kinds == {"StaticLayer"}
-    return bool(engine.static)
 
 
 def _head_only(lm: PopulationLM) -> bool:

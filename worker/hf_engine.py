@@ -311,6 +311,17 @@ class Engine:
         # a copy: on a CPU, .numpy() of the plan's buffer would share it with the next call
         return out.reshape(count, prompts, new_tokens).to("cpu", copy=True).numpy()
 
+    def decodes_static(self, length: int = CACHE_STEP) -> bool:
+        """Whether the model decodes on the static plan (4D masks), decided once: its cache
+        must be a plain static one (not sliding windows, linear attention...)."""
+        if self.static is None:
+            cache = self.transformers.StaticCache(config=self.model.config, max_cache_len=length)
+            kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
+            self.static = kinds == {"StaticLayer"}
+            if not self.static:
+                self._notice("the model's cache is not a plain static one: dynamic-cache decoding")
+        return self.static
+
     def _plan(
         self,
         count: int,
@@ -335,13 +346,9 @@ class Engine:
         if plan is not None and plan.factors is factors and plan.weights == weights:
             self._plans.move_to_end(key)
             return plan
-        cache = self.transformers.StaticCache(config=self.model.config, max_cache_len=length)
-        kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
-        if kinds != {"StaticLayer"}:  # sliding windows, linear attention...
-            self.static = False
-            self._notice("the model's cache is not a plain static one: dynamic-cache decoding")
+        if not self.decodes_static(length):
             return None
-        self.static = True
+        cache = self.transformers.StaticCache(config=self.model.config, max_cache_len=length)
 
         def zeros(*shape: int, dtype: Any = torch.long) -> Any:
             return torch.zeros(shape, dtype=dtype, device=self.device)

@@ -267,12 +267,7 @@ class PopulationLM:
         samples = list(range(len(prompts))) if samples is None else list(samples)
         if len(samples) != len(prompts):
             raise HFModelError(f"{len(samples)} sample numbers for {len(prompts)} prompts")
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: the last column is each prompt's end
-            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_pad(torch, prompts, pad_id)
         u = uniforms(seed, samples, new_tokens) if temperature > 0 else None
         who = (step, *members) if members is not None else None
         use_graph = self.device.type == "cuda" if graph is None else graph
@@ -281,6 +276,18 @@ class PopulationLM:
     def close(self) -> None:
         """Unwrap the target modules (the model then runs as the state's plain weights)."""
         self.engine.remove()
+
+
+def left_pad(torch: Any, prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    """ids and mask (P, W) of prompts padded on the left (mask 0 there): the last column is
+    each prompt's end, where decoding goes on (and where a claim's tokens are read)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
 
 
 @contextlib.contextmanager
